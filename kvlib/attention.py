@@ -1,0 +1,70 @@
+"""How kvlib plugs into transformers, and the attention kernels policies share.
+
+The model's own attention modules project Q/K/V and apply RoPE; the function registered here under the name
+"kvlib" hands those tensors to the active KV policy, which stores K/V its own way and computes attention over what
+it keeps. No modeling file is copied, so any transformers model whose attention goes through AttentionInterface works.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def kvlib_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, kv_step=None, **kwargs):
+    if kv_step is None:  # the model called outside the engine (e.g. a plain forward): behave like SDPA
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=query.shape[2] > 1, scale=scaling,
+                                             enable_gqa=True)
+    else:
+        out = kv_step.policy.attend(module.layer_idx, query, key, value, kv_step)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_attention() -> None:
+    from transformers import AttentionInterface
+
+    # Not registering a mask function makes transformers skip building masks: each policy builds its own.
+    AttentionInterface.register("kvlib", kvlib_attention)
+
+
+def causal_mask(q_len: int, kv_len: int, device) -> torch.Tensor:
+    """Boolean [q_len, kv_len] mask, True = visible; the queries are the last q_len of the kv_len positions."""
+    q_pos = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
+    return torch.arange(kv_len, device=device)[None, :] <= q_pos
+
+
+def grouped_scores(query: torch.Tensor, key: torch.Tensor, scale: float) -> torch.Tensor:
+    """Q [B, Hq, T, D] x K [B, Hkv, L, D] -> scores [B, Hkv, G, T, L] without repeating K for GQA."""
+    b, hq, t, d = query.shape
+    hkv = key.shape[1]
+    q = query.view(b, hkv, hq // hkv, t, d)
+    return torch.matmul(q, key.unsqueeze(2).transpose(-1, -2)) * scale
+
+
+def matrix_attention(query, key, value, mask: torch.Tensor | None, scale: float):
+    """Attention that materializes the probability matrix, as H2O's scoring needs.
+
+    mask: boolean, broadcastable to [B, 1, 1, T, L] (True = visible). Returns (output [B, Hq, T, D],
+    probabilities [B, Hkv, G, T, L]).
+    """
+    scores = grouped_scores(query, key, scale)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    out = torch.matmul(probs, value.unsqueeze(2))  # [B, Hkv, G, T, D]
+    b, hkv, g, t, d = out.shape
+    return out.reshape(b, hkv * g, t, d), probs
+
+
+def fused_attention(query, key, value, mask: torch.Tensor | None, scale: float, causal: bool = False):
+    """SDPA (flash / memory-efficient kernels where available): no T x L matrix is kept.
+
+    mask: boolean broadcastable to [B, 1, T, L] (True = visible), or None with causal=True for a pure prefill.
+    """
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=causal and mask is None,
+                                          scale=scale, enable_gqa=True)
+
+
+def matrix_bytes(batch: int, heads: int, q_len: int, kv_len: int, dtype_bytes: int) -> int:
+    """Workspace of matrix attention: scores and probabilities (fp32 softmax) for one layer."""
+    return batch * heads * q_len * kv_len * (dtype_bytes + 4)

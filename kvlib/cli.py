@@ -1,0 +1,130 @@
+"""Command line: `python -m kvlib run ...` (one generation run, JSON out)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from kvlib.errors import UserError
+
+
+def _setting_value(text: str):
+    """Policy settings from `--set key=value`: numbers, booleans and None parsed, anything else a string."""
+    for convert in (int, float):
+        try:
+            return convert(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False, "none": None}.get(text.lower(), text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvlib", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="generate for one or more prompt files with one KV policy")
+    run.add_argument("--model", default="smollm2-135m", help="embedded name, local folder or Hugging Face id")
+    run.add_argument("--policy", default="full", help="KV-cache policy (see `kvlib policies`)")
+    run.add_argument("--prefill", default="fused", help="prefill mode: full | fused | chunked")
+    run.add_argument("--chunk-size", type=int, default=512, help="tokens per chunk for --prefill chunked")
+    run.add_argument("--max-new-tokens", type=int, default=32)
+    run.add_argument("--prompt-file", action="append", default=[], help="raw text prompt (repeat for a batch)")
+    run.add_argument("--batch-size", type=int, default=None,
+                     help="repeat the prompt files cyclically up to this many requests")
+    run.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    run.add_argument("--budget", type=float, default=None, help="KV budget (fraction of the prompt) for sparse policies")
+    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any other policy setting")
+    run.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    run.add_argument("--device-capacity-gb", type=float, default=None,
+                     help="device memory capacity; exceeding it ends the run as a recorded OOM")
+    run.add_argument("--ignore-eos", action="store_true", help="always generate max-new-tokens tokens")
+    run.add_argument("--json", action="store_true", help="print one JSON object")
+    sub.add_parser("policies", help="list the registered policies and their settings")
+    return parser
+
+
+def read_prompts(args, tokenizer) -> list[list[int]]:
+    if not args.prompt_file:
+        raise UserError("give at least one --prompt-file")
+    prompts = []
+    for name in args.prompt_file:
+        try:
+            text = Path(name).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UserError(f"cannot read prompt file {name!r}: {exc.strerror if isinstance(exc, OSError) else exc}")
+        if args.chat:
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                tokenize=True, return_dict=False)
+        else:
+            ids = tokenizer(text)["input_ids"]
+        prompts.append(list(ids))
+    if args.batch_size is not None:
+        if args.batch_size < 1:
+            raise UserError(f"--batch-size must be >= 1, got {args.batch_size}")
+        prompts = [prompts[i % len(prompts)] for i in range(args.batch_size)]
+    return prompts
+
+
+def policy_from_args(args):
+    from kvlib.policies import make_policy
+
+    settings = {}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise UserError(f"--set needs KEY=VALUE, got {item!r}")
+        settings[key.replace("-", "_")] = _setting_value(value)
+    if args.budget is not None:
+        settings["budget"] = args.budget
+    return make_policy(args.policy, **settings)
+
+
+def cmd_run(args) -> int:
+    from kvlib.engine import Engine
+    from kvlib.models import load_model
+
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    policy = policy_from_args(args)  # validate settings before the model loads
+    model = load_model(args.model, device=args.device)
+    prompts = read_prompts(args, model.tokenizer)
+    capacity = int(args.device_capacity_gb * 2**30) if args.device_capacity_gb else None
+    engine = Engine(model, policy, device_capacity_bytes=capacity)
+    result = engine.generate(prompts, args.max_new_tokens, prefill_mode=args.prefill, chunk_size=args.chunk_size,
+                             stop_at_eos=not args.ignore_eos)
+    if args.json:
+        print(json.dumps(result.to_json()))
+    else:
+        for i, out in enumerate(result.outputs):
+            print(f"--- prompt {i} ({out['prompt_tokens']} tokens)\n{out['text']}")
+        m = result.metrics
+        if result.oom:
+            print(f"OOM during {result.oom['phase']} at {result.oom['where']}")
+        else:
+            print(f"TTFT {m['ttft_s']:.3f}s, decode {m['decode_tokens_per_s'] or 0:.1f} tok/s, "
+                  f"device KV {result.memory['device']['kv_bytes'] / 2**20:.1f} MiB")
+    return 0
+
+
+def cmd_policies(args) -> int:
+    from kvlib.policies import available, policy_settings
+
+    for name in available():
+        print(f"{name}: {', '.join(policy_settings(name)) or '(no settings)'}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    args = build_parser().parse_args(argv)
+    try:
+        return {"run": cmd_run, "policies": cmd_policies}[args.command](args)
+    except UserError as exc:
+        print(f"kvlib: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

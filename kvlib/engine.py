@@ -1,0 +1,176 @@
+"""One generation engine for every policy: prefill each prompt (whole, or in chunks), then greedy decode in a batch.
+
+The paper prefills H2O's and InfiniGen's prompts one at a time and decodes them together; the engine does the same for
+every policy, so a difference between policies is a difference of KV-cache management, not of schedule. Continuous
+batching (requests joining and leaving between decode steps) lives in kvlib.scheduler on the same forward pass.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvlib.errors import DeviceOOM, UserError
+from kvlib.ledger import MemoryLedger
+from kvlib.models import LoadedModel
+from kvlib.policies.base import PREFILL_MODES, KVPolicy, Step
+from kvlib.timing import Timers
+
+
+@dataclass
+class RunResult:
+    outputs: list[dict]
+    metrics: dict
+    memory: dict
+    policy: dict
+    oom: dict | None = None
+    stats: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"outputs": self.outputs, "metrics": self.metrics, "memory": self.memory, "policy": self.policy,
+                "oom": self.oom, "policy_stats": self.stats}
+
+
+def activation_bytes(model: LoadedModel, batch: int, q_len: int) -> int:
+    """Working set of one forward pass outside attention: residual, normed input, Q/K/V, MLP, last-token logits."""
+    c, s = model.model.config, model.spec
+    per_token = (2 * s.hidden_size + (s.num_attention_heads + 2 * s.num_kv_heads) * s.head_dim
+                 + 3 * c.intermediate_size)
+    return batch * q_len * per_token * s.dtype_bytes + batch * c.vocab_size * 4
+
+
+class Engine:
+    def __init__(self, model: LoadedModel, policy: KVPolicy, device_capacity_bytes: int | None = None):
+        self.model, self.policy = model, policy
+        self.ledger = MemoryLedger(device_capacity_bytes)
+        self.timers = Timers(model.device)
+        self.ledger.add("device", "weights", model.weights_bytes, where="model weights")
+        policy.bind(model, self.ledger, self.timers)
+
+    # -- the one forward pass every schedule uses ----------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, step: Step) -> torch.Tensor:
+        """Run the model on [B, T] new tokens of step.rows; return the last position's logits [B, V] (fp32)."""
+        positions = step.start[:, None] + torch.arange(step.q_len)[None, :]
+        where = f"{step.phase} forward"
+        with self.ledger.transient("device", "activations", activation_bytes(self.model, *input_ids.shape), where):
+            out = self.model.model(input_ids=input_ids.to(self.model.device),
+                                   position_ids=positions.to(self.model.device),
+                                   use_cache=False, logits_to_keep=1, kv_step=step)
+        self.policy.after_pass(step)
+        return out.logits[:, -1].float()
+
+    def prefill(self, row: int, prompt: list[int], mode: str, chunk_size: int) -> torch.Tensor:
+        size = chunk_size if mode == "chunked" else len(prompt)
+        logits = None
+        for begin in range(0, len(prompt), size):
+            chunk = prompt[begin:begin + size]
+            step = Step(self.policy, torch.tensor([row]), torch.tensor([begin]), len(chunk), "prefill", mode,
+                        last_chunk=begin + size >= len(prompt))
+            logits = self.forward(torch.tensor([chunk]), step)
+        return logits[0]
+
+    # -- static batch: sequential prefill, batched decode ------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, prefill_mode: str = "fused",
+                 chunk_size: int = 512, stop_at_eos: bool = True) -> RunResult:
+        self._validate(prompts, max_new_tokens, prefill_mode, chunk_size)
+        eos = self.model.tokenizer.eos_token_id if stop_at_eos else None
+        n = len(prompts)
+        generated: list[list[int]] = [[] for _ in range(n)]
+        ttft: list[float] = []
+        step_latencies: list[float] = []
+        oom = None
+        self.timers.seconds.clear()
+        self.ledger.reset_peaks()
+        policy_before = 0.0
+        t0 = time.perf_counter()
+        prefill_end = decode_end = t0
+        try:
+            self.policy.start(n, [len(p) for p in prompts], max_new_tokens)
+            for row, prompt in enumerate(prompts):
+                logits = self.prefill(row, prompt, prefill_mode, chunk_size)
+                generated[row].append(int(logits.argmax()))
+                ttft.append(self.timers.now() - t0)
+            prefill_end = self.timers.now()
+            policy_prefill = self._policy_seconds() - policy_before
+            lengths = torch.tensor([len(p) for p in prompts])
+            for _ in range(max_new_tokens - 1):
+                live = [r for r in range(n) if not (eos is not None and generated[r][-1] == eos)]
+                if not live:
+                    break
+                rows = torch.tensor(live)
+                step = Step(self.policy, rows, lengths[rows] + torch.tensor([len(generated[r]) - 1 for r in live]),
+                            1, "decode")
+                begin = self.timers.now()
+                logits = self.forward(torch.tensor([[generated[r][-1]] for r in live]), step)
+                for r, tok in zip(live, logits.argmax(-1).tolist()):
+                    generated[r].append(tok)
+                step_latencies.append(self.timers.now() - begin)
+            decode_end = self.timers.now()
+        except (DeviceOOM, torch.OutOfMemoryError) as exc:
+            oom = self._oom_record(exc, phase="decode" if len(ttft) == n else "prefill")
+            policy_prefill = self._policy_seconds() - policy_before
+        memory = self.ledger.snapshot()
+        stats = self.policy.stats()
+        policy_total = self._policy_seconds() - policy_before
+        self.policy.finish()
+        return RunResult(
+            outputs=[{"token_ids": g, "text": self.model.tokenizer.decode(g, skip_special_tokens=True),
+                      "prompt_tokens": len(p)} for g, p in zip(generated, prompts)],
+            metrics=self._metrics(ttft, step_latencies, t0, prefill_end, decode_end, policy_prefill, policy_total,
+                                  generated, oom),
+            memory=memory, policy={"name": self.policy.name, **self.policy.settings()}, oom=oom, stats=stats)
+
+    # -- helpers ----------------------------------------------------------------------------------------------
+    def _validate(self, prompts, max_new_tokens, prefill_mode, chunk_size):
+        if not prompts:
+            raise UserError("no prompts given")
+        if max_new_tokens < 1:
+            raise UserError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if prefill_mode not in PREFILL_MODES:
+            raise UserError(f"unknown prefill mode {prefill_mode!r}; choose from {list(PREFILL_MODES)}")
+        if prefill_mode == "chunked" and chunk_size < 1:
+            raise UserError(f"chunk_size must be >= 1, got {chunk_size}")
+        self.policy.check_prefill(prefill_mode)
+        limit = self.model.spec.max_context
+        for i, p in enumerate(prompts):
+            if not p:
+                raise UserError(f"prompt {i} is empty")
+            if len(p) + max_new_tokens > limit:
+                raise UserError(f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} that exceeds "
+                                f"the model's context of {limit} tokens")
+
+    def _policy_seconds(self) -> float:
+        return sum(self.timers.seconds.values())
+
+    def _oom_record(self, exc, phase: str) -> dict:
+        if isinstance(exc, DeviceOOM):
+            return {"phase": phase, "where": exc.where, "requested_bytes": exc.requested,
+                    "in_use_bytes": exc.in_use, "capacity_bytes": exc.capacity, "kind": "capacity"}
+        return {"phase": phase, "where": str(exc).splitlines()[0], "kind": "cuda"}
+
+    def _metrics(self, ttft, step_latencies, t0, prefill_end, decode_end, policy_prefill, policy_total, generated,
+                 oom) -> dict:
+        prefill_s = max(prefill_end - t0, 0.0)
+        decode_s = max(decode_end - prefill_end, 0.0)
+        decode_tokens = sum(max(len(g) - 1, 0) for g in generated)
+        cache_ops = policy_total
+        return {
+            "ttft_s": statistics.fmean(ttft) if ttft else None,
+            "ttft_per_request_s": ttft,
+            "prefill_s": prefill_s,
+            "decode_s": decode_s,
+            "total_s": prefill_s + decode_s,
+            "decode_tokens": decode_tokens,
+            "decode_tokens_per_s": decode_tokens / decode_s if decode_s > 0 and decode_tokens else None,
+            "decode_step_s_mean": statistics.fmean(step_latencies) if step_latencies else None,
+            "decode_step_s_p50": statistics.median(step_latencies) if step_latencies else None,
+            "decode_steps": len(step_latencies),
+            "wall_split_s": {"prefill": prefill_s - policy_prefill, "cache_ops": cache_ops,
+                             "decode": decode_s - (policy_total - policy_prefill)},
+            "sections_s": dict(self.timers.seconds),
+            "completed": oom is None,
+        }

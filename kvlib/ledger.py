@@ -1,0 +1,80 @@
+"""Every byte a policy or the engine holds, booked by tier and component, with peaks and a device capacity.
+
+On a CPU there is no separate device memory, so the ledger *is* the device-memory measurement: weights and KV are
+booked from the tensors actually allocated, activations from the working set of each forward pass. A configurable
+capacity turns "does not fit" into a recorded OOM point. On CUDA, torch.cuda's own statistics are reported beside it.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from contextlib import contextmanager
+
+import torch
+
+from kvlib.errors import DeviceOOM
+
+TIERS = ("device", "host")
+COMPONENTS = ("weights", "activations", "kv", "kv_reserved", "overhead")
+
+
+class MemoryLedger:
+    def __init__(self, device_capacity: int | None = None):
+        self.capacity = device_capacity
+        self.current: dict[tuple[str, str], int] = defaultdict(int)
+        self.peak: dict[tuple[str, str], int] = defaultdict(int)
+        self.peak_total: dict[str, int] = defaultdict(int)
+
+    def total(self, tier: str) -> int:
+        return sum(v for (t, _), v in self.current.items() if t == tier)
+
+    def add(self, tier: str, component: str, nbytes: int, where: str = "") -> None:
+        assert tier in TIERS and component in COMPONENTS, (tier, component)
+        if nbytes > 0 and tier == "device" and self.capacity is not None:
+            in_use = self.total("device")
+            if in_use + nbytes > self.capacity:
+                raise DeviceOOM(where or component, nbytes, in_use, self.capacity)
+        key = (tier, component)
+        self.current[key] += nbytes
+        self.peak[key] = max(self.peak[key], self.current[key])
+        self.peak_total[tier] = max(self.peak_total[tier], self.total(tier))
+
+    def set(self, tier: str, component: str, nbytes: int, where: str = "") -> None:
+        self.add(tier, component, nbytes - self.current[(tier, component)], where)
+
+    @contextmanager
+    def transient(self, tier: str, component: str, nbytes: int, where: str):
+        """Book a working buffer for the duration of a block (and fail before allocating it if it does not fit)."""
+        self.add(tier, component, nbytes, where)
+        try:
+            yield
+        finally:
+            self.add(tier, component, -nbytes)
+
+    def reset_peaks(self) -> None:
+        self.peak = defaultdict(int, self.current)
+        self.peak_total = defaultdict(int, {t: self.total(t) for t in TIERS})
+
+    def snapshot(self) -> dict:
+        out = {}
+        for tier in TIERS:
+            comps = {c: self.current[(tier, c)] for c in COMPONENTS}
+            out[tier] = {
+                "kv_bytes": comps["kv"],
+                "total_bytes": sum(comps.values()),
+                "peak_bytes": self.peak_total[tier],
+                "components": comps,
+                "peak_components": {c: self.peak[(tier, c)] for c in COMPONENTS},
+            }
+        out["device"]["capacity_bytes"] = self.capacity
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            out["cuda"] = {
+                "allocated_bytes": torch.cuda.memory_allocated(),
+                "max_allocated_bytes": torch.cuda.max_memory_allocated(),
+                "reserved_bytes": torch.cuda.memory_reserved(),
+            }
+        return out
+
+
+def tensor_bytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)

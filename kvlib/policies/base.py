@@ -1,0 +1,106 @@
+"""The contract every KV-cache policy implements.
+
+The engine runs the model one forward pass at a time; each pass covers some rows of the batch (one row while a prompt
+is prefilled, all live rows while decoding). For each layer the model's attention module hands the policy the new
+queries, keys and values (RoPE applied); the policy stores the keys/values its own way, decides what attention sees,
+and returns the attention output. Everything the policy holds is booked in the ledger by tier and component.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from kvlib.errors import UserError
+from kvlib.ledger import MemoryLedger
+from kvlib.models import LoadedModel
+from kvlib.timing import Timers
+
+PREFILL_MODES = ("full", "fused", "chunked")
+
+
+@dataclass
+class Step:
+    """One forward pass as the policy sees it."""
+
+    policy: "KVPolicy"
+    rows: torch.Tensor  # [B] batch rows covered by this pass
+    start: torch.Tensor  # [B] tokens each row already holds before this pass (= position of the first new token)
+    q_len: int  # new tokens per row
+    phase: str  # "prefill" or "decode"
+    prefill_mode: str = "fused"
+    last_chunk: bool = True  # the pass that ends a row's prompt
+
+
+@dataclass
+class KVPolicy:
+    """Base class: settings are dataclass fields, so the CLI and params files can name them."""
+
+    name: ClassVar[str] = ""
+    supported_prefill: ClassVar[tuple[str, ...]] = PREFILL_MODES
+
+    def bind(self, model: LoadedModel, ledger: MemoryLedger, timers: Timers) -> None:
+        """Attach to a model before a run; called once per engine."""
+        self.model, self.spec, self.ledger, self.timers = model, model.spec, ledger, timers
+        self.device = model.device
+        self.scale = self.spec.head_dim ** -0.5
+
+    def check_prefill(self, mode: str) -> None:
+        if mode not in self.supported_prefill:
+            raise UserError(f"policy {self.name!r} does not support prefill mode {mode!r}; "
+                            f"supported: {list(self.supported_prefill)}")
+
+    # -- lifecycle --------------------------------------------------------------------------------------------
+    def start(self, batch_size: int, prompt_lens: list[int], max_new_tokens: int) -> None:
+        """Allocate for a batch of rows before any prefill."""
+        raise NotImplementedError
+
+    def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, step: Step) -> torch.Tensor:
+        """Store key/value [B, Hkv, T, D] for step.rows and return attention output [B, Hq, T, D]."""
+        raise NotImplementedError
+
+    def after_pass(self, step: Step) -> None:
+        """Called after every forward pass (all layers done): commit lengths, evict, etc."""
+
+    def finish(self) -> None:
+        """Free everything the run allocated."""
+
+    def cached_tokens(self) -> list[int]:
+        """Tokens held per row (summed over nothing: one number per row, as if every head kept the same count)."""
+        raise NotImplementedError
+
+    def stats(self) -> dict:
+        """Policy-specific metrics for the result (hit rates, bytes moved, ...)."""
+        return {}
+
+    def settings(self) -> dict:
+        from dataclasses import asdict
+        return asdict(self)
+
+
+def _validate_fraction(name: str, value: float) -> None:
+    if not (0 < value <= 1):
+        raise UserError(f"{name} must be in (0, 1], got {value}")
+
+
+@dataclass
+class BudgetedPolicy(KVPolicy):
+    """Shared by the sparse policies: a KV budget as a fraction of the prompt, or an absolute token count."""
+
+    budget: float = 0.3
+    budget_tokens: int | None = None
+
+    def __post_init__(self):
+        _validate_fraction("budget", self.budget)
+        if self.budget_tokens is not None and self.budget_tokens < 1:
+            raise UserError(f"budget_tokens must be >= 1, got {self.budget_tokens}")
+
+    def token_budget(self, prompt_len: int) -> int:
+        if self.budget_tokens is not None:
+            return self.budget_tokens
+        return max(1, round(self.budget * prompt_len))
+
+
+_ = field  # re-exported for policy modules

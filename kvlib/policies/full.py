@@ -1,0 +1,70 @@
+"""The full-cache baseline: every key and value kept, contiguous per row, as Hugging Face's static cache does.
+
+Each row reserves room for its prompt plus max_new_tokens up front; the reserved-but-unused part is booked as
+`kv_reserved`, the fragmentation paged memory management removes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvlib.attention import causal_mask, fused_attention, matrix_attention, matrix_bytes
+from kvlib.policies.base import KVPolicy, Step
+
+
+@dataclass
+class FullPolicy(KVPolicy):
+    name = "full"
+
+    def start(self, batch_size, prompt_lens, max_new_tokens):
+        s = self.spec
+        capacity = max(prompt_lens) + max_new_tokens
+        # zeros, not empty: masked-out slots still enter the matmuls, and garbage NaNs would poison them
+        shape = (batch_size, s.num_kv_heads, capacity, s.head_dim)
+        self.ledger.add("device", "kv_reserved", s.kv_bytes(batch_size * capacity), where="kv cache allocation")
+        self.keys = [torch.zeros(shape, dtype=s.dtype, device=self.device) for _ in range(s.num_layers)]
+        self.values = [torch.zeros(shape, dtype=s.dtype, device=self.device) for _ in range(s.num_layers)]
+        self.lengths = torch.zeros(batch_size, dtype=torch.long)
+
+    def attend(self, layer, query, key, value, step: Step):
+        kc, vc = self.keys[layer], self.values[layer]
+        t = step.q_len
+        if step.phase == "decode":  # every row gets one token, at its own position
+            rows, pos = step.rows, step.start
+            kc[rows, :, pos] = key[:, :, 0]
+            vc[rows, :, pos] = value[:, :, 0]
+            kv_len = int(pos.max()) + 1
+            visible = torch.arange(kv_len)[None, :] <= pos[:, None]  # [B, L]
+            return fused_attention(query, kc[rows, :, :kv_len], vc[rows, :, :kv_len],
+                                   visible[:, None, None, :].to(self.device), self.scale)
+        row, begin = int(step.rows[0]), int(step.start[0])
+        end = begin + t
+        kc[row, :, begin:end] = key[0]
+        vc[row, :, begin:end] = value[0]
+        k, v = kc[row:row + 1, :, :end], vc[row:row + 1, :, :end]
+        if step.prefill_mode == "full":
+            nbytes = matrix_bytes(1, self.spec.num_attention_heads, t, end, self.spec.dtype_bytes)
+            with self.ledger.transient("device", "activations", nbytes, where=f"attention matrix, layer {layer}"):
+                out, _ = matrix_attention(query, k, v, causal_mask(t, end, self.device), self.scale)
+            return out
+        if begin == 0:
+            return fused_attention(query, k, v, None, self.scale, causal=True)
+        return fused_attention(query, k, v, causal_mask(t, end, self.device), self.scale)
+
+    def after_pass(self, step: Step):
+        self.lengths[step.rows] = step.start + step.q_len
+        per_token = self.spec.kv_bytes_per_token
+        used = int(self.lengths.sum()) * per_token
+        self.ledger.set("device", "kv", used)
+        reserved = self.spec.kv_bytes(self.keys[0].shape[0] * self.keys[0].shape[2])
+        self.ledger.set("device", "kv_reserved", reserved - used)
+
+    def finish(self):
+        self.keys = self.values = []
+        self.ledger.set("device", "kv", 0)
+        self.ledger.set("device", "kv_reserved", 0)
+
+    def cached_tokens(self):
+        return self.lengths.tolist()
