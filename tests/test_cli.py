@@ -1,0 +1,55 @@
+"""The `python -m kvlib run` interface that users and outside checks rely on."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.model
+
+
+def kvlib(*args):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "kvlib", *args], capture_output=True, text=True, env=env,
+                          timeout=300)
+
+
+@pytest.fixture
+def prompt_files(tmp_path):
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text("The capital of France is")
+    b.write_text("Once upon a time, in a land far away, there lived")
+    return str(a), str(b)
+
+
+def test_run_prints_one_json_object(prompt_files, smollm):
+    proc = kvlib("run", "--model", "smollm2-135m", "--policy", "full", "--prefill", "fused", "--max-new-tokens", "5",
+                 "--prompt-file", prompt_files[0], "--prompt-file", prompt_files[1], "--json")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert len(result["outputs"]) == 2
+    first = result["outputs"][0]
+    assert first["token_ids"][:2] == [7042, 30] and first["text"].startswith(" Paris")
+    assert result["metrics"]["ttft_s"] > 0 and result["metrics"]["decode_tokens_per_s"] > 0
+    assert result["memory"]["device"]["kv_bytes"] > 0 and result["memory"]["host"]["kv_bytes"] == 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--policy", "nope"], "unknown policy 'nope'"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--prompt-file", "/nonexistent/prompt.txt"], "cannot read prompt file"),
+    (["--set", "budget=0.5"], "has no setting 'budget'"),
+    (["--prompt-file", "LONG"], "exceeds the model's context"),
+])
+def test_bad_input_exits_nonzero_without_traceback(prompt_files, args, message, tmp_path):
+    long = tmp_path / "long.txt"
+    long.write_text("word " * 9000)  # more tokens than SmolLM2's 8K context
+    args = [str(long) if a == "LONG" else a for a in args]
+    if "--prompt-file" not in args:
+        args = [*args, "--prompt-file", prompt_files[0]]
+    proc = kvlib("run", *args)
+    assert proc.returncode == 2
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -1,0 +1,77 @@
+"""The engine with the full-cache baseline on the embedded model."""
+
+import pytest
+import torch
+
+from conftest import hf_greedy
+from kvlib.engine import Engine
+from kvlib.errors import UserError
+from kvlib.policies import make_policy
+
+pytestmark = pytest.mark.model
+
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def reference(smollm, mixed_prompts):
+    return [hf_greedy(smollm, p, NEW_TOKENS) for p in mixed_prompts]
+
+
+@pytest.mark.parametrize("mode", ["full", "fused", "chunked"])
+def test_full_policy_matches_transformers_generate(smollm, mixed_prompts, reference, mode):
+    result = Engine(smollm, make_policy("full")).generate(mixed_prompts, NEW_TOKENS, prefill_mode=mode, chunk_size=7)
+    assert [o["token_ids"] for o in result.outputs] == reference
+
+
+def test_kv_bytes_follow_the_formula_and_weights_the_parameters(smollm, mixed_prompts):
+    result = Engine(smollm, make_policy("full")).generate(mixed_prompts, 8, stop_at_eos=False)
+    spec = smollm.spec
+    # the last generated token is never fed back, so it is not cached
+    cached = sum(len(p) + len(o["token_ids"]) - 1 for p, o in zip(mixed_prompts, result.outputs))
+    expected = spec.num_layers * spec.num_kv_heads * cached * spec.head_dim * 4 * 2
+    assert result.memory["device"]["kv_bytes"] == expected
+    weights = sum(p.numel() * p.element_size() for p in smollm.model.parameters())
+    assert result.memory["device"]["components"]["weights"] == weights
+    # contiguous rows reserve prompt + max_new_tokens each: the slack is booked apart from the live KV
+    reserved = result.memory["device"]["components"]["kv_reserved"]
+    assert reserved == spec.kv_bytes(len(mixed_prompts) * (max(map(len, mixed_prompts)) + 8)) - expected
+
+
+def test_full_matrix_prefill_hits_capacity_where_fused_fits(smollm):
+    prompt = list(range(1000, 2500))  # 1,500 tokens: the 9-head fp32 score matrix alone is ~160 MB
+    capacity = smollm.weights_bytes + 140 * 2**20
+    full = Engine(smollm, make_policy("full"), device_capacity_bytes=capacity).generate([prompt], 2, prefill_mode="full")
+    assert full.oom is not None and full.oom["phase"] == "prefill"
+    assert "attention matrix" in full.oom["where"]
+    assert not full.metrics["completed"]
+    fused = Engine(smollm, make_policy("full"), device_capacity_bytes=capacity).generate([prompt], 2,
+                                                                                          prefill_mode="fused")
+    assert fused.oom is None and len(fused.outputs[0]["token_ids"]) == 2
+    assert fused.memory["device"]["peak_bytes"] <= capacity
+
+
+def test_metrics_are_consistent(smollm, mixed_prompts):
+    m = Engine(smollm, make_policy("full")).generate(mixed_prompts, 6, stop_at_eos=False).metrics
+    assert m["decode_tokens"] == 3 * 5 and m["decode_steps"] == 5
+    assert m["decode_tokens_per_s"] == pytest.approx(m["decode_tokens"] / m["decode_s"])
+    assert 0 < m["ttft_per_request_s"][0] < m["ttft_per_request_s"][1] < m["ttft_per_request_s"][2]
+    assert sum(m["wall_split_s"].values()) == pytest.approx(m["total_s"])
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"max_new_tokens": 0}, "max_new_tokens"),
+    ({"max_new_tokens": 4, "prefill_mode": "flash"}, "prefill mode"),
+    ({"max_new_tokens": 8190}, "context"),
+])
+def test_bad_input_is_one_clear_error(smollm, mixed_prompts, kwargs, message):
+    with pytest.raises(UserError, match=message):
+        Engine(smollm, make_policy("full")).generate(mixed_prompts, **kwargs)
+
+
+def test_plain_forward_outside_the_engine_still_works(smollm, mixed_prompts):
+    """The registered attention falls back to SDPA when no policy is active (e.g. a user's own forward call)."""
+    ids = torch.tensor([mixed_prompts[0]])
+    with torch.no_grad():
+        logits = smollm.model(ids).logits
+    assert int(logits[0, -1].argmax()) == hf_greedy(smollm, mixed_prompts[0], 1)[0]
