@@ -42,6 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--ignore-eos", action="store_true", help="always generate max-new-tokens tokens")
     run.add_argument("--json", action="store_true", help="print one JSON object")
     sub.add_parser("policies", help="list the registered policies and their settings")
+    study = sub.add_parser("study", help="run a profile's experiments (resumable) and execute the notebooks")
+    study.add_argument("--profile", default="embedded", help="params/<profile>.yaml")
+    study.add_argument("--experiments", nargs="+", default=None, help="a subset of the profile's experiments")
+    study.add_argument("--force", action="store_true", help="recompute points already in results/")
+    study.add_argument("--build", action="store_true", help="then build the HTML book (book/_build/html)")
     return parser
 
 
@@ -116,11 +121,18 @@ def cmd_policies(args) -> int:
     return 0
 
 
+def cmd_study(args) -> int:
+    from kvlib.study import run_study
+
+    run_study(args.profile, args.experiments, force=args.force, build=args.build)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args = build_parser().parse_args(argv)
     try:
-        return {"run": cmd_run, "policies": cmd_policies}[args.command](args)
+        return {"run": cmd_run, "policies": cmd_policies, "study": cmd_study}[args.command](args)
     except UserError as exc:
         print(f"kvlib: error: {exc}", file=sys.stderr)
         return 2

@@ -1,0 +1,44 @@
+"""What the engine-based experiments share: a model cache, one run per point, and flattening a result to a row."""
+
+from __future__ import annotations
+
+import functools
+
+from kvlib.engine import Engine, RunResult
+from kvlib.models import LoadedModel, load_model
+from kvlib.policies import make_policy
+
+
+@functools.lru_cache(maxsize=2)
+def model(name: str, device: str | None = None) -> LoadedModel:
+    return load_model(name, device=device)
+
+
+def run(point: dict, prompts: list[list[int]], max_new_tokens: int, prefill: str = "fused",
+        chunk_size: int = 512) -> RunResult:
+    """One generation run of the point's policy on the given prompts (ignoring EOS, so lengths are as asked)."""
+    loaded = model(point["model"], point.get("device"))
+    capacity = point.get("device_capacity_gb")
+    engine = Engine(loaded, make_policy(point["policy"], **point["policy_settings"]),
+                    device_capacity_bytes=int(capacity * 2**30) if capacity else None)
+    return engine.generate(prompts, max_new_tokens, prefill_mode=prefill, chunk_size=chunk_size, stop_at_eos=False)
+
+
+def result_row(result: RunResult) -> dict:
+    """The tidy columns every experiment stores: timings, memory by tier and component, OOM, policy stats."""
+    m = result.metrics
+    row = {k: m.get(k) for k in ("ttft_s", "prefill_s", "decode_s", "total_s", "decode_tokens",
+                                 "decode_tokens_per_s", "decode_step_s_mean", "completed")}
+    row.update({f"split_{k}_s": v for k, v in m.get("wall_split_s", {}).items()})
+    for tier in ("device", "host"):
+        mem = result.memory.get(tier, {})
+        row[f"{tier}_peak_bytes"] = mem.get("peak_bytes")
+        for comp, value in mem.get("peak_components", {}).items():
+            row[f"{tier}_{comp}_peak_bytes"] = value
+        row[f"{tier}_kv_bytes"] = mem.get("kv_bytes")
+    row["oom"] = result.oom is not None
+    row["oom_where"] = result.oom["where"] if result.oom else None
+    for key, value in result.stats.items():
+        if isinstance(value, (int, float, str, bool)) or value is None:
+            row[f"stat_{key}"] = value
+    return row

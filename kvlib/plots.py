@@ -1,0 +1,91 @@
+"""Figures of the book, drawn from results frames (kvlib.study.load_results), so notebook cells stay one line."""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import pandas as pd
+import seaborn as sns
+
+GB = 2**30
+COMPONENTS = ["weights", "activations", "kv", "kv_reserved", "overhead"]
+
+
+def _style():
+    sns.set_theme(context="notebook", style="whitegrid", palette="colorblind")
+
+
+def ttft(df: pd.DataFrame):
+    """TTFT vs prompt length, one line per policy and prefill mode; OOM points marked on the top edge."""
+    _style()
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    ok = df[~df["oom"]]
+    sns.lineplot(ok, x="prompt_tokens", y="ttft_s", hue="policy", style="prefill", markers=True, dashes=True, ax=ax)
+    oom = df[df["oom"]]
+    if not oom.empty:
+        top = ok["ttft_s"].max() * 1.3 if not ok.empty else 1
+        ax.scatter(oom["prompt_tokens"], [top] * len(oom), marker="x", color="crimson", s=80, label="OOM")
+        ax.axhline(top, color="crimson", lw=0.5, ls=":")
+    ax.set(xscale="log", yscale="log", xlabel="prompt length (tokens)", ylabel="time to first token (s)",
+           title="TTFT vs prompt length (x = out of device memory)")
+    ax.legend(loc="upper left", fontsize="small", ncols=2)
+    return fig
+
+
+def memory_components(df: pd.DataFrame, by: str, tier: str = "device", title: str = ""):
+    """Peak memory by component, stacked, one bar per (policy, `by`) value."""
+    _style()
+    cols = [f"{tier}_{c}_peak_bytes" for c in COMPONENTS if f"{tier}_{c}_peak_bytes" in df]
+    data = df[~df["oom"]].groupby(["policy", by])[cols].max() / GB
+    data.columns = [c.removeprefix(f"{tier}_").removesuffix("_peak_bytes") for c in cols]
+    data = data.loc[:, (data > 0).any()]
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    data.plot.bar(stacked=True, ax=ax, width=0.8)
+    ax.set(xlabel=f"policy, {by.replace('_', ' ')}", ylabel=f"{tier} memory, GiB (peak per component)",
+           title=title or f"{tier.capitalize()} memory by component")
+    ax.legend(title="component", fontsize="small")
+    plt.setp(ax.get_xticklabels(), rotation=45, ha="right")
+    fig.tight_layout()
+    return fig
+
+
+def batch_scaling(df: pd.DataFrame):
+    """Decode throughput, throughput per GiB of device memory, device and host peak memory vs batch size."""
+    _style()
+    d = df[~df["oom"]].copy()
+    d["throughput_per_gib"] = d["decode_tokens_per_s"] / (d["device_peak_bytes"] / GB)
+    d["device_peak_gib"] = d["device_peak_bytes"] / GB
+    d["host_peak_gib"] = d["host_peak_bytes"] / GB
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    panels = [("decode_tokens_per_s", "decode throughput (tokens/s)"),
+              ("throughput_per_gib", "throughput per GiB of device memory"),
+              ("device_peak_gib", "device memory peak (GiB)"), ("host_peak_gib", "host (offload) memory peak (GiB)")]
+    for ax, (col, label) in zip(axes.flat, panels):
+        sns.lineplot(d, x="batch_size", y=col, hue="policy", marker="o", ax=ax, legend=ax is axes.flat[0])
+        ax.set(xlabel="batch size", ylabel=label)
+    fig.suptitle("Batch scaling (mixed-length prompts)")
+    fig.tight_layout()
+    return fig
+
+
+def wall_split(df: pd.DataFrame, by: str, title: str = ""):
+    """Wall time split into prefill / cache operations / decode, stacked, per (policy, `by`)."""
+    _style()
+    cols = ["split_prefill_s", "split_cache_ops_s", "split_decode_s"]
+    data = df[~df["oom"]].groupby(["policy", by])[cols].mean()
+    data.columns = ["prefill", "cache operations", "decode"]
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    data.plot.bar(stacked=True, ax=ax, width=0.8)
+    ax.set(xlabel=f"policy, {by.replace('_', ' ')}", ylabel="wall time (s)", title=title or "Wall-time split")
+    ax.legend(fontsize="small")
+    plt.setp(ax.get_xticklabels(), rotation=45, ha="right")
+    fig.tight_layout()
+    return fig
+
+
+def decode_length(df: pd.DataFrame):
+    _style()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    sns.lineplot(df[~df["oom"]], x="output_tokens", y="decode_tokens_per_s", hue="policy", marker="o", ax=ax)
+    ax.set(xlabel="output length (tokens)", ylabel="decode throughput (tokens/s)",
+           title="Decode throughput vs output length (fixed input)")
+    return fig
