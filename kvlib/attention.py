@@ -68,3 +68,20 @@ def fused_attention(query, key, value, mask: torch.Tensor | None, scale: float, 
 def matrix_bytes(batch: int, heads: int, q_len: int, kv_len: int, dtype_bytes: int) -> int:
     """Workspace of matrix attention: scores and probabilities (fp32 softmax) for one layer."""
     return batch * heads * q_len * kv_len * (dtype_bytes + 4)
+
+
+def prefill_attention(query, key, value, begin: int, mode: str, scale: float, ledger, layer: int):
+    """Attention of a prompt chunk (queries at positions begin..begin+T) over the row's cached keys [1, Hkv, L, D].
+
+    `full` materializes the matrix (booked in the ledger as activations: this is where long prompts hit the memory
+    wall); `fused` and `chunked` use SDPA.
+    """
+    t, end = query.shape[2], key.shape[2]
+    if mode == "full":
+        nbytes = matrix_bytes(1, query.shape[1], t, end, key.element_size())
+        with ledger.transient("device", "activations", nbytes, where=f"attention matrix, layer {layer}"):
+            out, _ = matrix_attention(query, key, value, causal_mask(t, end, query.device), scale)
+        return out
+    if begin == 0:
+        return fused_attention(query, key, value, None, scale, causal=True)
+    return fused_attention(query, key, value, causal_mask(t, end, query.device), scale)

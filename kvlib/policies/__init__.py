@@ -7,6 +7,8 @@ import dataclasses
 from kvlib.errors import UserError
 from kvlib.policies.base import KVPolicy
 from kvlib.policies.full import FullPolicy
+from kvlib.policies.h2o import HeavyHitterPolicy
+from kvlib.policies.infinigen import InfiniGenPolicy
 
 REGISTRY: dict[str, type[KVPolicy]] = {}
 
@@ -17,6 +19,8 @@ def register(cls: type[KVPolicy]) -> type[KVPolicy]:
 
 
 register(FullPolicy)
+register(HeavyHitterPolicy)
+register(InfiniGenPolicy)
 
 
 def available() -> list[str]:

@@ -8,7 +8,7 @@ and returns the attention output. Everything the policy holds is booked in the l
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -102,5 +102,3 @@ class BudgetedPolicy(KVPolicy):
             return self.budget_tokens
         return max(1, round(self.budget * prompt_len))
 
-
-_ = field  # re-exported for policy modules

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlib.attention import causal_mask, fused_attention, matrix_attention, matrix_bytes
+from kvlib.attention import fused_attention, prefill_attention
 from kvlib.policies.base import KVPolicy, Step
 
 
@@ -43,15 +43,8 @@ class FullPolicy(KVPolicy):
         end = begin + t
         kc[row, :, begin:end] = key[0]
         vc[row, :, begin:end] = value[0]
-        k, v = kc[row:row + 1, :, :end], vc[row:row + 1, :, :end]
-        if step.prefill_mode == "full":
-            nbytes = matrix_bytes(1, self.spec.num_attention_heads, t, end, self.spec.dtype_bytes)
-            with self.ledger.transient("device", "activations", nbytes, where=f"attention matrix, layer {layer}"):
-                out, _ = matrix_attention(query, k, v, causal_mask(t, end, self.device), self.scale)
-            return out
-        if begin == 0:
-            return fused_attention(query, k, v, None, self.scale, causal=True)
-        return fused_attention(query, k, v, causal_mask(t, end, self.device), self.scale)
+        return prefill_attention(query, kc[row:row + 1, :, :end], vc[row:row + 1, :, :end], begin,
+                                 step.prefill_mode, self.scale, self.ledger, layer)
 
     def after_pass(self, step: Step):
         self.lengths[step.rows] = step.start + step.q_len

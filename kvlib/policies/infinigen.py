@@ -1,0 +1,250 @@
+"""InfiniGen (Lee et al., OSDI 2024): the full KV cache in the host tier, the entries that matter fetched each step.
+
+Offline, kvlib.skewing finds per layer and KV head an orthogonal matrix A that packs the query-key product into few
+columns, and keeps `partial_ratio` of them. Every cached key also goes, skewed and cut to those columns, into a small
+partial key cache in the device tier. At decode, while layer i runs, its attention input and layer i+1's query
+projection (then RoPE, then A: Llama rotates after projecting, so A cannot be folded into the weights) give approximate
+scores of layer i+1 against the partial keys. Tokens whose approximate logit is within `alpha` of the head's maximum
+are candidates; their mean count over heads, capped by `budget` x cached tokens, is how many each head fetches (its
+best-scored ones). Only those keys and values are copied from the host tier to the device tier for layer i+1; the first
+`dense_layers` layers stay dense on the device.
+
+On CUDA the host cache is pinned and the fetch for layer i+1 runs on a side stream while layer i computes. On a CPU
+both tiers are host memory: the fetch is still a real copy and is counted in bytes, but no bus is crossed.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+
+from kvlib.attention import fused_attention, matrix_attention, prefill_attention
+from kvlib.errors import UserError
+from kvlib.policies.base import BudgetedPolicy, Step
+from kvlib.skewing import load_or_compute_skew
+from kvlib.workloads import prompt_of_length
+
+
+@dataclass
+class InfiniGenPolicy(BudgetedPolicy):
+    name = "infinigen"
+
+    partial_ratio: float = 0.2  # share of each head's dimensions speculation uses (the official default)
+    alpha: float = 4.0  # candidates: approximate logit within alpha of the head's max (weight within e^-alpha)
+    skew: bool = True
+    dense_layers: int = 2
+    calibration_tokens: int = 512
+    measure_coverage: bool = False  # also compute the true attention, to report speculation quality
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not 0 < self.partial_ratio <= 1:
+            raise UserError(f"partial_ratio must be in (0, 1], got {self.partial_ratio}")
+        if self.alpha < 0:
+            raise UserError(f"alpha must be >= 0, got {self.alpha}")
+        if self.dense_layers < 0:
+            raise UserError(f"dense_layers must be >= 0, got {self.dense_layers}")
+
+    def bind(self, model, ledger, timers):
+        super().bind(model, ledger, timers)
+        layers = getattr(getattr(model.model, "model", None), "layers", None)
+        self.attn_modules = [getattr(layer, "self_attn", None) for layer in layers or []]
+        if not self.attn_modules or not all(hasattr(m, "q_proj") for m in self.attn_modules):
+            raise UserError(f"policy 'infinigen' needs a model whose decoder layers have self_attn.q_proj "
+                            f"(Llama-family attention); {type(model.model).__name__} does not")
+        self.rope = sys.modules[type(self.attn_modules[0]).__module__].apply_rotary_pos_emb
+        calibration = prompt_of_length(model.tokenizer, min(self.calibration_tokens, model.spec.max_context))
+        skew = load_or_compute_skew(model, calibration, self.partial_ratio, self.skew)
+        self.skew_matrices = skew.matrices.to(self.device)  # [L, Hkv, D, D]
+        self.columns = skew.columns.to(self.device)  # [L, Hkv, r]
+
+    # -- lifecycle -----------------------------------------------------------------------------------------------
+    def start(self, batch_size, prompt_lens, max_new_tokens):
+        s = self.spec
+        self.dense = min(self.dense_layers, s.num_layers)
+        sparse = s.num_layers - self.dense
+        cap = max(prompt_lens) + max_new_tokens
+        cuda = self.device.type == "cuda"
+        shape = (batch_size, s.num_kv_heads, cap, s.head_dim)
+        r = self.columns.shape[-1]
+        self.ledger.add("device", "kv_reserved", self.dense * 2 * math.prod(shape) * s.dtype_bytes,
+                        where="infinigen dense layers")
+        self.ledger.add("device", "overhead", sparse * math.prod(shape[:3]) * r * s.dtype_bytes,
+                        where="infinigen partial key cache")
+        self.ledger.add("host", "kv_reserved", sparse * 2 * math.prod(shape) * s.dtype_bytes)
+        self.dense_k = torch.zeros((self.dense, *shape), dtype=s.dtype, device=self.device)
+        self.dense_v = torch.zeros_like(self.dense_k)
+        # host tier: pinned on CUDA so the per-step fetch can be an asynchronous copy
+        self.host_k = torch.zeros((sparse, *shape), dtype=s.dtype, pin_memory=cuda)
+        self.host_v = torch.zeros((sparse, *shape), dtype=s.dtype, pin_memory=cuda)
+        self.partial_k = torch.zeros((sparse, *shape[:3], r), dtype=s.dtype, device=self.device)
+        self.lengths = torch.zeros(batch_size, dtype=torch.long)
+        self.fetched: dict[int, tuple] = {}  # layer -> (keys, values, visible) fetched for this decode step
+        self.captured: dict[int, tuple] = {}  # layer -> (attention input, (cos, sin)) of the current pass
+        self.stream = torch.cuda.Stream() if cuda else None
+        self.step_moved = self.bytes_moved = self.decode_steps = 0
+        self.selected = self.candidates_total = 0
+        self.coverage: list[float] = []
+        self.selections: dict[int, tuple] = {}  # layer -> (chosen, keep), kept only to measure coverage
+        self.hooks = [m.register_forward_pre_hook(self._capture_input(i), with_kwargs=True)
+                      for i, m in enumerate(self.attn_modules)]
+
+    def _capture_input(self, layer: int):
+        def hook(module, args, kwargs):
+            step = kwargs.get("kv_step")
+            if step is not None and step.policy is self and step.phase == "decode":
+                self.captured[layer] = (kwargs["hidden_states"], kwargs["position_embeddings"])
+        return hook
+
+    def finish(self):
+        for hook in getattr(self, "hooks", []):
+            hook.remove()
+        self.hooks = []
+        self.dense_k = self.dense_v = self.host_k = self.host_v = self.partial_k = None
+        self.fetched, self.captured = {}, {}
+        for tier in ("device", "host"):
+            for comp in ("kv", "kv_reserved", "overhead"):
+                self.ledger.set(tier, comp, 0)
+
+    # -- storage ---------------------------------------------------------------------------------------------------
+    def _store(self, layer, rows, pos, key, value):
+        """Write new keys/values [B, Hkv, T, D] at positions pos [B, T]; skewed partial keys go to the device."""
+        r = rows[:, None, None]
+        heads = torch.arange(key.shape[1])[None, :, None]
+        p = pos[:, None, :]
+        if layer < self.dense:
+            self.dense_k[layer][r, heads, p] = key
+            self.dense_v[layer][r, heads, p] = value
+            return
+        i = layer - self.dense
+        self.host_k[i][r, heads, p] = key.to("cpu", non_blocking=True)
+        self.host_v[i][r, heads, p] = value.to("cpu", non_blocking=True)
+        skewed = torch.einsum("bhtd,hde->bhte", key, self.skew_matrices[layer])
+        cols = self.columns[layer][None, :, None, :].expand(*skewed.shape[:3], -1)
+        self.partial_k[i][r, heads, p] = skewed.gather(-1, cols)
+
+    def attend(self, layer, query, key, value, step: Step):
+        t = step.q_len
+        pos = step.start[:, None] + torch.arange(t)[None, :]
+        self._store(layer, step.rows, pos, key, value)
+        if step.phase == "prefill":
+            row, end = int(step.rows[0]), int(step.start[0]) + t
+            if layer < self.dense:
+                k, v = self.dense_k[layer, row:row + 1, :, :end], self.dense_v[layer, row:row + 1, :, :end]
+            else:
+                k = self.host_k[layer - self.dense, row:row + 1, :, :end].to(self.device)
+                v = self.host_v[layer - self.dense, row:row + 1, :, :end].to(self.device)
+            return prefill_attention(query, k, v, int(step.start[0]), step.prefill_mode, self.scale, self.ledger,
+                                     layer)
+        out = self._decode_attention(layer, query, key, value, step)
+        if self.dense - 1 <= layer < self.spec.num_layers - 1 and layer + 1 >= self.dense:
+            self._speculate_and_fetch(layer, step)
+        return out
+
+    # -- decode ----------------------------------------------------------------------------------------------------
+    def _decode_attention(self, layer, query, key, value, step):
+        rows = step.rows
+        if layer < self.dense:
+            kv_len = int(step.start.max()) + 1
+            visible = torch.arange(kv_len)[None, :] <= step.start[:, None]
+            return fused_attention(query, self.dense_k[layer, rows, :, :kv_len], self.dense_v[layer, rows, :, :kv_len],
+                                   visible[:, None, None, :].to(self.device), self.scale)
+        if self.stream is not None:
+            torch.cuda.current_stream().wait_stream(self.stream)
+        k_sel, v_sel, visible = self.fetched.pop(layer)
+        # the current token's own key/value was computed just now: it is always attended
+        k_all = torch.cat([k_sel, key], dim=2)
+        v_all = torch.cat([v_sel, value], dim=2)
+        mask = torch.cat([visible, visible.new_ones(*visible.shape[:2], 1)], dim=2)
+        with self.timers.section("attention"):
+            out, _ = matrix_attention(query, k_all, v_all, mask[:, :, None, None, :], self.scale)
+        if self.measure_coverage:
+            self._record_coverage(layer, query, key, step, self.selections.pop(layer))
+        return out
+
+    def _speculate_and_fetch(self, layer: int, step: Step):
+        """During layer `layer`, pick and fetch the entries layer+1 will attend to."""
+        nxt = layer + 1
+        rows, s = step.rows, self.spec
+        group = s.num_attention_heads // s.num_kv_heads
+        with self.timers.section("speculation"):
+            hidden, (cos, sin) = self.captured.pop(layer)
+            q = self.attn_modules[nxt].q_proj(hidden).view(len(rows), 1, s.num_attention_heads, s.head_dim)
+            q = self.rope(q.transpose(1, 2), q.transpose(1, 2), cos, sin)[0][:, :, 0]  # [B, Hq, D]
+            q = q.view(len(rows), s.num_kv_heads, group, s.head_dim)
+            q_skew = torch.einsum("bhgd,hde->bhge", q, self.skew_matrices[nxt])
+            cols = self.columns[nxt][None, :, None, :].expand(len(rows), -1, group, -1)
+            q_part = q_skew.gather(-1, cols)  # [B, Hkv, G, r]
+            cached = step.start  # tokens already in the cache per row (the current one is not)
+            k_part = self.partial_k[nxt - self.dense][rows, :, :int(cached.max())]  # [B, Hkv, L, r]
+            approx = torch.einsum("bhgr,bhlr->bhgl", q_part, k_part) * self.scale
+            valid = torch.arange(k_part.shape[2])[None, :] < cached[:, None]
+            approx = approx.masked_fill(~valid[:, None, None, :], float("-inf")).amax(dim=2)  # [B, Hkv, L]
+            peak = approx.amax(dim=-1, keepdim=True)
+            candidates = (approx > peak - self.alpha).sum(dim=-1).float().mean(dim=-1)  # [B]
+            cap = torch.ceil(self.budget * cached.float())
+            count = torch.minimum(candidates.round(), cap).clamp(min=1).long()
+            chosen = approx.topk(int(count.max()), dim=-1).indices  # [B, Hkv, n]
+            keep = torch.arange(chosen.shape[-1])[None, None, :] < count[:, None, None]
+        with self.timers.section("fetch"):
+            i = nxt - self.dense
+            r, heads = rows[:, None, None], torch.arange(s.num_kv_heads)[None, :, None]
+            idx = chosen.cpu()
+            stream = torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
+            with stream:
+                k_sel = self.host_k[i][r, heads, idx].to(self.device, non_blocking=True)
+                v_sel = self.host_v[i][r, heads, idx].to(self.device, non_blocking=True)
+            self.fetched[nxt] = (k_sel, v_sel, keep.to(self.device))
+        moved = int(count.sum()) * s.num_kv_heads * s.head_dim * 2 * s.dtype_bytes
+        self.step_moved += moved
+        self.bytes_moved += moved
+        self.selected += int(count.sum()) * s.num_kv_heads
+        self.candidates_total += int(cached.sum()) * s.num_kv_heads
+        if self.measure_coverage:
+            self.selections[nxt] = (chosen, keep)
+
+    def _record_coverage(self, layer, query, key, step, selection):
+        """Share of layer's true attention mass (over the whole cache) that the fetched entries carry."""
+        chosen, keep = selection
+        rows, i = step.rows, layer - self.dense
+        kv_len = int(step.start.max())
+        k_full = torch.cat([self.host_k[i][rows, :, :kv_len].to(self.device), key], dim=2)
+        group = self.spec.num_attention_heads // self.spec.num_kv_heads
+        logits = torch.einsum("bhgd,bhld->bhgl", query.view(len(rows), -1, group, self.spec.head_dim), k_full)
+        valid = torch.arange(kv_len + 1)[None, :] < step.start[:, None]
+        valid[:, -1] = True
+        probs = torch.softmax((logits * self.scale).masked_fill(~valid[:, None, None, :], float("-inf")), dim=-1)
+        picked = torch.zeros_like(valid[:, None, :].expand(-1, chosen.shape[1], -1).clone())
+        picked.scatter_(-1, chosen.masked_fill(~keep, kv_len), True)
+        picked[..., -1] = True
+        self.coverage.append(float((probs * picked[:, :, None, :]).sum(-1).mean()))
+
+    def after_pass(self, step: Step):
+        self.lengths[step.rows] = step.start + step.q_len
+        s = self.spec
+        tokens = int(self.lengths.sum())
+        per_layer = s.num_kv_heads * s.head_dim * s.dtype_bytes * 2
+        sparse = s.num_layers - self.dense
+        partial = tokens * sparse * s.num_kv_heads * self.columns.shape[-1] * s.dtype_bytes
+        self.ledger.set("host", "kv", tokens * sparse * per_layer)
+        self.ledger.set("host", "kv_reserved", self.host_k.numel() * 2 * s.dtype_bytes - tokens * sparse * per_layer)
+        self.ledger.set("device", "kv", tokens * self.dense * per_layer + partial + self.step_moved,
+                        where="infinigen fetched entries")
+        self.ledger.set("device", "kv_reserved", self.dense_k.numel() * 2 * s.dtype_bytes - tokens * self.dense * per_layer)
+        if step.phase == "decode":
+            self.decode_steps += 1
+            self.last_step_moved, self.step_moved = self.step_moved, 0
+
+    def cached_tokens(self):
+        return self.lengths.tolist()
+
+    def stats(self):
+        return {"bytes_moved_host_to_device": self.bytes_moved,
+                "bytes_moved_per_step": self.bytes_moved / max(self.decode_steps, 1),
+                "selected_share": self.selected / max(self.candidates_total, 1),
+                "speculation_coverage": sum(self.coverage) / len(self.coverage) if self.coverage else None,
+                "transfer": "pcie" if self.device.type == "cuda" else "host memory copy (no bus crossed)"}

@@ -1,0 +1,89 @@
+"""InfiniGen: skewed speculation, the full cache in the host tier, per-step fetch of the selected entries."""
+
+import pytest
+import torch
+
+from kvlib.engine import Engine
+from kvlib.errors import UserError
+from kvlib.policies import make_policy
+from kvlib.skewing import capture_qk, compute_skew
+
+
+@pytest.mark.model
+def test_fetching_every_entry_equals_full(smollm, mixed_prompts):
+    full = Engine(smollm, make_policy("full")).generate(mixed_prompts, 16)
+    for mode in ("full", "fused", "chunked"):
+        # budget 1.0 and an alpha that admits every candidate: each step fetches the whole cache
+        ig = Engine(smollm, make_policy("infinigen", budget=1.0, alpha=1e9)).generate(
+            mixed_prompts, 16, prefill_mode=mode, chunk_size=6)
+        assert [o["token_ids"] for o in ig.outputs] == [o["token_ids"] for o in full.outputs]
+
+
+def test_skewing_is_orthogonal_and_leaves_scores_unchanged(tiny):
+    prompt = list(range(300, 364))
+    skew = compute_skew(tiny, prompt, partial_ratio=0.25)
+    queries, keys = capture_qk(tiny, prompt)
+    group = tiny.spec.num_attention_heads // tiny.spec.num_kv_heads
+    eye = torch.eye(tiny.spec.head_dim)
+    for layer in range(tiny.spec.num_layers):
+        for h in range(tiny.spec.num_kv_heads):
+            a = skew.matrices[layer, h]
+            assert torch.allclose(a.T @ a, eye, atol=1e-5)
+            q, k = queries[layer][h * group], keys[layer][h]
+            assert torch.allclose((q @ a) @ (k @ a).T, q @ k.T, atol=1e-4, rtol=1e-4)
+    assert skew.columns.shape[-1] == 4  # ceil(0.25 * 16)
+
+
+def test_tiers_and_bytes_moved_match_the_selection(tiny):
+    prompts = [list(range(500, 560)), list(range(700, 740))]
+    policy = make_policy("infinigen", budget=0.5, alpha=2.0)
+    fetched = []
+    speculate = policy._speculate_and_fetch
+
+    def recording(layer, step):
+        speculate(layer, step)
+        _, _, keep = policy.fetched[layer + 1]
+        fetched.append(int(keep[:, 0].sum()))  # entries per head, summed over rows
+
+    policy._speculate_and_fetch = recording
+    engine = Engine(tiny, policy)
+    result = engine.generate(prompts, 5, stop_at_eos=False)
+    s = tiny.spec
+    entry = s.num_kv_heads * s.head_dim * 2 * 4  # one token's K and V across the heads of one layer, fp32
+    assert result.stats["bytes_moved_host_to_device"] == sum(fetched) * entry
+    sparse = s.num_layers - 2
+    assert len(fetched) == 4 * (sparse)  # four decode steps, one fetch per sparse layer
+    cached = sum(len(p) + 4 for p in prompts)
+    assert result.memory["host"]["kv_bytes"] == cached * sparse * entry
+    # at most half of each row's cache is fetched, per layer and step
+    assert all(n <= 0.5 * (100 + 8) + 2 for n in fetched)
+
+
+def test_selection_respects_the_budget_cap(tiny):
+    prompt = [list(range(500, 600))]
+    result = Engine(tiny, make_policy("infinigen", budget=0.1, alpha=1e9)).generate(prompt, 4, stop_at_eos=False)
+    assert result.stats["selected_share"] == pytest.approx(0.1, abs=0.02)
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"partial_ratio": 0.0}, "partial_ratio"),
+    ({"partial_ratio": 1.2}, "partial_ratio"),
+    ({"budget": 0.0}, "budget must be in"),
+    ({"alpha": -1.0}, "alpha must be"),
+])
+def test_bad_settings(settings, message):
+    with pytest.raises(UserError, match=message):
+        make_policy("infinigen", **settings)
+
+
+def test_unsupported_attention_is_refused(tiny):
+    class NoQProj(torch.nn.Module):
+        pass
+
+    saved = tiny.model.model.layers[0].self_attn
+    tiny.model.model.layers[0].self_attn = NoQProj()
+    try:
+        with pytest.raises(UserError, match="self_attn.q_proj"):
+            Engine(tiny, make_policy("infinigen"))
+    finally:
+        tiny.model.model.layers[0].self_attn = saved
