@@ -56,6 +56,8 @@ class Engine:
         """Run the model on [B, T] new tokens of step.rows; return the last position's logits [B, V] (fp32)."""
         positions = step.start[:, None] + torch.arange(step.q_len)[None, :]
         where = f"{step.phase} forward"
+        with self.timers.section("cache_ops"):
+            self.policy.prepare(step)
         with self.ledger.transient("device", "activations", activation_bytes(self.model, *input_ids.shape), where):
             out = self.model.model(input_ids=input_ids.to(self.model.device),
                                    position_ids=positions.to(self.model.device),
@@ -66,7 +68,9 @@ class Engine:
     def prefill(self, row: int, prompt: list[int], mode: str, chunk_size: int) -> torch.Tensor:
         size = chunk_size if mode == "chunked" else len(prompt)
         logits = None
-        for begin in range(0, len(prompt), size):
+        with self.timers.section("cache_ops"):
+            cached = self.policy.reuse_prefix(row, prompt)
+        for begin in range(cached, len(prompt), size):
             chunk = prompt[begin:begin + size]
             step = Step(self.policy, torch.tensor([row]), torch.tensor([begin]), len(chunk), "prefill", mode,
                         last_chunk=begin + size >= len(prompt))

@@ -9,6 +9,7 @@ from kvlib.policies.base import KVPolicy
 from kvlib.policies.full import FullPolicy
 from kvlib.policies.h2o import HeavyHitterPolicy
 from kvlib.policies.infinigen import InfiniGenPolicy
+from kvlib.policies.paged import PagedPolicy
 
 REGISTRY: dict[str, type[KVPolicy]] = {}
 
@@ -21,6 +22,7 @@ def register(cls: type[KVPolicy]) -> type[KVPolicy]:
 register(FullPolicy)
 register(HeavyHitterPolicy)
 register(InfiniGenPolicy)
+register(PagedPolicy)
 
 
 def available() -> list[str]:

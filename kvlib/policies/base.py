@@ -61,6 +61,17 @@ class KVPolicy:
         """Store key/value [B, Hkv, T, D] for step.rows and return attention output [B, Hq, T, D]."""
         raise NotImplementedError
 
+    def reuse_prefix(self, row: int, prompt: list[int]) -> int:
+        """Before a row's prefill: how many leading prompt tokens are already cached (prefix sharing)."""
+        return 0
+
+    def prepare(self, step: Step) -> None:
+        """Before a forward pass: reserve what it will write (may raise DeviceOOM before any compute)."""
+
+    def release(self, row: int) -> None:
+        """Drop everything a row holds (finished early or preempted by a scheduler)."""
+        raise NotImplementedError(f"policy {self.name!r} cannot release single rows")
+
     def after_pass(self, step: Step) -> None:
         """Called after every forward pass (all layers done): commit lengths, evict, etc."""
 
