@@ -40,6 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--device-capacity-gb", type=float, default=None,
                      help="device memory capacity; exceeding it ends the run as a recorded OOM")
     run.add_argument("--ignore-eos", action="store_true", help="always generate max-new-tokens tokens")
+    run.add_argument("--schedule", choices=["static", "continuous"], default="static",
+                     help="static: prefill each prompt, then decode the batch; continuous: requests join and leave "
+                          "between decode steps (needs --policy paged)")
+    run.add_argument("--arrival-interval", type=int, default=0,
+                     help="with --schedule continuous: request i arrives at decode step i * this")
     run.add_argument("--json", action="store_true", help="print one JSON object")
     sub.add_parser("policies", help="list the registered policies and their settings")
     study = sub.add_parser("study", help="run a profile's experiments (resumable) and execute the notebooks")
@@ -97,8 +102,14 @@ def cmd_run(args) -> int:
     prompts = read_prompts(args, model.tokenizer)
     capacity = int(args.device_capacity_gb * 2**30) if args.device_capacity_gb else None
     engine = Engine(model, policy, device_capacity_bytes=capacity)
-    result = engine.generate(prompts, args.max_new_tokens, prefill_mode=args.prefill, chunk_size=args.chunk_size,
-                             stop_at_eos=not args.ignore_eos)
+    if args.schedule == "continuous":
+        from kvlib.scheduler import Request, serve
+
+        requests = [Request(p, args.max_new_tokens, i * args.arrival_interval) for i, p in enumerate(prompts)]
+        result = serve(engine, requests, chunk_size=args.chunk_size)
+    else:
+        result = engine.generate(prompts, args.max_new_tokens, prefill_mode=args.prefill,
+                                 chunk_size=args.chunk_size, stop_at_eos=not args.ignore_eos)
     if args.json:
         print(json.dumps(result.to_json()))
     else:

@@ -1,0 +1,71 @@
+"""Block management without a model: allocation, reference counts, prefix hashing, revival, copy-on-write."""
+
+import pytest
+
+from kvlib.block_pool import BlockPool, BlockTable, OutOfBlocks
+
+
+def filled(pool, tokens):
+    table = pool.prefix_table(tokens)
+    pool.reserve(table, len(tokens))
+    pool.commit(table, tokens, len(tokens))
+    return table
+
+
+def test_allocation_and_free_list():
+    pool = BlockPool(4, 2)
+    table = BlockTable()
+    pool.reserve(table, 5)
+    assert len(table.blocks) == 3 and pool.used == 3
+    with pytest.raises(OutOfBlocks):
+        pool.reserve(table, 9)
+    pool.free_table(table)
+    assert pool.used == 0
+
+
+def test_prefix_hits_share_full_blocks_but_never_the_last_token():
+    pool = BlockPool(16, 4)
+    prompt = list(range(12))
+    first = filled(pool, prompt)
+    second = pool.prefix_table(prompt)
+    assert second.tokens == 8  # 12 tokens = 3 full blocks, but the last token's logits must be computed
+    assert second.blocks == first.blocks[:2]
+    assert pool.ref[first.blocks[0]] == 2
+    other = pool.prefix_table([0, 1, 2, 99] + list(range(4, 12)))
+    assert other.tokens == 0  # the first block differs: the chain breaks there
+
+
+def test_hash_hit_is_verified_against_the_tokens():
+    pool = BlockPool(8, 2)
+    table = filled(pool, [5, 6, 7, 8, 9])
+    block = table.blocks[0]
+    pool.block_tokens[block] = (5, 0)  # as if another token pair had collided onto the same hash
+    assert pool.prefix_table([5, 6, 7, 8, 9]).tokens == 0
+
+
+def test_freed_blocks_stay_findable_until_reused():
+    pool = BlockPool(4, 2)
+    table = filled(pool, [1, 2, 3, 4, 5])
+    cached = list(table.blocks[:2])
+    pool.free_table(table)
+    revived = pool.prefix_table([1, 2, 3, 4, 5])
+    assert revived.blocks == cached and pool.ref[cached[0]] == 1 and pool.hits == 2
+    pool.free_table(revived)
+    churn = BlockTable()
+    pool.reserve(churn, 8)  # every block handed out again: the old contents are gone
+    pool.free_table(churn)
+    assert pool.prefix_table([1, 2, 3, 4, 5]).tokens == 0
+
+
+def test_copy_on_write_when_a_forked_sequence_writes_a_shared_block():
+    pool = BlockPool(8, 4)
+    parent = filled(pool, [1, 2, 3, 4, 5, 6])  # second block half full
+    child = pool.fork(parent)
+    assert pool.ref[parent.blocks[1]] == 2
+    pool.reserve(child, 7)  # the child writes token 7 into the shared, partly filled block
+    assert pool.copies == [(parent.blocks[1], child.blocks[1])]
+    assert child.blocks[0] == parent.blocks[0] and child.blocks[1] != parent.blocks[1]
+    assert pool.ref[parent.blocks[1]] == 1 and pool.ref[parent.blocks[0]] == 2
+    pool.copies.clear()
+    pool.reserve(parent, 7)  # the parent's block is its own again: no copy
+    assert pool.copies == []
