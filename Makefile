@@ -25,8 +25,9 @@ $(VENV)/.installed: pyproject.toml | $(VENV)/bin/python
 
 install: $(VENV)/.installed
 
+# unit and integration tests, then every notebook re-executed on the smoke profile and compared with its stored outputs
 test: install
-	$(PY) -m pytest
+	$(PY) -m pytest --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg tests notebooks
 
 book: install
 	$(PY) -m kvlib study --profile $(PROFILE) --build

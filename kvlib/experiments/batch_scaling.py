@@ -9,7 +9,7 @@ def run_point(point: dict) -> list[dict]:
     prompts = mixed_length_prompts(tokenizer, point["batch_size"], point["min_prompt_tokens"],
                                    point["max_prompt_tokens"], seed=point.get("seed", 0),
                                    source=point.get("text_source"))
-    result = run(point, prompts, point["max_new_tokens"], prefill=point.get("prefill", "fused"),
+    result = run(point, prompts, point["max_new_tokens"], prefill=point.get("prefill"),
                  chunk_size=point.get("chunk_size", 512))
     row = result_row(result)
     row["prompt_tokens_total"] = sum(map(len, prompts))

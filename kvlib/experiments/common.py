@@ -14,14 +14,17 @@ def model(name: str, device: str | None = None) -> LoadedModel:
     return load_model(name, device=device)
 
 
-def run(point: dict, prompts: list[list[int]], max_new_tokens: int, prefill: str = "fused",
+def run(point: dict, prompts: list[list[int]], max_new_tokens: int, prefill: str | None = None,
         chunk_size: int = 512) -> RunResult:
-    """One generation run of the point's policy on the given prompts (ignoring EOS, so lengths are as asked)."""
+    """One generation run of the point's policy on the given prompts (ignoring EOS, so lengths are as asked).
+
+    Without a prefill mode, the policy's preferred one (fused, or chunked for H2O, which needs scores)."""
     loaded = model(point["model"], point.get("device"))
     capacity = point.get("device_capacity_gb")
-    engine = Engine(loaded, make_policy(point["policy"], **point["policy_settings"]),
-                    device_capacity_bytes=int(capacity * 2**30) if capacity else None)
-    return engine.generate(prompts, max_new_tokens, prefill_mode=prefill, chunk_size=chunk_size, stop_at_eos=False)
+    policy = make_policy(point["policy"], **point["policy_settings"])
+    engine = Engine(loaded, policy, device_capacity_bytes=int(capacity * 2**30) if capacity else None)
+    return engine.generate(prompts, max_new_tokens, prefill_mode=prefill or policy.preferred_prefill,
+                           chunk_size=chunk_size, stop_at_eos=False)
 
 
 def result_row(result: RunResult) -> dict:

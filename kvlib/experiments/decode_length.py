@@ -8,6 +8,6 @@ def run_point(point: dict) -> list[dict]:
     tokenizer = model(point["model"], point.get("device")).tokenizer
     prompts = [prompt_of_length(tokenizer, point["prompt_tokens"], offset=1000 * i, source=point.get("text_source"))
                for i in range(point.get("batch_size", 1))]
-    result = run(point, prompts, point["output_tokens"], prefill=point.get("prefill", "fused"),
+    result = run(point, prompts, point["output_tokens"], prefill=point.get("prefill"),
                  chunk_size=point.get("chunk_size", 512))
     return [result_row(result)]

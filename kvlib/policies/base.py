@@ -40,6 +40,7 @@ class KVPolicy:
 
     name: ClassVar[str] = ""
     supported_prefill: ClassVar[tuple[str, ...]] = PREFILL_MODES
+    preferred_prefill: ClassVar[str] = "fused"  # what experiments use when they do not vary the prefill mode
 
     def bind(self, model: LoadedModel, ledger: MemoryLedger, timers: Timers) -> None:
         """Attach to a model before a run; called once per engine."""

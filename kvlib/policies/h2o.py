@@ -31,6 +31,7 @@ CHUNK_SCORING = ("accumulate", "per_chunk")
 class HeavyHitterPolicy(BudgetedPolicy):
     name = "h2o"
     supported_prefill = ("full", "chunked")
+    preferred_prefill = "chunked"  # with cross-chunk accumulation: full prefill's kept set without its L x L matrix
 
     recent_ratio: float = 0.5  # share of the budget given to the recent window (the H2O paper splits it evenly)
     chunk_scoring: str = "accumulate"

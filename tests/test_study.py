@@ -1,0 +1,100 @@
+"""The study runner: profile validation, grid expansion, stable point hashes, resuming an interrupted run."""
+
+import pandas as pd
+import pytest
+import yaml
+
+from kvlib import study
+from kvlib.errors import UserError
+from kvlib.experiments import ttft
+
+
+@pytest.fixture
+def root(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVLIB_ROOT", str(tmp_path))
+    (tmp_path / "params").mkdir()
+    return tmp_path
+
+
+def write_profile(root, name, body):
+    (root / "params" / f"{name}.yaml").write_text(yaml.safe_dump(body))
+
+
+PROFILE = {"model": "smollm2-135m", "device_capacity_gb": None, "policy_settings": {"h2o": {"budget": 0.3}},
+           "experiments": {"ttft": {"policies": ["full", "h2o"],
+                                    "grid": {"prompt_tokens": [32, 64], "prefill": ["full", "fused"]},
+                                    "fixed": {"max_new_tokens": 1}}}}
+
+
+def test_the_shipped_profiles_are_valid():
+    for name in ("smoke", "embedded", "paper"):
+        profile = study.load_profile(name)
+        assert profile.points("ttft")
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"colour": "red"}, "unknown key 'colour'"),
+    ({"experiments": {"ttfx": {}}}, "unknown experiment 'ttfx'"),
+    ({"experiments": {"ttft": {"policies": ["nope"]}}}, "unknown policy 'nope'"),
+    ({"policy_settings": {"h2o": {"budjet": 0.3}}}, "unknown key 'budjet'"),
+    ({"experiments": {"ttft": {"grid": {"prompt_tokens": []}}}}, "non-empty list"),
+    ({"device_capacity_gb": -1}, "device_capacity_gb"),
+])
+def test_invalid_profiles_get_one_clear_error(root, change, message):
+    write_profile(root, "bad", {**PROFILE, **change})
+    with pytest.raises(UserError, match=message):
+        study.load_profile("bad")
+
+
+def test_unknown_profile(root):
+    with pytest.raises(UserError, match="unknown profile 'nope'"):
+        study.load_profile("nope")
+
+
+def test_grid_expansion_skips_what_a_policy_cannot_run_and_hashes_are_stable(root):
+    write_profile(root, "p", PROFILE)
+    points = study.load_profile("p").points("ttft")
+    assert len(points) == 2 * 2 + 2  # full: 2 lengths x 2 modes; h2o: no fused prefill
+    assert {p["policy"] for p in points if p["prefill"] == "fused"} == {"full"}
+    assert all(p["policy_settings"] == {"budget": 0.3} for p in points if p["policy"] == "h2o")
+    again = study.load_profile("p").points("ttft")
+    assert [study.point_hash(p) for p in points] == [study.point_hash(p) for p in again]
+    assert len({study.point_hash(p) for p in points}) == len(points)
+
+
+def test_an_interrupted_run_resumes_without_recomputing(root, monkeypatch):
+    write_profile(root, "p", PROFILE)
+    calls = []
+
+    def run_point(point):
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # as if `make book` were killed here
+        calls.append(point)
+        return [{"ttft_s": 0.1, "oom": False}]
+
+    monkeypatch.setattr(ttft, "run_point", run_point)
+    with pytest.raises(KeyboardInterrupt):
+        study.run_experiment("p", "ttft", progress=False)
+    out = root / "results" / "p" / "ttft"
+    assert len(list(out.glob("*.parquet"))) == 3 and not list(out.glob(".*tmp"))
+    done = [study.point_hash(p) for p in calls]
+    calls.clear()
+    monkeypatch.setattr(ttft, "run_point", lambda point: calls.append(point) or [{"ttft_s": 0.2, "oom": False}])
+    frame = study.run_experiment("p", "ttft", progress=False)
+    assert len(calls) == 3 and not {study.point_hash(p) for p in calls} & set(done)
+    assert len(frame) == 6 and set(frame["point_hash"]) >= set(done)
+    assert frame.loc[frame["point_hash"].isin(done), "ttft_s"].eq(0.1).all()  # earlier rows kept, not redone
+    assert {"git_sha", "torch_version", "profile", "device_name"} <= set(frame.columns)
+    calls.clear()
+    study.run_experiment("p", "ttft", force=True, progress=False)
+    assert len(calls) == 6
+
+
+@pytest.mark.model
+def test_a_real_smoke_point_is_a_tidy_row(root):
+    write_profile(root, "p", {**PROFILE, "experiments": {"ttft": {**PROFILE["experiments"]["ttft"],
+                                                                   "grid": {"prompt_tokens": [16],
+                                                                            "prefill": ["full"]}}}})
+    frame = study.run_experiment("p", "ttft", progress=False)
+    assert isinstance(frame, pd.DataFrame) and len(frame) == 2
+    assert (frame["device_kv_bytes"] > 0).all() and (~frame["oom"]).all()
