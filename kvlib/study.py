@@ -25,8 +25,9 @@ import json
 import os
 import platform
 import subprocess
+import sys
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pandas as pd
@@ -150,14 +151,14 @@ def run_metadata(profile: str) -> dict:
     import transformers
 
     try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo_root(), capture_output=True,
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo_root(), capture_output=True, check=False,
                              text=True, timeout=10).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         sha = None
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
     return {"profile": profile, "kvlib_version": kvlib.__version__, "torch_version": torch.__version__,
             "transformers_version": transformers.__version__, "git_sha": sha, "device_name": device,
-            "cpu_threads": torch.get_num_threads(), "finished_at": datetime.now(timezone.utc).isoformat()}
+            "cpu_threads": torch.get_num_threads(), "finished_at": datetime.now(UTC).isoformat()}
 
 
 def run_experiment(profile: str | Profile, experiment: str, force: bool = False, progress: bool = True
@@ -209,12 +210,12 @@ def run_study(profile: str, experiments: list[str] | None = None, force: bool = 
     executed = root / "book" / "executed"
     executed.mkdir(parents=True, exist_ok=True)
     for name in names:
-        if force:
-            run_experiment(prof, name, force=True)
+        # computed here, with a progress bar on the terminal; the notebook then finds every point stored
+        run_experiment(prof, name, force=force)
         papermill.execute_notebook(str(root / "notebooks" / f"{name}.ipynb"), str(executed / f"{name}.ipynb"),
                                    parameters={"profile": profile}, cwd=str(root / "notebooks"), progress_bar=False)
     papermill.execute_notebook(str(root / "notebooks" / "findings.ipynb"), str(executed / "findings.ipynb"),
                                parameters={"profile": profile}, cwd=str(root / "notebooks"), progress_bar=False)
     if build:
         subprocess.run(["jupyter-book", "build", str(root / "book")], check=True,
-                       env={**os.environ, "PATH": f"{Path(os.sys.executable).parent}:{os.environ['PATH']}"})
+                       env={**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})

@@ -4,11 +4,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
-from kvlib.attention import register_attention  # noqa: E402
-from kvlib.models import LoadedModel, ModelSpec, load_model  # noqa: E402
+from kvlib.attention import register_attention
+from kvlib.models import LoadedModel, ModelSpec, load_model
 
 
 @pytest.fixture(scope="session")

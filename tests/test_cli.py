@@ -12,7 +12,7 @@ pytestmark = pytest.mark.model
 
 def kvlib(*args):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-m", "kvlib", *args], capture_output=True, text=True, env=env,
+    return subprocess.run([sys.executable, "-m", "kvlib", *args], capture_output=True, text=True, env=env, check=False,
                           timeout=300)
 
 

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from conftest import hf_greedy
+
 from kvlib.engine import Engine
 from kvlib.errors import UserError
 from kvlib.policies import make_policy

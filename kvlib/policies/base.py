@@ -25,7 +25,7 @@ PREFILL_MODES = ("full", "fused", "chunked")
 class Step:
     """One forward pass as the policy sees it."""
 
-    policy: "KVPolicy"
+    policy: KVPolicy
     rows: torch.Tensor  # [B] batch rows covered by this pass
     start: torch.Tensor  # [B] tokens each row already holds before this pass (= position of the first new token)
     q_len: int  # new tokens per row
@@ -92,25 +92,15 @@ class KVPolicy:
         return asdict(self)
 
 
-def _validate_fraction(name: str, value: float) -> None:
-    if not (0 < value <= 1):
-        raise UserError(f"{name} must be in (0, 1], got {value}")
-
-
 @dataclass
 class BudgetedPolicy(KVPolicy):
-    """Shared by the sparse policies: a KV budget as a fraction of the prompt, or an absolute token count."""
+    """Shared by the sparse policies: a KV budget as a fraction of the tokens, or an absolute token count."""
 
     budget: float = 0.3
     budget_tokens: int | None = None
 
     def __post_init__(self):
-        _validate_fraction("budget", self.budget)
+        if not 0 < self.budget <= 1:
+            raise UserError(f"budget must be in (0, 1], got {self.budget}")
         if self.budget_tokens is not None and self.budget_tokens < 1:
             raise UserError(f"budget_tokens must be >= 1, got {self.budget_tokens}")
-
-    def token_budget(self, prompt_len: int) -> int:
-        if self.budget_tokens is not None:
-            return self.budget_tokens
-        return max(1, round(self.budget * prompt_len))
-

@@ -186,7 +186,8 @@ class InfiniGenPolicy(BudgetedPolicy):
             approx = approx.masked_fill(~valid[:, None, None, :], float("-inf")).amax(dim=2)  # [B, Hkv, L]
             peak = approx.amax(dim=-1, keepdim=True)
             candidates = (approx > peak - self.alpha).sum(dim=-1).float().mean(dim=-1)  # [B]
-            cap = torch.ceil(self.budget * cached.float())
+            cap = (torch.full_like(cached, self.budget_tokens).float() if self.budget_tokens is not None
+                   else torch.ceil(self.budget * cached.float()))
             count = torch.minimum(candidates.round(), cap).clamp(min=1).long()
             chosen = approx.topk(int(count.max()), dim=-1).indices  # [B, Hkv, n]
             keep = torch.arange(chosen.shape[-1])[None, None, :] < count[:, None, None]
