@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pandas as pd
 
+TITLES = {"ttft": "Time to first token", "batch_scaling": "Batch scaling", "decode_length": "Decode length"}
+
 PAPER = {
     "ttft": "full-matrix prefill (needed by H2O's scores) runs out of memory at ~10K tokens on an 80 GB H100; fused "
             "attention rescues InfiniGen, chunked prefill rescues H2O.",
@@ -68,3 +70,8 @@ def decode_length(df: pd.DataFrame) -> list[str]:
         out.append(f"Ours: {policy}: {first['decode_tokens_per_s']:.1f} tok/s at {first['output_tokens']} output "
                    f"tokens, {last['decode_tokens_per_s']:.1f} at {last['output_tokens']} ({change:+.0%}).")
     return out
+
+
+def markdown(lines: list[str]) -> str:
+    """The sentences as a bulleted list, for a notebook's Markdown display."""
+    return "\n".join(f"- {line}" for line in lines)

@@ -27,22 +27,29 @@ def ttft(df: pd.DataFrame):
         ax.axhline(top, color="crimson", lw=0.5, ls=":")
     ax.set(xscale="log", yscale="log", xlabel="prompt length (tokens)", ylabel="time to first token (s)",
            title="TTFT vs prompt length (x = out of device memory)")
-    ax.legend(loc="upper left", fontsize="small", ncols=2)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
+    fig.tight_layout()
     return fig
 
 
 def memory_components(df: pd.DataFrame, by: str, tier: str = "device", title: str = ""):
-    """Peak memory by component, stacked, one bar per (policy, `by`) value."""
+    """Peak memory by component, stacked, one bar per (policy, `by`) value.
+
+    The weights are the same for every policy and would dwarf the rest: they are left out and named in the title.
+    """
     _style()
-    cols = [f"{tier}_{c}_peak_bytes" for c in COMPONENTS if f"{tier}_{c}_peak_bytes" in df]
-    data = df[~df["oom"]].groupby(["policy", by])[cols].max() / GB
+    cols = [f"{tier}_{c}_peak_bytes" for c in COMPONENTS if c != "weights" and f"{tier}_{c}_peak_bytes" in df]
+    done = df[~df["oom"]]
+    data = done.groupby(["policy", by])[cols].max() / GB
     data.columns = [c.removeprefix(f"{tier}_").removesuffix("_peak_bytes") for c in cols]
     data = data.loc[:, (data > 0).any()]
+    weights = done.get(f"{tier}_weights_peak_bytes", pd.Series([0])).max() / GB
     fig, ax = plt.subplots(figsize=(9, 4.5))
     data.plot.bar(stacked=True, ax=ax, width=0.8)
+    note = f" (weights, {weights:.2f} GiB for every policy, not shown)" if weights else ""
     ax.set(xlabel=f"policy, {by.replace('_', ' ')}", ylabel=f"{tier} memory, GiB (peak per component)",
-           title=title or f"{tier.capitalize()} memory by component")
-    ax.legend(title="component", fontsize="small")
+           title=(title or f"{tier.capitalize()} memory by component") + note)
+    ax.legend(title="component", fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))
     plt.setp(ax.get_xticklabels(), rotation=45, ha="right")
     fig.tight_layout()
     return fig

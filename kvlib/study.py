@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pandas as pd
 import yaml
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
 import kvlib
 from kvlib.errors import UserError
