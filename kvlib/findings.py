@@ -38,6 +38,9 @@ def ttft(df: pd.DataFrame) -> list[str]:
 
 def batch_scaling(df: pd.DataFrame) -> list[str]:
     out = [f"Paper: {PAPER['batch_scaling']}"]
+    for policy, g in df[df["oom"]].groupby("policy"):
+        out.append(f"Ours: {policy} ran out of device memory from batch {g['batch_size'].min()} "
+                   f"(at {g['oom_where'].iloc[0]}).")
     d = df[~df["oom"]].copy()
     if d.empty:
         return out + ["Ours: no batch completed."]

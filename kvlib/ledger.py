@@ -39,8 +39,19 @@ class MemoryLedger:
         self.peak[key] = max(self.peak[key], self.current[key])
         self.peak_total[tier] = max(self.peak_total[tier], self.total(tier))
 
-    def set(self, tier: str, component: str, nbytes: int, where: str = "") -> None:
-        self.add(tier, component, nbytes - self.current[(tier, component)], where)
+    def set(self, tier: str, where: str = "", **components: int) -> None:
+        """Set several components of a tier at once; capacity is checked on the net change, so moving bytes from
+        `kv_reserved` to `kv` never counts them twice."""
+        delta = sum(n - self.current[(tier, c)] for c, n in components.items())
+        if delta > 0 and tier == "device" and self.capacity is not None:
+            in_use = self.total(tier)
+            if in_use + delta > self.capacity:
+                raise DeviceOOM(where or "/".join(components), delta, in_use, self.capacity)
+        for component, nbytes in components.items():
+            assert component in COMPONENTS, component
+            self.current[(tier, component)] = nbytes
+            self.peak[(tier, component)] = max(self.peak[(tier, component)], nbytes)
+        self.peak_total[tier] = max(self.peak_total[tier], self.total(tier))
 
     @contextmanager
     def transient(self, tier: str, component: str, nbytes: int, where: str):

@@ -50,14 +50,12 @@ class FullPolicy(KVPolicy):
         self.lengths[step.rows] = step.start + step.q_len
         per_token = self.spec.kv_bytes_per_token
         used = int(self.lengths.sum()) * per_token
-        self.ledger.set("device", "kv", used)
         reserved = self.spec.kv_bytes(self.keys[0].shape[0] * self.keys[0].shape[2])
-        self.ledger.set("device", "kv_reserved", reserved - used)
+        self.ledger.set("device", kv=used, kv_reserved=reserved - used)
 
     def finish(self):
         self.keys = self.values = []
-        self.ledger.set("device", "kv", 0)
-        self.ledger.set("device", "kv_reserved", 0)
+        self.ledger.set("device", kv=0, kv_reserved=0)
 
     def cached_tokens(self):
         return self.lengths.tolist()

@@ -176,14 +176,13 @@ class HeavyHitterPolicy(BudgetedPolicy):
     def _book(self):
         prompt = sum(held[0][0].shape[1] for held in self.prefill_kv.values() if held[0] is not None)
         kept = int(self.kept.sum())
-        self.ledger.set("device", "kv", (kept + prompt) * self.spec.kv_bytes_per_token, where="h2o prompt cache")
-        self.ledger.set("device", "kv_reserved", self.spec.kv_bytes(self.keys.shape[1] * self.cap - kept))
+        self.ledger.set("device", "h2o prompt cache", kv=(kept + prompt) * self.spec.kv_bytes_per_token,
+                        kv_reserved=self.spec.kv_bytes(self.keys.shape[1] * self.cap - kept))
 
     def finish(self):
         self.keys = self.values = self.scores = self.positions = None
         self.prefill_kv = {}
-        for comp in ("kv", "kv_reserved", "overhead"):
-            self.ledger.set("device", comp, 0)
+        self.ledger.set("device", kv=0, kv_reserved=0, overhead=0)
 
     def cached_tokens(self):
         return self.kept.tolist()

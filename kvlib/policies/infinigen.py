@@ -107,8 +107,7 @@ class InfiniGenPolicy(BudgetedPolicy):
         self.dense_k = self.dense_v = self.host_k = self.host_v = self.partial_k = None
         self.fetched, self.captured = {}, {}
         for tier in ("device", "host"):
-            for comp in ("kv", "kv_reserved", "overhead"):
-                self.ledger.set(tier, comp, 0)
+            self.ledger.set(tier, kv=0, kv_reserved=0, overhead=0)
 
     # -- storage ---------------------------------------------------------------------------------------------------
     def _store(self, layer, rows, pos, key, value):
@@ -231,11 +230,11 @@ class InfiniGenPolicy(BudgetedPolicy):
         per_layer = s.num_kv_heads * s.head_dim * s.dtype_bytes * 2
         sparse = s.num_layers - self.dense
         partial = tokens * sparse * s.num_kv_heads * self.columns.shape[-1] * s.dtype_bytes
-        self.ledger.set("host", "kv", tokens * sparse * per_layer)
-        self.ledger.set("host", "kv_reserved", self.host_k.numel() * 2 * s.dtype_bytes - tokens * sparse * per_layer)
-        self.ledger.set("device", "kv", tokens * self.dense * per_layer + partial + self.step_moved,
-                        where="infinigen fetched entries")
-        self.ledger.set("device", "kv_reserved", self.dense_k.numel() * 2 * s.dtype_bytes - tokens * self.dense * per_layer)
+        self.ledger.set("host", kv=tokens * sparse * per_layer,
+                        kv_reserved=self.host_k.numel() * 2 * s.dtype_bytes - tokens * sparse * per_layer)
+        self.ledger.set("device", "infinigen fetched entries",
+                        kv=tokens * self.dense * per_layer + partial + self.step_moved,
+                        kv_reserved=self.dense_k.numel() * 2 * s.dtype_bytes - tokens * self.dense * per_layer)
         if step.phase == "decode":
             self.decode_steps += 1
             self.last_step_moved, self.step_moved = self.step_moved, 0

@@ -114,15 +114,14 @@ class PagedPolicy(KVPolicy):
 
     def _book(self):
         used = self.pool.used * self.pool.block_bytes
-        self.ledger.set("device", "kv", used, where="paged KV pool")
-        self.ledger.set("device", "kv_reserved", self.pool.num_blocks * self.pool.block_bytes - used)
-        self.ledger.set("device", "overhead", sum(len(t.blocks) for t in self.tables.values()) * 4)
+        self.ledger.set("device", "paged block tables", kv=used,
+                        kv_reserved=self.pool.num_blocks * self.pool.block_bytes - used,
+                        overhead=sum(len(t.blocks) for t in self.tables.values()) * 4)
 
     def finish(self):
         for row in list(self.tables):
             self.release(row)
-        for comp in ("kv", "kv_reserved", "overhead"):
-            self.ledger.set("device", comp, 0)
+        self.ledger.set("device", kv=0, kv_reserved=0, overhead=0)
 
     def cached_tokens(self):
         return [t.tokens for _, t in sorted(self.tables.items())]
