@@ -89,7 +89,6 @@ class Engine:
         oom = None
         self.timers.seconds.clear()
         self.ledger.reset_peaks()
-        policy_before = 0.0
         t0 = time.perf_counter()
         prefill_end = decode_end = t0
         try:
@@ -99,7 +98,7 @@ class Engine:
                 generated[row].append(int(logits.argmax()))
                 ttft.append(self.timers.now() - t0)
             prefill_end = self.timers.now()
-            policy_prefill = self._policy_seconds() - policy_before
+            policy_prefill = self._policy_seconds()
             lengths = torch.tensor([len(p) for p in prompts])
             for _ in range(max_new_tokens - 1):
                 live = [r for r in range(n) if not (eos is not None and generated[r][-1] == eos)]
@@ -116,10 +115,10 @@ class Engine:
             decode_end = self.timers.now()
         except (DeviceOOM, torch.OutOfMemoryError) as exc:
             oom = self._oom_record(exc, phase="decode" if len(ttft) == n else "prefill")
-            policy_prefill = self._policy_seconds() - policy_before
+            policy_prefill = self._policy_seconds()
         memory = self.ledger.snapshot()
         stats = self.policy.stats()
-        policy_total = self._policy_seconds() - policy_before
+        policy_total = self._policy_seconds()
         self.policy.finish()
         return RunResult(
             outputs=[{"token_ids": g, "text": self.model.tokenizer.decode(g, skip_special_tokens=True),

@@ -6,9 +6,7 @@ from conftest import hf_greedy
 
 from kvlib.engine import Engine
 from kvlib.errors import UserError
-from kvlib.policies import make_policy
-
-pytestmark = pytest.mark.model
+from kvlib.policies import available, make_policy
 
 NEW_TOKENS = 24
 
@@ -18,12 +16,14 @@ def reference(smollm, mixed_prompts):
     return [hf_greedy(smollm, p, NEW_TOKENS) for p in mixed_prompts]
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("mode", ["full", "fused", "chunked"])
 def test_full_policy_matches_transformers_generate(smollm, mixed_prompts, reference, mode):
     result = Engine(smollm, make_policy("full")).generate(mixed_prompts, NEW_TOKENS, prefill_mode=mode, chunk_size=7)
     assert [o["token_ids"] for o in result.outputs] == reference
 
 
+@pytest.mark.model
 def test_kv_bytes_follow_the_formula_and_weights_the_parameters(smollm, mixed_prompts):
     result = Engine(smollm, make_policy("full")).generate(mixed_prompts, 8, stop_at_eos=False)
     spec = smollm.spec
@@ -38,6 +38,7 @@ def test_kv_bytes_follow_the_formula_and_weights_the_parameters(smollm, mixed_pr
     assert reserved == spec.kv_bytes(len(mixed_prompts) * (max(map(len, mixed_prompts)) + 8)) - expected
 
 
+@pytest.mark.model
 def test_full_matrix_prefill_hits_capacity_where_fused_fits(smollm):
     prompt = list(range(1000, 2500))  # 1,500 tokens: the 9-head fp32 score matrix alone is ~160 MB
     capacity = smollm.weights_bytes + 140 * 2**20
@@ -51,6 +52,7 @@ def test_full_matrix_prefill_hits_capacity_where_fused_fits(smollm):
     assert fused.memory["device"]["peak_bytes"] <= capacity
 
 
+@pytest.mark.model
 def test_metrics_are_consistent(smollm, mixed_prompts):
     m = Engine(smollm, make_policy("full")).generate(mixed_prompts, 6, stop_at_eos=False).metrics
     assert m["decode_tokens"] == 3 * 5 and m["decode_steps"] == 5
@@ -59,6 +61,7 @@ def test_metrics_are_consistent(smollm, mixed_prompts):
     assert sum(m["wall_split_s"].values()) == pytest.approx(m["total_s"])
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("kwargs, message", [
     ({"max_new_tokens": 0}, "max_new_tokens"),
     ({"max_new_tokens": 4, "prefill_mode": "flash"}, "prefill mode"),
@@ -69,9 +72,21 @@ def test_bad_input_is_one_clear_error(smollm, mixed_prompts, kwargs, message):
         Engine(smollm, make_policy("full")).generate(mixed_prompts, **kwargs)
 
 
+@pytest.mark.model
 def test_plain_forward_outside_the_engine_still_works(smollm, mixed_prompts):
     """The registered attention falls back to SDPA when no policy is active (e.g. a user's own forward call)."""
     ids = torch.tensor([mixed_prompts[0]])
     with torch.no_grad():
         logits = smollm.model(ids).logits
     assert int(logits[0, -1].argmax()) == hf_greedy(smollm, mixed_prompts[0], 1)[0]
+
+
+@pytest.mark.parametrize("name", available())
+def test_every_policy_records_an_oom_instead_of_crashing(tiny, name):
+    prompts = [list(range(100, 160)), list(range(200, 230))]
+    mode = make_policy(name).preferred_prefill
+    tight = Engine(tiny, make_policy(name), device_capacity_bytes=tiny.weights_bytes + 64 * 1024)
+    result = tight.generate(prompts, 4, prefill_mode=mode)
+    assert result.oom is not None and result.oom["capacity_bytes"] == tiny.weights_bytes + 64 * 1024
+    roomy = Engine(tiny, make_policy(name), device_capacity_bytes=tiny.weights_bytes + 64 * 2**20)
+    assert roomy.generate(prompts, 4, prefill_mode=mode).oom is None

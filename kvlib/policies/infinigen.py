@@ -71,6 +71,10 @@ class InfiniGenPolicy(BudgetedPolicy):
         cuda = self.device.type == "cuda"
         shape = (batch_size, s.num_kv_heads, cap, s.head_dim)
         r = self.columns.shape[-1]
+        self.step_moved = self.bytes_moved = self.decode_steps = 0
+        self.selected = self.candidates_total = 0
+        self.coverage: list[float] = []
+        self.selections: dict[int, tuple] = {}  # layer -> (chosen, keep), kept only to measure coverage
         self.ledger.add("device", "kv_reserved", self.dense * 2 * math.prod(shape) * s.dtype_bytes,
                         where="infinigen dense layers")
         self.ledger.add("device", "overhead", sparse * math.prod(shape[:3]) * r * s.dtype_bytes,
@@ -86,10 +90,6 @@ class InfiniGenPolicy(BudgetedPolicy):
         self.fetched: dict[int, tuple] = {}  # layer -> (keys, values, visible) fetched for this decode step
         self.captured: dict[int, tuple] = {}  # layer -> (attention input, (cos, sin)) of the current pass
         self.stream = torch.cuda.Stream() if cuda else None
-        self.step_moved = self.bytes_moved = self.decode_steps = 0
-        self.selected = self.candidates_total = 0
-        self.coverage: list[float] = []
-        self.selections: dict[int, tuple] = {}  # layer -> (chosen, keep), kept only to measure coverage
         self.hooks = [m.register_forward_pre_hook(self._capture_input(i), with_kwargs=True)
                       for i, m in enumerate(self.attn_modules)]
 

@@ -43,18 +43,19 @@ class PagedPolicy(KVPolicy):
             raise UserError(f"a pool of {blocks} blocks of {bs} tokens cannot hold even one request "
                             f"({min(prompt_lens)} prompt tokens need {smallest} blocks)")
         block_bytes = s.kv_bytes(bs)
+        self.tables: dict[int, BlockTable] = {}
+        self.prompts: dict[int, list[int]] = {}
+        self.prompt_tokens = self.hit_tokens = self.preemptions = self.peak_blocks = 0
         if getattr(self, "pool", None) is None or self.pool.num_blocks != blocks:
             # token-major blocks: gathering a row's blocks is one copy that is already [tokens, heads, dim]
             shape = (s.num_layers, blocks, bs, s.num_kv_heads, s.head_dim)
+            self.pool = None  # until the pool fits the device
             self.ledger.add("device", "kv_reserved", blocks * block_bytes, where="paged KV pool")
             self.keys = torch.zeros(shape, dtype=s.dtype, device=self.device)
             self.values = torch.zeros_like(self.keys)
             self.pool = BlockPool(blocks, bs, block_bytes)
         else:  # a pool kept from an earlier run keeps its cached prefixes
             self.ledger.add("device", "kv_reserved", blocks * block_bytes, where="paged KV pool")
-        self.tables: dict[int, BlockTable] = {}
-        self.prompts: dict[int, list[int]] = {}
-        self.prompt_tokens = self.hit_tokens = self.preemptions = self.peak_blocks = 0
 
     # -- block management ----------------------------------------------------------------------------------------
     def reuse_prefix(self, row, prompt):
@@ -127,6 +128,7 @@ class PagedPolicy(KVPolicy):
         return [t.tokens for _, t in sorted(self.tables.items())]
 
     def stats(self):
-        return {"block_size": self.block_size, "num_blocks": self.pool.num_blocks, "peak_blocks_used": self.peak_blocks,
+        return {"block_size": self.block_size, "num_blocks": self.pool.num_blocks if self.pool else 0,
+                "peak_blocks_used": self.peak_blocks,
                 "prefix_hit_rate": self.hit_tokens / max(self.prompt_tokens, 1), "prefix_hit_tokens": self.hit_tokens,
                 "preemptions": self.preemptions}
