@@ -79,11 +79,32 @@ class Engine:
 
     # -- static batch: sequential prefill, batched decode ------------------------------------------------------------
     def generate(self, prompts: list[list[int]], max_new_tokens: int, prefill_mode: str = "fused",
-                 chunk_size: int = 512, stop_at_eos: bool = True) -> RunResult:
+                 chunk_size: int = 512, stop_at_eos: bool = True, forced: list[list[int]] | None = None
+                 ) -> RunResult:
+        """Greedy generation; with `forced`, teacher forcing: row r is fed forced[r] instead of its own choices and
+        each output carries the log-probabilities of those tokens (`logprobs`), while the policy keeps, evicts and
+        fetches exactly as it does when generating (how a KV budget acts on a scored continuation)."""
+        if forced is not None:
+            if len(forced) != len(prompts) or not all(forced):
+                raise UserError("forced needs one non-empty continuation per prompt")
+            max_new_tokens = max(map(len, forced))
         self._validate(prompts, max_new_tokens, prefill_mode, chunk_size)
-        eos = self.model.tokenizer.eos_token_id if stop_at_eos else None
+        eos = self.model.tokenizer.eos_token_id if stop_at_eos and forced is None else None
         n = len(prompts)
         generated: list[list[int]] = [[] for _ in range(n)]
+        logprobs: list[list[float]] = [[] for _ in range(n)]
+
+        def take(row: int, logits: torch.Tensor) -> None:
+            token = forced[row][len(generated[row])] if forced is not None else int(logits.argmax())
+            if forced is not None:
+                logprobs[row].append(float(torch.log_softmax(logits, dim=-1)[token]))
+            generated[row].append(token)
+
+        def finished(row: int) -> bool:
+            if forced is not None:
+                return len(generated[row]) == len(forced[row])
+            return eos is not None and generated[row][-1] == eos
+
         ttft: list[float] = []
         step_latencies: list[float] = []
         oom = None
@@ -94,14 +115,13 @@ class Engine:
         try:
             self.policy.start(n, [len(p) for p in prompts], max_new_tokens)
             for row, prompt in enumerate(prompts):
-                logits = self.prefill(row, prompt, prefill_mode, chunk_size)
-                generated[row].append(int(logits.argmax()))
+                take(row, self.prefill(row, prompt, prefill_mode, chunk_size))
                 ttft.append(self.timers.now() - t0)
             prefill_end = self.timers.now()
             policy_prefill = self._policy_seconds()
             lengths = torch.tensor([len(p) for p in prompts])
             for _ in range(max_new_tokens - 1):
-                live = [r for r in range(n) if not (eos is not None and generated[r][-1] == eos)]
+                live = [r for r in range(n) if not finished(r)]
                 if not live:
                     break
                 rows = torch.tensor(live)
@@ -109,8 +129,8 @@ class Engine:
                             1, "decode")
                 begin = self.timers.now()
                 logits = self.forward(torch.tensor([[generated[r][-1]] for r in live]), step)
-                for r, tok in zip(live, logits.argmax(-1).tolist()):
-                    generated[r].append(tok)
+                for i, r in enumerate(live):
+                    take(r, logits[i])
                 step_latencies.append(self.timers.now() - begin)
             decode_end = self.timers.now()
         except (DeviceOOM, torch.OutOfMemoryError) as exc:
@@ -122,7 +142,8 @@ class Engine:
         self.policy.finish()
         return RunResult(
             outputs=[{"token_ids": g, "text": self.model.tokenizer.decode(g, skip_special_tokens=True),
-                      "prompt_tokens": len(p)} for g, p in zip(generated, prompts)],
+                      "prompt_tokens": len(p), **({"logprobs": lp} if forced is not None else {})}
+                     for g, p, lp in zip(generated, prompts, logprobs)],
             metrics=self._metrics(ttft, step_latencies, t0, prefill_end, decode_end, policy_prefill, policy_total,
                                   generated, oom),
             memory=memory, policy={"name": self.policy.name, **self.policy.settings()}, oom=oom, stats=stats)

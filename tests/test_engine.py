@@ -90,3 +90,30 @@ def test_every_policy_records_an_oom_instead_of_crashing(tiny, name):
     assert result.oom is not None and result.oom["capacity_bytes"] == tiny.weights_bytes + 64 * 1024
     roomy = Engine(tiny, make_policy(name), device_capacity_bytes=tiny.weights_bytes + 64 * 2**20)
     assert roomy.generate(prompts, 4, prefill_mode=mode).oom is None
+
+
+def test_teacher_forcing_scores_continuations_like_one_full_forward(tiny):
+    torch.manual_seed(3)
+    prompts = [torch.randint(100, 5000, (n,)).tolist() for n in (12, 7)]
+    continuations = [torch.randint(100, 5000, (n,)).tolist() for n in (5, 3)]
+    result = Engine(tiny, make_policy("full")).generate(prompts, 1, forced=continuations)
+    for prompt, cont, out in zip(prompts, continuations, result.outputs):
+        assert out["token_ids"] == cont
+        with torch.no_grad():
+            logits = tiny.model(torch.tensor([prompt + cont])).logits[0].float()
+        reference = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)[torch.arange(len(cont)), cont]
+        assert torch.allclose(torch.tensor(out["logprobs"]), reference, atol=1e-4)
+
+
+def test_teacher_forced_scores_change_under_a_small_budget(tiny):
+    torch.manual_seed(4)
+    prompt = [torch.randint(100, 5000, (80,)).tolist()]
+    cont = [torch.randint(100, 5000, (6,)).tolist()]
+    full = Engine(tiny, make_policy("full")).generate(prompt, 1, forced=cont).outputs[0]["logprobs"]
+    for name in ("h2o", "infinigen"):
+        policy = make_policy(name, budget=1.0, **({"alpha": 1e9} if name == "infinigen" else {}))
+        same = Engine(tiny, policy).generate(prompt, 1, prefill_mode=policy.preferred_prefill, forced=cont)
+        assert same.outputs[0]["logprobs"] == pytest.approx(full, abs=1e-4)
+        sparse = Engine(tiny, make_policy(name, budget=0.1)).generate(prompt, 1, prefill_mode=policy.preferred_prefill,
+                                                                       forced=cont)
+        assert max(abs(a - b) for a, b in zip(sparse.outputs[0]["logprobs"], full)) > 1e-3
