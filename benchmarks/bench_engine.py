@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 
 import torch
+from hf_baseline import best_of, hf_generate
 
 from kvlib.engine import Engine
 from kvlib.models import load_model
@@ -21,23 +21,6 @@ NEW_TOKENS = 32
 OUT = Path(__file__).parent / "results" / "engine.json"
 
 
-def hf_generate(model, prompts, max_new_tokens, repeats: int = 2) -> float:
-    """Seconds (best of `repeats`) for a padded-batch greedy generate of exactly max_new_tokens tokens per prompt."""
-    return min(_hf_generate_once(model, prompts, max_new_tokens) for _ in range(repeats))
-
-
-def _hf_generate_once(model, prompts, max_new_tokens) -> float:
-    tok = model.tokenizer
-    width = max(map(len, prompts))
-    pad = tok.eos_token_id
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    start = time.perf_counter()
-    model.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                         min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
-    return time.perf_counter() - start
-
-
 def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     kv = load_model("smollm2-135m", device="cpu")
@@ -46,10 +29,9 @@ def main() -> None:
     rows = []
     for batch in (1, 8):
         prompts = mixed_length_prompts(kv.tokenizer, batch, 128, 1024, seed=batch)
-        hf_generate(hf, prompts[:1], 2)  # warm-up
-        hf_ttft = hf_generate(hf, prompts, 1)
-        hf_total = hf_generate(hf, prompts, NEW_TOKENS)
-        hf_decode_tps = batch * (NEW_TOKENS - 1) / (hf_total - hf_ttft)
+        hf_generate(hf.model, hf.tokenizer, prompts[:1], 2)  # warm-up
+        base = best_of([hf_generate(hf.model, hf.tokenizer, prompts, NEW_TOKENS) for _ in range(2)])
+        hf_ttft, hf_decode_tps = base["all_first_tokens_s"], base["decode_tokens_per_s"]
         Engine(kv, make_policy("full")).generate(prompts[:1], 2)  # warm-up, as for generate
         runs = [Engine(kv, make_policy("full")).generate(prompts, NEW_TOKENS, prefill_mode="fused", stop_at_eos=False)
                 for _ in range(2)]

@@ -37,8 +37,11 @@ class FullPolicy(KVPolicy):
             vc[rows, :, pos] = value[:, :, 0]
             kv_len = int(pos.max()) + 1
             visible = torch.arange(kv_len)[None, :] <= pos[:, None]  # [B, L]
-            return fused_attention(query, kc[rows, :, :kv_len], vc[rows, :, :kv_len],
-                                   visible[:, None, None, :].to(self.device), self.scale)
+            # all rows in order (the usual case): a view; indexing by a row tensor would copy the whole cache
+            every_row = len(rows) == kc.shape[0] and bool((rows == torch.arange(len(rows))).all())
+            k = kc[:, :, :kv_len] if every_row else kc[rows, :, :kv_len]
+            v = vc[:, :, :kv_len] if every_row else vc[rows, :, :kv_len]
+            return fused_attention(query, k, v, visible[:, None, None, :].to(self.device), self.scale)
         row, begin = int(step.rows[0]), int(step.start[0])
         end = begin + t
         kc[row, :, begin:end] = key[0]
