@@ -70,6 +70,7 @@ def test_selection_respects_the_budget_cap(tiny):
     ({"partial_ratio": 1.2}, "partial_ratio"),
     ({"budget": 0.0}, "budget must be in"),
     ({"alpha": -1.0}, "alpha must be"),
+    ({"dense_layers": 0}, "dense_layers must be >= 1"),
 ])
 def test_bad_settings(settings, message):
     with pytest.raises(UserError, match=message):
@@ -87,3 +88,12 @@ def test_unsupported_attention_is_refused(tiny):
             Engine(tiny, make_policy("infinigen"))
     finally:
         tiny.model.model.layers[0].self_attn = saved
+
+
+@pytest.mark.parametrize("dense_layers", [1, 3])
+def test_any_number_of_dense_layers_fetching_everything_equals_full(tiny, dense_layers):
+    prompts = [list(range(300, 340)), list(range(600, 625))]
+    full = Engine(tiny, make_policy("full")).generate(prompts, 6, stop_at_eos=False)
+    ig = Engine(tiny, make_policy("infinigen", budget=1.0, alpha=1e9, dense_layers=dense_layers)).generate(
+        prompts, 6, stop_at_eos=False)
+    assert [o["token_ids"] for o in ig.outputs] == [o["token_ids"] for o in full.outputs]

@@ -46,8 +46,9 @@ class InfiniGenPolicy(BudgetedPolicy):
             raise UserError(f"partial_ratio must be in (0, 1], got {self.partial_ratio}")
         if self.alpha < 0:
             raise UserError(f"alpha must be >= 0, got {self.alpha}")
-        if self.dense_layers < 0:
-            raise UserError(f"dense_layers must be >= 0, got {self.dense_layers}")
+        if self.dense_layers < 1:
+            raise UserError(f"dense_layers must be >= 1 (layer 0 has no earlier layer to speculate from), "
+                            f"got {self.dense_layers}")
 
     def bind(self, model, ledger, timers):
         super().bind(model, ledger, timers)
@@ -140,7 +141,7 @@ class InfiniGenPolicy(BudgetedPolicy):
             return prefill_attention(query, k, v, int(step.start[0]), step.prefill_mode, self.scale, self.ledger,
                                      layer)
         out = self._decode_attention(layer, query, key, value, step)
-        if self.dense - 1 <= layer < self.spec.num_layers - 1 and layer + 1 >= self.dense:
+        if self.dense <= layer + 1 < self.spec.num_layers:
             self._speculate_and_fetch(layer, step)
         return out
 
