@@ -34,6 +34,14 @@ class Step:
     last_chunk: bool = True  # the pass that ends a row's prompt
 
 
+def select_rows(tensor: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """tensor[rows] along dim 0: a view when rows are every row in order (the usual decode batch), since indexing by
+    a row tensor copies, and on a CPU that copy of the whole cache per layer costs as much as the attention."""
+    if len(rows) == tensor.shape[0] and bool((rows == torch.arange(len(rows))).all()):
+        return tensor
+    return tensor[rows]
+
+
 @dataclass
 class KVPolicy:
     """Base class: settings are dataclass fields, so the CLI and params files can name them."""

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlib.attention import fused_attention, prefill_attention
-from kvlib.policies.base import KVPolicy, Step
+from kvlib.policies.base import KVPolicy, Step, select_rows
 
 
 @dataclass
@@ -37,11 +37,8 @@ class FullPolicy(KVPolicy):
             vc[rows, :, pos] = value[:, :, 0]
             kv_len = int(pos.max()) + 1
             visible = torch.arange(kv_len)[None, :] <= pos[:, None]  # [B, L]
-            # all rows in order (the usual case): a view; indexing by a row tensor would copy the whole cache
-            every_row = len(rows) == kc.shape[0] and bool((rows == torch.arange(len(rows))).all())
-            k = kc[:, :, :kv_len] if every_row else kc[rows, :, :kv_len]
-            v = vc[:, :, :kv_len] if every_row else vc[rows, :, :kv_len]
-            return fused_attention(query, k, v, visible[:, None, None, :].to(self.device), self.scale)
+            return fused_attention(query, select_rows(kc, rows)[:, :, :kv_len], select_rows(vc, rows)[:, :, :kv_len],
+                                   visible[:, None, None, :].to(self.device), self.scale)
         row, begin = int(step.rows[0]), int(step.start[0])
         end = begin + t
         kc[row, :, begin:end] = key[0]

@@ -22,7 +22,7 @@ import torch
 
 from kvlib.attention import causal_mask, matrix_attention, matrix_bytes
 from kvlib.errors import UserError
-from kvlib.policies.base import BudgetedPolicy, Step
+from kvlib.policies.base import BudgetedPolicy, Step, select_rows
 
 CHUNK_SCORING = ("accumulate", "per_chunk")
 
@@ -135,11 +135,11 @@ class HeavyHitterPolicy(BudgetedPolicy):
         self.scores[layer, r, heads, slot] = 0.0
         self.positions[layer, r, heads, slot] = step.start[:, None]
         used = int(self.region[rows].max()) + 1
-        visible = self.positions[layer, rows, :, :used] >= 0  # [B, Hkv, used]: each head its own kept set
-        out, probs = matrix_attention(query, kc[rows, :, :used], vc[rows, :, :used], visible[:, :, None, None, :],
-                                      self.scale)
+        visible = select_rows(self.positions[layer], rows)[:, :, :used] >= 0  # [B, Hkv, used]: per-head kept sets
+        out, probs = matrix_attention(query, select_rows(kc, rows)[:, :, :used], select_rows(vc, rows)[:, :, :used],
+                                      visible[:, :, None, None, :], self.scale)
         with self.timers.section("cache_ops"):
-            self.scores[layer, rows, :, :used] += probs.sum(dim=(2, 3))
+            self.scores[layer, rows, :, :used] += probs.sum(dim=(2, 3))  # no head_dim axis: a cheap copy
         return out
 
     def after_pass(self, step: Step):

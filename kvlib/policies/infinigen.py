@@ -24,7 +24,7 @@ import torch
 
 from kvlib.attention import fused_attention, matrix_attention, prefill_attention
 from kvlib.errors import UserError
-from kvlib.policies.base import BudgetedPolicy, Step
+from kvlib.policies.base import BudgetedPolicy, Step, select_rows
 from kvlib.skewing import load_or_compute_skew
 from kvlib.workloads import prompt_of_length
 
@@ -151,7 +151,8 @@ class InfiniGenPolicy(BudgetedPolicy):
         if layer < self.dense:
             kv_len = int(step.start.max()) + 1
             visible = torch.arange(kv_len)[None, :] <= step.start[:, None]
-            return fused_attention(query, self.dense_k[layer, rows, :, :kv_len], self.dense_v[layer, rows, :, :kv_len],
+            return fused_attention(query, select_rows(self.dense_k[layer], rows)[:, :, :kv_len],
+                                   select_rows(self.dense_v[layer], rows)[:, :, :kv_len],
                                    visible[:, None, None, :].to(self.device), self.scale)
         if self.stream is not None:
             torch.cuda.current_stream().wait_stream(self.stream)
