@@ -19,7 +19,7 @@ import torch
 from kvlib.block_pool import OutOfBlocks
 from kvlib.engine import Engine, RunResult
 from kvlib.errors import UserError
-from kvlib.policies.base import Step
+from kvlib.policies.base import KVPolicy, Step
 
 
 @dataclass
@@ -31,7 +31,7 @@ class Request:
 
 def serve(engine: Engine, requests: list[Request], chunk_size: int = 512, max_batch: int | None = None) -> RunResult:
     policy = engine.policy
-    if type(policy).release is type(policy).__mro__[-2].release:  # base class: cannot drop single rows
+    if type(policy).release is KVPolicy.release:  # the base class cannot drop single rows
         raise UserError(f"continuous batching needs a policy that can release single rows; {policy.name!r} cannot")
     for r in requests:
         engine._validate([r.prompt], r.max_new_tokens, "chunked", chunk_size)

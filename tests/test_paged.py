@@ -86,3 +86,8 @@ def test_bad_settings(settings, message):
 def test_pool_too_small_for_one_request(tiny):
     with pytest.raises(UserError, match="cannot hold even one request"):
         Engine(tiny, make_policy("paged", block_size=4, num_blocks=2)).generate([list(range(100, 120))], 2)
+
+
+def test_continuous_batching_needs_a_policy_that_releases_rows(tiny):
+    with pytest.raises(UserError, match="continuous batching needs"):
+        serve(Engine(tiny, make_policy("full")), [Request(list(range(100, 120)), 2)])
