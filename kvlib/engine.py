@@ -65,25 +65,37 @@ class Engine:
         self.policy.after_pass(step)
         return out.logits[:, -1].float()
 
-    def prefill(self, row: int, prompt: list[int], mode: str, chunk_size: int) -> torch.Tensor:
+    def prefill(self, row: int, prompt: list[int], mode: str, chunk_size: int, start: int = 0) -> torch.Tensor:
+        """Feed a row its prompt, whole or in chunks; return the logits after its last token. With start > 0 the row
+        already holds `start` tokens and the prompt extends it (the next turn of a conversation)."""
         size = chunk_size if mode == "chunked" else len(prompt)
         logits = None
-        with self.timers.section("cache_ops"):
-            cached = self.policy.reuse_prefix(row, prompt)
+        cached = 0
+        if start == 0:
+            with self.timers.section("cache_ops"):
+                cached = self.policy.reuse_prefix(row, prompt)
         for begin in range(cached, len(prompt), size):
             chunk = prompt[begin:begin + size]
-            step = Step(self.policy, torch.tensor([row]), torch.tensor([begin]), len(chunk), "prefill", mode,
+            step = Step(self.policy, torch.tensor([row]), torch.tensor([start + begin]), len(chunk), "prefill", mode,
                         last_chunk=begin + size >= len(prompt))
             logits = self.forward(torch.tensor([chunk]), step)
         return logits[0]
 
+    def decode_step(self, rows: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
+        """One decode pass: row rows[i] is fed tokens[i] at position positions[i]; returns logits [B, V]."""
+        rows_t = torch.tensor(rows)
+        return self.forward(torch.tensor(tokens)[:, None], Step(self.policy, rows_t, torch.tensor(positions), 1,
+                                                                "decode"))
+
     # -- static batch: sequential prefill, batched decode ------------------------------------------------------------
     def generate(self, prompts: list[list[int]], max_new_tokens: int, prefill_mode: str = "fused",
-                 chunk_size: int = 512, stop_at_eos: bool = True, forced: list[list[int]] | None = None
-                 ) -> RunResult:
+                 chunk_size: int = 512, stop_at_eos: bool = True, forced: list[list[int]] | None = None,
+                 share_prompts: bool = False) -> RunResult:
         """Greedy generation; with `forced`, teacher forcing: row r is fed forced[r] instead of its own choices and
-        each output carries the log-probabilities of those tokens (`logprobs`), while the policy keeps, evicts and
-        fetches exactly as it does when generating (how a KV budget acts on a scored continuation)."""
+        each output carries the log-probabilities of those tokens (`logprobs`) and whether each was the greedy choice
+        (`greedy`), while the policy keeps, evicts and fetches exactly as it does when generating (how a KV budget
+        acts on a scored continuation). With share_prompts, a prompt equal to an earlier row's is not prefilled
+        again: the policy forks that row (the answer choices of one question share their context)."""
         if forced is not None:
             if len(forced) != len(prompts) or not all(forced):
                 raise UserError("forced needs one non-empty continuation per prompt")
@@ -93,11 +105,14 @@ class Engine:
         n = len(prompts)
         generated: list[list[int]] = [[] for _ in range(n)]
         logprobs: list[list[float]] = [[] for _ in range(n)]
+        greedy: list[list[bool]] = [[] for _ in range(n)]
 
         def take(row: int, logits: torch.Tensor) -> None:
-            token = forced[row][len(generated[row])] if forced is not None else int(logits.argmax())
+            best = int(logits.argmax())
+            token = forced[row][len(generated[row])] if forced is not None else best
             if forced is not None:
                 logprobs[row].append(float(torch.log_softmax(logits, dim=-1)[token]))
+                greedy[row].append(token == best)
             generated[row].append(token)
 
         def finished(row: int) -> bool:
@@ -114,21 +129,26 @@ class Engine:
         prefill_end = decode_end = t0
         try:
             self.policy.start(n, [len(p) for p in prompts], max_new_tokens)
+            first_row: dict[tuple, int] = {}
+            prefilled: dict[int, torch.Tensor] = {}
             for row, prompt in enumerate(prompts):
-                take(row, self.prefill(row, prompt, prefill_mode, chunk_size))
+                src = first_row.setdefault(tuple(prompt), row) if share_prompts else row
+                if src == row:
+                    prefilled[row] = self.prefill(row, prompt, prefill_mode, chunk_size)
+                else:
+                    with self.timers.section("cache_ops"):
+                        self.policy.fork(src, row)
+                take(row, prefilled[src])
                 ttft.append(self.timers.now() - t0)
             prefill_end = self.timers.now()
             policy_prefill = self._policy_seconds()
-            lengths = torch.tensor([len(p) for p in prompts])
             for _ in range(max_new_tokens - 1):
                 live = [r for r in range(n) if not finished(r)]
                 if not live:
                     break
-                rows = torch.tensor(live)
-                step = Step(self.policy, rows, lengths[rows] + torch.tensor([len(generated[r]) - 1 for r in live]),
-                            1, "decode")
                 begin = self.timers.now()
-                logits = self.forward(torch.tensor([[generated[r][-1]] for r in live]), step)
+                logits = self.decode_step(live, [generated[r][-1] for r in live],
+                                          [len(prompts[r]) + len(generated[r]) - 1 for r in live])
                 for i, r in enumerate(live):
                     take(r, logits[i])
                 step_latencies.append(self.timers.now() - begin)
@@ -142,8 +162,8 @@ class Engine:
         self.policy.finish()
         return RunResult(
             outputs=[{"token_ids": g, "text": self.model.tokenizer.decode(g, skip_special_tokens=True),
-                      "prompt_tokens": len(p), **({"logprobs": lp} if forced is not None else {})}
-                     for g, p, lp in zip(generated, prompts, logprobs)],
+                      "prompt_tokens": len(p), **({"logprobs": lp, "greedy": gr} if forced is not None else {})}
+                     for g, p, lp, gr in zip(generated, prompts, logprobs, greedy)],
             metrics=self._metrics(ttft, step_latencies, t0, prefill_end, decode_end, policy_prefill, policy_total,
                                   generated, oom),
             memory=memory, policy={"name": self.policy.name, **self.policy.settings()}, oom=oom, stats=stats)

@@ -23,7 +23,8 @@ PREFILL_MODES = ("full", "fused", "chunked")
 
 @dataclass
 class Step:
-    """One forward pass as the policy sees it."""
+    """One forward pass as the policy sees it. A prefill pass with start > 0 extends a row that already holds tokens
+    (a later chunk of its prompt, or the next turn of a conversation after decoding)."""
 
     policy: KVPolicy
     rows: torch.Tensor  # [B] batch rows covered by this pass
@@ -76,6 +77,11 @@ class KVPolicy:
 
     def prepare(self, step: Step) -> None:
         """Before a forward pass: reserve what it will write (may raise DeviceOOM before any compute)."""
+
+    def fork(self, src: int, dst: int) -> None:
+        """Make row dst a copy of row src's cache (dst's old content dropped): a branch off a shared prefix, e.g. the
+        answer choices of one question, or a question asked of a conversation that goes on without it."""
+        raise NotImplementedError(f"policy {self.name!r} cannot fork rows")
 
     def release(self, row: int) -> None:
         """Drop everything a row holds (finished early or preempted by a scheduler)."""

@@ -48,6 +48,17 @@ class FullPolicy(KVPolicy):
 
     def after_pass(self, step: Step):
         self.lengths[step.rows] = step.start + step.q_len
+        self._book()
+
+    def fork(self, src, dst):
+        n = int(self.lengths[src])
+        for kc, vc in zip(self.keys, self.values):
+            kc[dst, :, :n] = kc[src, :, :n]
+            vc[dst, :, :n] = vc[src, :, :n]
+        self.lengths[dst] = n
+        self._book()
+
+    def _book(self):
         per_token = self.spec.kv_bytes_per_token
         used = int(self.lengths.sum()) * per_token
         reserved = self.spec.kv_bytes(self.keys[0].shape[0] * self.keys[0].shape[2])

@@ -80,7 +80,7 @@ class HeavyHitterPolicy(BudgetedPolicy):
         self.region = torch.zeros(batch_size, dtype=torch.long)  # slots a row has used, a hole included
         self.seen = torch.zeros(batch_size, dtype=torch.long)  # tokens the row has processed
         self.write_slot = torch.zeros(shape[:3], dtype=torch.long)  # where each (layer, row, head) stores next
-        self.prefill_kv: dict[int, list] = {}  # row -> per layer [K, V, scores] of the prompt until its last chunk
+        self.prefill_kv: dict[int, list] = {}  # row -> per layer [K, V, scores, positions] until its last chunk
 
     def attend(self, layer, query, key, value, step: Step):
         if step.phase == "prefill":
@@ -89,40 +89,65 @@ class HeavyHitterPolicy(BudgetedPolicy):
 
     # -- prefill ---------------------------------------------------------------------------------------------------
     def _prefill(self, layer, query, key, value, step):
+        """A chunk's queries see what the row holds (its earlier chunks, or the entries it kept of earlier turns) and,
+        causally, the chunk itself; every held entry's score accumulates the attention it receives."""
         row, begin, t = int(step.rows[0]), int(step.start[0]), step.q_len
-        end = begin + t
         held = self.prefill_kv.setdefault(row, [None] * self.spec.num_layers)
         if held[layer] is None:
-            held[layer] = [key[0], value[0], torch.zeros(key.shape[1], end, device=self.device)]
-        else:
-            k_old, v_old, s_old = held[layer]
-            held[layer] = [torch.cat([k_old, key[0]], 1), torch.cat([v_old, value[0]], 1),
-                           torch.cat([s_old, s_old.new_zeros(key.shape[1], t)], 1)]
-        k, v, scores = held[layer]
-        nbytes = matrix_bytes(1, self.spec.num_attention_heads, t, end, self.spec.dtype_bytes)
+            held[layer] = self._reopen(layer, row)
+        k, v, scores, positions = held[layer]
+        new_positions = torch.arange(begin, begin + t, device=self.device).expand(key.shape[1], -1)
+        k, v = torch.cat([k, key[0]], 1), torch.cat([v, value[0]], 1)
+        scores = torch.cat([scores, scores.new_zeros(key.shape[1], t)], 1)
+        held[layer] = [k, v, scores, torch.cat([positions, new_positions], 1)]
+        length = k.shape[1]
+        nbytes = matrix_bytes(1, self.spec.num_attention_heads, t, length, self.spec.dtype_bytes)
         with self.ledger.transient("device", "activations", nbytes, where=f"attention matrix, layer {layer}"):
-            out, probs = matrix_attention(query, k[None], v[None], causal_mask(t, end, self.device), self.scale)
-            received = probs[0].sum(dim=(1, 2))  # [Hkv, end]: summed over the group's query heads and the queries
+            out, probs = matrix_attention(query, k[None], v[None], causal_mask(t, length, self.device), self.scale)
+            received = probs[0].sum(dim=(1, 2))  # [Hkv, length]: summed over the group's query heads and the queries
         if self.chunk_scoring == "per_chunk":
-            scores[:, begin:end] += received[:, begin:end]
+            scores[:, -t:] += received[:, -t:]
         else:
             scores += received
         return out
 
-    def _compact_prompt(self, row: int):
+    def _reopen(self, layer: int, row: int) -> list[torch.Tensor]:
+        """What a row keeps in one layer, as the start of a new prefill: nothing for a fresh row, the kept entries
+        (in position order) when a conversation goes on after decoding."""
+        kept, used = int(self.kept[row]), int(self.region[row])
+        pos = self.positions[layer, row, :, :used]
+        order = pos.masked_fill(pos < 0, torch.iinfo(pos.dtype).max).argsort(dim=1)[:, :kept]
+        if layer == self.spec.num_layers - 1:
+            self.kept[row] = 0  # the entries now live in the prefill state until the row is compacted again
+        dims = order[..., None].expand(-1, -1, self.spec.head_dim)
+        return [self.keys[layer, row].gather(1, dims), self.values[layer, row].gather(1, dims),
+                self.scores[layer, row].gather(1, order), pos.gather(1, order)]
+
+    def _compact(self, row: int):
         """End of a row's prefill: keep its heavy hitters and recent window, in position order, per head."""
         held = self.prefill_kv.pop(row)
-        length = held[0][0].shape[1]
-        keep = self.allowed(length)
+        keep = min(held[0][0].shape[1], self.allowed(int(self.seen[row])))
+        if keep >= self.cap:
+            raise UserError(f"row {row} grew to {int(self.seen[row])} tokens, past the lengths given to start()")
         heavy, recent = self.split(keep)
-        for layer, (k, v, scores) in enumerate(held):
+        for layer, (k, v, scores, positions) in enumerate(held):
             idx = select_heavy_recent(scores, heavy, recent)
             self.keys[layer, row, :, :keep] = k.gather(1, idx[..., None].expand(-1, -1, k.shape[-1]))
             self.values[layer, row, :, :keep] = v.gather(1, idx[..., None].expand(-1, -1, v.shape[-1]))
             self.scores[layer, row, :, :keep] = scores.gather(1, idx)
-            self.positions[layer, row, :, :keep] = idx
+            self.positions[layer, row, :, :keep] = positions.gather(1, idx)
+            self.positions[layer, row, :, keep:] = -1
         self.kept[row] = self.region[row] = keep
         self.write_slot[:, row] = keep
+
+    def fork(self, src, dst):
+        if src in self.prefill_kv:
+            raise UserError(f"row {src} is in the middle of a prefill and cannot be forked")
+        for cache in (self.keys, self.values, self.scores, self.positions, self.write_slot):
+            cache[:, dst] = cache[:, src]
+        for per_row in (self.kept, self.region, self.seen):
+            per_row[dst] = per_row[src]
+        self._book()
 
     # -- decode ----------------------------------------------------------------------------------------------------
     def _decode(self, layer, query, key, value, step):
@@ -147,7 +172,7 @@ class HeavyHitterPolicy(BudgetedPolicy):
             self.seen[step.rows] = step.start + step.q_len
             if step.last_chunk:
                 with self.timers.section("cache_ops"):
-                    self._compact_prompt(int(step.rows[0]))
+                    self._compact(int(step.rows[0]))
         else:
             with self.timers.section("cache_ops"):
                 self._evict_after_decode(step.rows)

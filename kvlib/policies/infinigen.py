@@ -225,8 +225,21 @@ class InfiniGenPolicy(BudgetedPolicy):
         picked[..., -1] = True
         self.coverage.append(float((probs * picked[:, :, None, :]).sum(-1).mean()))
 
+    def fork(self, src, dst):
+        n = int(self.lengths[src])
+        for cache in (self.dense_k, self.dense_v, self.host_k, self.host_v, self.partial_k):
+            cache[:, dst, :, :n] = cache[:, src, :, :n]
+        self.lengths[dst] = n
+        self._book()
+
     def after_pass(self, step: Step):
         self.lengths[step.rows] = step.start + step.q_len
+        self._book()
+        if step.phase == "decode":
+            self.decode_steps += 1
+            self.last_step_moved, self.step_moved = self.step_moved, 0
+
+    def _book(self):
         s = self.spec
         tokens = int(self.lengths.sum())
         per_layer = s.num_kv_heads * s.head_dim * s.dtype_bytes * 2
@@ -237,9 +250,6 @@ class InfiniGenPolicy(BudgetedPolicy):
         self.ledger.set("device", "infinigen fetched entries",
                         kv=tokens * self.dense * per_layer + partial + self.step_moved,
                         kv_reserved=self.dense_k.numel() * 2 * s.dtype_bytes - tokens * self.dense * per_layer)
-        if step.phase == "decode":
-            self.decode_steps += 1
-            self.last_step_moved, self.step_moved = self.step_moved, 0
 
     def cached_tokens(self):
         return self.lengths.tolist()

@@ -87,10 +87,13 @@ class PagedPolicy(KVPolicy):
         self.pool.free_table(self.tables.pop(row))
         self.prompts.pop(row, None)
 
-    def fork(self, parent: int, child: int) -> None:
-        """A child row sharing the parent's cache (e.g. two follow-up questions on one conversation)."""
-        self.tables[child] = self.pool.fork(self.tables[parent])
-        self.prompts[child] = list(self.prompts.get(parent, []))
+    def fork(self, src, dst):
+        """dst shares src's blocks; a shared block is copied only when one of them writes into it."""
+        if dst in self.tables:
+            self.release(dst)
+        self.tables[dst] = self.pool.fork(self.tables[src])
+        self.prompts[dst] = list(self.prompts.get(src, []))
+        self._book()
 
     # -- attention -------------------------------------------------------------------------------------------------
     def attend(self, layer, query, key, value, step: Step):
