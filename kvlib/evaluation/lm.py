@@ -1,0 +1,111 @@
+"""`kvlib` as an lm-eval model: every request runs through kvlib's engine under one KV policy and budget.
+
+    lm_eval --model kvlib --model_args pretrained=smollm2-135m,policy=h2o,budget=0.1 --tasks piqa
+
+A scored continuation is teacher-forced through decode steps (`Engine.generate(forced=...)`): the context but its last
+token is prefilled, the policy compacts or offloads it as it would after any prompt, and every continuation token is
+then predicted by a decode step that sees only what the budget lets the policy keep or fetch. (Scoring the first
+continuation token straight from the prefill would see the whole context, and a one-token answer such as BoolQ's
+"yes" would never feel the budget.) Requests that share a context share one prefill: the policy forks the row.
+"""
+
+from __future__ import annotations
+
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from tqdm import tqdm
+
+from kvlib.engine import Engine
+from kvlib.errors import UserError
+from kvlib.models import load_model
+from kvlib.policies import make_policy
+
+
+@register_model("kvlib")
+class KVLibLM(TemplateLM):
+    def __init__(self, pretrained: str = "smollm2-135m", policy: str = "full", batch_size: int | str = 8,
+                 device: str | None = None, max_length: int | None = None, max_batch_size: int | None = None,
+                 loaded=None, **policy_settings):
+        super().__init__()
+        kv_policy = make_policy(policy, **policy_settings)  # bad settings fail here, before the model is loaded
+        self.loaded = loaded or load_model(pretrained, device=device)
+        self.tokenizer = self.loaded.tokenizer
+        self.batch_size = 8 if batch_size in (None, "auto") else int(str(batch_size).split(":")[0])
+        self._max_length = max_length or self.loaded.spec.max_context
+        self.engine = Engine(self.loaded, kv_policy)
+
+    # -- what TemplateLM needs -------------------------------------------------------------------------------------
+    @property
+    def eot_token_id(self) -> int:
+        return self.tokenizer.eos_token_id
+
+    @property
+    def prefix_token_id(self) -> int:
+        # as lm-eval's `hf` model: BOS where the tokenizer has one, so per-item scores compare one to one
+        bos = self.tokenizer.bos_token_id
+        return bos if bos is not None else self.eot_token_id
+
+    @property
+    def max_length(self) -> int:
+        return self._max_length
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
+        if add_special_tokens is None:
+            return self.tokenizer.encode(string)
+        return self.tokenizer.encode(string, add_special_tokens=add_special_tokens)
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+        scored = [self._split(context, continuation) for _, context, continuation in requests]
+        # same contexts next to each other, so that a batch forks one prefill for all of a question's choices
+        order = sorted(range(len(scored)), key=lambda i: (len(scored[i][0]), scored[i][0]))
+        results: list[tuple[float, bool] | None] = [None] * len(scored)
+        for begin in tqdm(range(0, len(order), self.batch_size), disable=disable_tqdm, desc="kvlib loglikelihood"):
+            batch = order[begin:begin + self.batch_size]
+            prompts = [scored[i][0] for i in batch]
+            forced = [scored[i][1] for i in batch]
+            result = self.engine.generate(prompts, 0, prefill_mode=self.engine.policy.preferred_prefill,
+                                          forced=forced, share_prompts=True)
+            for i, out in zip(batch, result.outputs):
+                skip = scored[i][2]
+                results[i] = (sum(out["logprobs"][skip:]), all(out["greedy"][skip:]))
+        return results
+
+    def _split(self, context: list[int], continuation: list[int]) -> tuple[list[int], list[int], int]:
+        """(prompt, forced tokens, how many leading forced tokens are context, not scored)."""
+        if not continuation:
+            raise UserError("lm-eval asked to score an empty continuation")
+        whole = (context + continuation)[-self.max_length:]  # left-truncated, as lm-eval's `hf` model does
+        cut = len(whole) - len(continuation)
+        if cut >= 2:  # the context's last token goes through a decode step, so the first scored token feels the budget
+            return whole[:cut - 1], whole[cut - 1:], 1
+        return whole[:max(cut, 1)], whole[max(cut, 1):], 0
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        windows, owners = [], []
+        for i, (text,) in enumerate(req.args for req in requests):
+            tokens = self.tok_encode(text)
+            for context, continuation in map(make_disjoint_window, get_rolling_token_windows(
+                    token_list=tokens, prefix_token=self.prefix_token_id, max_seq_len=self.max_length,
+                    context_len=1)):
+                windows.append(((None, None), context, continuation))
+                owners.append(i)
+        totals = [0.0] * len(requests)
+        for owner, (logprob, _) in zip(owners, self._loglikelihood_tokens(windows, disable_tqdm=disable_tqdm)):
+            totals[owner] += logprob
+        return totals
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        answers = []
+        for req in tqdm(requests, disable=disable_tqdm, desc="kvlib generate_until"):
+            context, gen_kwargs = req.args
+            until = gen_kwargs.get("until") or [self.tokenizer.decode([self.eot_token_id])]
+            until = [until] if isinstance(until, str) else list(until)
+            max_new = int(gen_kwargs.get("max_gen_toks", 256))
+            prompt = self.tok_encode(context)[-(self.max_length - max_new):]
+            result = self.engine.generate([prompt], max_new, prefill_mode=self.engine.policy.preferred_prefill)
+            text = result.outputs[0]["text"]
+            for stop in until:
+                text = text.split(stop)[0] if stop else text
+            answers.append(text)
+        return answers

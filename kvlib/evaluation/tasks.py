@@ -1,0 +1,124 @@
+"""lm-eval tasks: the project's offline ones, generated from local text, and a runner returning per-item rows.
+
+Offline tasks (the `embedded` profile), written as ordinary lm-eval task folders (YAML + JSONL) from a seed:
+- `kvlib_recall`: a fact stated at the start of a long stretch of real text (the CPython documentation), then a
+  question about it; multiple choice among values of the same kind. Lengths up to the model's context.
+- `kvlib_pydoc_perplexity`: rolling log-likelihood of stretches of the CPython documentation.
+The `paper` profile names lm-eval's own tasks (piqa, hellaswag, ...), which need the Hugging Face hub.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from pathlib import Path
+
+import yaml
+
+from kvlib.errors import UserError
+from kvlib.evaluation.facts import draw
+from kvlib.models import cache_dir
+from kvlib.workloads import corpus_ids
+
+OFFLINE_TASKS = ("kvlib_recall", "kvlib_pydoc_perplexity")
+
+
+def recall_docs(tokenizer, lengths: list[int], items_per_length: int, choices: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    corpus = corpus_ids(tokenizer, max(lengths) + 1)
+    docs = []
+    for length in lengths:
+        for _ in range(items_per_length):
+            fact = draw(rng, len(docs))
+            start = rng.randrange(len(corpus) - length)
+            filler = tokenizer.decode(corpus[start:start + length])
+            options = [fact.answer, *rng.sample(fact.alternatives, choices - 1)]
+            rng.shuffle(options)
+            docs.append({"context": f"{fact.statement}\n\n{filler}\n\nQuestion: {fact.question}\nAnswer:",
+                         "choices": options, "answer": options.index(fact.answer), "length": length})
+    return docs
+
+
+def perplexity_docs(tokenizer, docs: int, tokens: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    corpus = corpus_ids(tokenizer, tokens + 1)
+    starts = [rng.randrange(len(corpus) - tokens) for _ in range(docs)]
+    return [{"text": tokenizer.decode(corpus[s:s + tokens]), "length": tokens} for s in starts]
+
+
+def _task_config(name: str, data: Path, body: dict) -> dict:
+    return {"task": name, "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(data)}},
+            "test_split": "test", **body}
+
+
+TASK_BODIES = {
+    "kvlib_recall": {"output_type": "multiple_choice", "doc_to_text": "context", "doc_to_choice": "choices",
+                     "doc_to_target": "answer",
+                     "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}]},
+    "kvlib_pydoc_perplexity": {"output_type": "loglikelihood_rolling", "doc_to_text": "", "doc_to_target": "text",
+                               "metric_list": [
+                                   {"metric": m, "aggregation": a, "higher_is_better": False}
+                                   for m, a in (("word_perplexity", "weighted_perplexity"),
+                                                ("byte_perplexity", "weighted_perplexity"),
+                                                ("bits_per_byte", "bits_per_byte"))]},
+}
+
+
+def write_offline_tasks(tokenizer, recall_lengths: list[int], recall_items: int = 4, recall_choices: int = 4,
+                        perplexity_docs_n: int = 4, perplexity_tokens: int = 256, seed: int = 0) -> Path:
+    """Generate both offline tasks into a folder named by their settings (reused when it exists); return it."""
+    settings = {"recall_lengths": recall_lengths, "recall_items": recall_items, "recall_choices": recall_choices,
+                "perplexity_docs": perplexity_docs_n, "perplexity_tokens": perplexity_tokens, "seed": seed,
+                "tokenizer": tokenizer.name_or_path}
+    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
+    folder = cache_dir() / "tasks" / key
+    if (folder / "done").exists():
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    docs = {"kvlib_recall": recall_docs(tokenizer, recall_lengths, recall_items, recall_choices, seed),
+            "kvlib_pydoc_perplexity": perplexity_docs(tokenizer, perplexity_docs_n, perplexity_tokens, seed)}
+    for name, rows in docs.items():
+        data = folder / f"{name}.jsonl"
+        data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (folder / f"{name}.yaml").write_text(yaml.safe_dump(_task_config(name, data, TASK_BODIES[name])))
+    (folder / "settings.json").write_text(json.dumps(settings, indent=1))
+    (folder / "done").touch()
+    return folder
+
+
+def evaluate(lm, tasks: list[str], include_path: str | Path | None = None, limit: int | None = None) -> list[dict]:
+    """Run lm-eval tasks on an LM instance; one row per item: task, doc_id, its correctness or log-likelihood.
+
+    With include_path, only the tasks in that folder are indexed (fast, offline); without it, lm-eval's own tasks.
+    """
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    manager = TaskManager(include_path=str(include_path) if include_path else None,
+                          include_defaults=include_path is None)
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown:
+        where = f"the task folder {include_path}" if include_path else "lm-eval's task index"
+        raise UserError(f"unknown lm-eval task {unknown[0]!r}: not in {where}. Offline tasks: {list(OFFLINE_TASKS)} "
+                        "(generated by kvlib); the paper's tasks (piqa, hellaswag, winogrande, copa, openbookqa, "
+                        "boolq) come with lm-eval and need their datasets from the Hugging Face hub")
+    try:
+        out = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit, log_samples=True,
+                                      bootstrap_iters=0, verbosity="ERROR")
+    except (ConnectionError, FileNotFoundError, OSError, ValueError) as exc:
+        raise UserError(f"lm-eval task(s) {tasks} cannot load their dataset here ({type(exc).__name__}: {exc}). "
+                        "Their data comes from the Hugging Face hub: run where the hub is reachable, without "
+                        "HF_DATASETS_OFFLINE=1, once (it is cached after that)") from exc
+    rows = []
+    for task, samples in out["samples"].items():
+        for sample in samples:
+            row = {"task": task, "doc_id": sample["doc_id"], "length": sample["doc"].get("length")}
+            if "acc" in sample:
+                scores = [float(r[0]) for r in sample["filtered_resps"]]
+                row.update(correct=float(sample["acc"]), choice_logliks=json.dumps(scores), target=sample["target"])
+            if "word_perplexity" in sample:
+                loglik, words = sample["word_perplexity"]
+                row.update(loglik=float(loglik), words=int(words), bytes=int(sample["byte_perplexity"][1]))
+            rows.append(row)
+    return rows
