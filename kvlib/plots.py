@@ -96,3 +96,51 @@ def decode_length(df: pd.DataFrame):
     ax.set(xlabel="output length (tokens)", ylabel="decode throughput (tokens/s)",
            title="Decode throughput vs output length (fixed input)")
     return fig
+
+
+def accuracy(table: pd.DataFrame):
+    """Paper Fig. 7: one panel per task, score vs KV budget per sparse policy, the full cache as a dashed line."""
+    _style()
+    tasks = sorted(table["task"].unique())
+    fig, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 4), squeeze=False)
+    for ax, task in zip(axes.flat, tasks):
+        t = table[table["task"] == task]
+        sparse = t[t["policy"] != "full"]
+        sns.lineplot(sparse, x="budget", y="score", hue="policy", marker="o", ax=ax)
+        for _, row in t[t["policy"] == "full"].iterrows():
+            ax.axhline(row["score"], color="black", ls="--", lw=1, label="full cache")
+        ax.set(xscale="log", xlabel="KV budget (fraction of entries kept)", ylabel=t["metric"].iloc[0], title=task)
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    return fig
+
+
+def recall_by_length(df: pd.DataFrame):
+    """Recall accuracy vs context length, one panel per budget (the full cache in each)."""
+    _style()
+    d = df[df["task"] == "kvlib_recall"].copy()
+    full = d[d["policy"] == "full"]
+    budgets = sorted(d["budget"].dropna().unique())
+    fig, axes = plt.subplots(1, len(budgets), figsize=(4 * len(budgets), 3.6), sharey=True, squeeze=False)
+    for ax, budget in zip(axes.flat, budgets):
+        panel = pd.concat([full, d[d["budget"] == budget]])
+        sns.lineplot(panel, x="length", y="correct", hue="policy", marker="o", errorbar=None, ax=ax,
+                     legend=ax is axes.flat[-1])
+        ax.set(xscale="log", xlabel="context length (tokens)", ylabel="recall accuracy", title=f"budget {budget:g}")
+    fig.tight_layout()
+    return fig
+
+
+def retention(df: pd.DataFrame):
+    """Paper Fig. 8: (a) share of correct answers by context bucket, (b) by turn, the band spanning the buckets."""
+    _style()
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    order = sorted(df["bucket"].unique(), key=lambda label: df.loc[df["bucket"] == label, "context_tokens"].min())
+    sns.barplot(df, x="bucket", y="correct", hue="policy", order=order, errorbar=None, ax=a)
+    a.set(xlabel="conversation length bucket (tokens)", ylabel="retention accuracy", title="(a) by context length")
+    per_bucket = df.groupby(["policy", "bucket", "turn"], as_index=False)["correct"].mean()
+    sns.lineplot(per_bucket, x="turn", y="correct", hue="policy", marker="o", errorbar=("pi", 100), ax=b)
+    b.set(xlabel="turn at which the question is asked", ylabel="retention accuracy",
+          title="(b) by turn (band: range over buckets)")
+    fig.tight_layout()
+    return fig

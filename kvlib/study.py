@@ -9,6 +9,9 @@ params/<profile>.yaml:
         policies: all                # every registered policy, or a list of names
         grid: {prompt_tokens: [512, 2048], prefill: [full, fused, chunked]}
         fixed: {chunk_size: 512}
+      accuracy:
+        policies: [full, h2o, infinigen]
+        grid: {task: [kvlib_recall], budget: [0.1, 0.5]}   # a setting as an axis: full (no budget) runs once
 
 A grid point is a flat dict (experiment, model, policy, its settings, the grid values, the fixed values); its hash
 names its results file `results/<profile>/<experiment>/<hash>.parquet`. A stored point is never recomputed unless
@@ -60,14 +63,17 @@ class Profile:
 
     def points(self, experiment: str) -> list[dict]:
         """Every grid point of one experiment, in a stable order."""
-        from kvlib.policies import REGISTRY
+        from kvlib.policies import REGISTRY, available, policy_settings
 
         spec = self.experiments[experiment]
         grid = spec.get("grid", {})
-        axes = sorted(grid)
+        any_setting = {name for p in available() for name in policy_settings(p)}
         points = []
         for policy in self._policies(spec["policies"]):
             settings = dict(self.policy_settings.get(policy, {}))
+            own = set(policy_settings(policy)) if policy in REGISTRY else set()
+            # an axis named after a policy setting (e.g. budget) varies only the policies that have it
+            axes = sorted(a for a in grid if a in own or a not in any_setting)
             for values in itertools.product(*(grid[a] for a in axes)):
                 point = {"experiment": experiment, "model": spec.get("model", self.model), "policy": policy,
                          "policy_settings": settings, "device": self.device,

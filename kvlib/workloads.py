@@ -22,26 +22,30 @@ def _pydoc_text() -> str:
     return "\n\n".join(topics[k] for k in sorted(topics))
 
 
-def _dataset_texts(source: dict, needed_chars: int) -> str:
-    """Concatenate records of a `datasets` source until needed_chars are collected (streamed: no full download)."""
+def dataset_records(source: dict):
+    """Records of a `datasets` source, streamed (no full download); one clear error when it cannot be read here."""
     try:
         import datasets
     except ImportError as exc:
         raise UserError("text source needs the `datasets` package: pip install 'kvlib[eval]'") from exc
     kwargs = {k: v for k, v in source.items() if k not in ("kind", "field")}
     try:
-        records = datasets.load_dataset(streaming=True, split=kwargs.pop("split", "train"), **kwargs)
-        parts, size = [], 0
-        for record in records:
-            value = record[source.get("field", "text")]
-            text = value if isinstance(value, str) else "\n".join(turn["content"] for turn in value)
-            parts.append(text)
-            size += len(text)
-            if size >= needed_chars:
-                break
+        yield from datasets.load_dataset(streaming=True, split=kwargs.pop("split", "train"), **kwargs)
     except (ConnectionError, FileNotFoundError, OSError, ValueError) as exc:
         raise UserError(f"dataset {kwargs.get('path')!r} cannot be read here ({type(exc).__name__}: {exc}). "
                         "It needs Hugging Face hub access (unset HF_DATASETS_OFFLINE) or a local copy.") from exc
+
+
+def _dataset_texts(source: dict, needed_chars: int) -> str:
+    """Concatenate records of a `datasets` source until needed_chars are collected."""
+    parts, size = [], 0
+    for record in dataset_records(source):
+        value = record[source.get("field", "text")]
+        text = value if isinstance(value, str) else "\n".join(turn["content"] for turn in value)
+        parts.append(text)
+        size += len(text)
+        if size >= needed_chars:
+            break
     return "\n\n".join(parts)
 
 

@@ -6,7 +6,7 @@ import functools
 
 from kvlib.engine import Engine, RunResult
 from kvlib.models import LoadedModel, load_model
-from kvlib.policies import make_policy
+from kvlib.policies import REGISTRY, make_policy, policy_settings
 
 
 @functools.lru_cache(maxsize=2)
@@ -14,16 +14,26 @@ def model(name: str, device: str | None = None) -> LoadedModel:
     return load_model(name, device=device)
 
 
+def settings_of(point: dict) -> dict:
+    """The point's policy settings: the profile's, then any grid axis named after one of them (e.g. `budget`)."""
+    own = policy_settings(point["policy"]) if point["policy"] in REGISTRY else []
+    return {**point["policy_settings"], **{k: point[k] for k in own if k in point}}
+
+
+def make_engine(point: dict) -> Engine:
+    loaded = model(point["model"], point.get("device"))
+    capacity = point.get("device_capacity_gb")
+    policy = make_policy(point["policy"], **settings_of(point))
+    return Engine(loaded, policy, device_capacity_bytes=int(capacity * 2**30) if capacity else None)
+
+
 def run(point: dict, prompts: list[list[int]], max_new_tokens: int, prefill: str | None = None,
         chunk_size: int = 512) -> RunResult:
     """One generation run of the point's policy on the given prompts (ignoring EOS, so lengths are as asked).
 
     Without a prefill mode, the policy's preferred one (fused, or chunked for H2O, which needs scores)."""
-    loaded = model(point["model"], point.get("device"))
-    capacity = point.get("device_capacity_gb")
-    policy = make_policy(point["policy"], **point["policy_settings"])
-    engine = Engine(loaded, policy, device_capacity_bytes=int(capacity * 2**30) if capacity else None)
-    return engine.generate(prompts, max_new_tokens, prefill_mode=prefill or policy.preferred_prefill,
+    engine = make_engine(point)
+    return engine.generate(prompts, max_new_tokens, prefill_mode=prefill or engine.policy.preferred_prefill,
                            chunk_size=chunk_size, stop_at_eos=False)
 
 

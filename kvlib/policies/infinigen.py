@@ -190,6 +190,8 @@ class InfiniGenPolicy(BudgetedPolicy):
             cap = (torch.full_like(cached, self.budget_tokens).float() if self.budget_tokens is not None
                    else torch.ceil(self.budget * cached.float()))
             count = torch.minimum(candidates.round(), cap).clamp(min=1).long()
+            if self.budget_tokens is None and self.budget >= 1:
+                count = cached.clamp(min=1)  # budget 1.0 keeps everything, as for every policy: no speculation loss
             chosen = approx.topk(int(count.max()), dim=-1).indices  # [B, Hkv, n]
             keep = torch.arange(chosen.shape[-1])[None, None, :] < count[:, None, None]
         with self.timers.section("fetch"):

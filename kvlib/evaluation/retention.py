@@ -1,0 +1,153 @@
+"""The retention test (paper Sec. V-B, Fig. 8): is a fact told in the first turn still recalled turns later?
+
+A conversation starts with a fact as the user's message and an assistant acknowledgement. Its exchanges are then fed
+turn by turn into one engine row, with the policy's cache carried along (H2O evicts after every turn, for good). After
+turns 2, 4, 6, ... a question about the fact is branched off: the policy forks the conversation's row into a second
+row, the question is prefilled there and the answer generated greedily, and the conversation goes on in its own row
+untouched. Correct = the answer contains the expected string. The conversations' own assistant replies are fed (not
+regenerated), so every policy sees the same context and differences come from cache management alone.
+
+Conversations: LMSYS-Chat-1M through `datasets` (paper profile), or built offline from the CPython documentation.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from kvlib.engine import Engine
+from kvlib.errors import UserError
+from kvlib.evaluation.facts import Fact, draw
+from kvlib.workloads import corpus_ids
+
+ACK = "Got it, I will remember that."
+ASK = " Answer in a few words."
+
+
+@dataclass
+class Conversation:
+    id: str
+    fact: Fact
+    exchanges: list[tuple[str, str]]  # (user, assistant) after the fact's own exchange
+    bucket: tuple[int, int]  # [lo, hi) tokens of the whole conversation, the fact exchange included
+
+
+def messages(conv: Conversation, turns: int | None = None) -> list[dict]:
+    """The chat so far: the fact exchange, then the first `turns` exchanges."""
+    out = [{"role": "user", "content": conv.fact.statement}, {"role": "assistant", "content": ACK}]
+    for user, assistant in conv.exchanges[:turns]:
+        out += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
+    return out
+
+
+def _render(tokenizer, chat: list[dict], ask: bool = False) -> str:
+    return tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=ask)
+
+
+def _extension(tokenizer, before: list[dict], after: list[dict], ask: bool = False) -> list[int]:
+    """Tokens the chat template adds going from one chat to a longer one (an exchange, or a question)."""
+    head = _render(tokenizer, before) if before else ""
+    full = _render(tokenizer, after, ask)
+    if not full.startswith(head):
+        raise UserError("the model's chat template does not render a conversation as a prefix of its continuation; "
+                        "the retention test needs one that does")
+    return tokenizer.encode(full[len(head):], add_special_tokens=False)
+
+
+def conversation_tokens(tokenizer, conv: Conversation, turns: int | None = None) -> int:
+    return len(tokenizer.encode(_render(tokenizer, messages(conv, turns)), add_special_tokens=False))
+
+
+def bucket_label(bucket: tuple[int, int]) -> str:
+    """[1024, 2048) -> "1K-2K", as the paper labels its buckets; [512, 1024) -> "512-1K"."""
+    return "-".join(f"{n // 1024}K" if n % 1024 == 0 else str(n) for n in bucket)
+
+
+# -- conversations ---------------------------------------------------------------------------------------------------
+def offline_conversations(tokenizer, buckets: list[list[int]], per_bucket: int, turns: int = 12, seed: int = 0
+                          ) -> list[Conversation]:
+    """Conversations about stretches of the CPython documentation, `per_bucket` per [lo, hi) token bucket."""
+    rng = random.Random(seed)
+    corpus = corpus_ids(tokenizer, max(hi for _, hi in buckets))
+    convs = []
+    for lo, hi in buckets:
+        for _ in range(per_bucket):
+            per_side = (rng.randrange(lo, hi) - 60) // (2 * turns) - 20  # chat markup and phrasing take the rest
+
+            def excerpt() -> str:
+                start = rng.randrange(len(corpus) - per_side)
+                return tokenizer.decode(corpus[start:start + per_side]).strip()
+
+            exchanges = [(f"Here is part of the Python documentation:\n\n{excerpt()}\n\nWhat does it explain?",
+                         f"It explains the following.\n\n{excerpt()}") for _ in range(turns)]
+            convs.append(Conversation(f"pydoc-{len(convs)}", draw(rng, len(convs)), exchanges, (lo, hi)))
+    return convs
+
+
+def dataset_conversations(tokenizer, source: dict, buckets: list[list[int]], per_bucket: int, min_turns: int = 2,
+                          max_turns: int = 12, seed: int = 0, scan: int = 20000) -> list[Conversation]:
+    """Conversations shaped like LMSYS-Chat-1M (`conversation`: [{role, content}, ...]) from a `datasets` source,
+    English only, bucketed by their token length with the fact exchange; streamed, at most `scan` records read."""
+    from kvlib.workloads import dataset_records
+
+    rng = random.Random(seed)
+    wanted = {tuple(b): per_bucket for b in buckets}
+    convs = []
+    for i, record in enumerate(dataset_records(source)):
+        if i >= scan or not any(wanted.values()):
+            break
+        if record.get("language", "English") != "English":
+            continue
+        turns = record[source.get("field", "conversation")]
+        pairs = [(u["content"], a["content"]) for u, a in zip(turns[::2], turns[1::2])
+                 if u["role"] == "user" and a["role"] == "assistant"][:max_turns]
+        if len(pairs) < min_turns:
+            continue
+        conv = Conversation(str(record.get("conversation_id", i)), draw(rng, len(convs)), pairs, (0, 0))
+        length = conversation_tokens(tokenizer, conv)
+        bucket = next((b for b in wanted if b[0] <= length < b[1] and wanted[b]), None)
+        if bucket is not None:
+            wanted[bucket] -= 1
+            conv.bucket = bucket
+            convs.append(conv)
+    return convs
+
+
+# -- the test ------------------------------------------------------------------------------------------------------
+def run_conversation(engine: Engine, conv: Conversation, query_turns: list[int], prefill_mode: str,
+                     chunk_size: int = 512, answer_tokens: int = 16) -> list[dict]:
+    """Feed a conversation turn by turn in row 0; at each query turn, ask about the fact in row 1. One row per ask."""
+    tok, policy = engine.model.tokenizer, engine.policy
+    asked = [t for t in query_turns if t <= len(conv.exchanges)]
+    pieces = [_extension(tok, [], messages(conv, 0))]
+    pieces += [_extension(tok, messages(conv, t - 1), messages(conv, t)) for t in range(1, max(asked, default=0) + 1)]
+    question = [{"role": "user", "content": conv.fact.question + ASK}]
+    longest_question = max(len(_extension(tok, messages(conv, t), messages(conv, t) + question, ask=True))
+                           for t in asked) if asked else 0
+    total = sum(map(len, pieces)) + longest_question + answer_tokens
+    if total > engine.model.spec.max_context:
+        raise UserError(f"conversation {conv.id} needs {total} tokens; the model's context is "
+                        f"{engine.model.spec.max_context}")
+    rows, held = [], 0
+    policy.start(2, [total, total], answer_tokens)
+    try:
+        for turn, piece in enumerate(pieces):
+            engine.prefill(0, piece, prefill_mode, chunk_size, start=held)
+            held += len(piece)
+            if turn not in asked:
+                continue
+            policy.fork(0, 1)
+            ask = _extension(tok, messages(conv, turn), messages(conv, turn) + question, ask=True)
+            logits = engine.prefill(1, ask, prefill_mode, chunk_size, start=held)
+            answer = [int(logits.argmax())]
+            while len(answer) < answer_tokens and answer[-1] != tok.eos_token_id:
+                logits = engine.decode_step([1], [answer[-1]], [held + len(ask) + len(answer) - 1])
+                answer.append(int(logits[0].argmax()))
+            text = tok.decode(answer, skip_special_tokens=True)
+            rows.append({"conversation": conv.id, "bucket": bucket_label(conv.bucket), "turn": turn,
+                         "context_tokens": held, "fact": conv.fact.question,
+                         "expected": conv.fact.answer, "answer": text,
+                         "correct": conv.fact.answer.lower() in text.lower()})
+    finally:
+        policy.finish()
+    return rows
