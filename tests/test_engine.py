@@ -117,3 +117,21 @@ def test_teacher_forced_scores_change_under_a_small_budget(tiny):
         sparse = Engine(tiny, make_policy(name, budget=0.1)).generate(prompt, 1, prefill_mode=policy.preferred_prefill,
                                                                        forced=cont)
         assert max(abs(a - b) for a, b in zip(sparse.outputs[0]["logprobs"], full)) > 1e-3
+
+
+@pytest.mark.parametrize("name", ["full", "paged", "h2o", "infinigen"])
+def test_identical_prompts_fork_instead_of_prefilling_again(tiny, name):
+    """The answer choices of one question share their context: forked rows score exactly as prefilled ones."""
+    torch.manual_seed(5)
+    context = torch.randint(100, 5000, (40,)).tolist()
+    other = torch.randint(100, 5000, (30,)).tolist()
+    prompts = [context, context, other, context]
+    forced = [torch.randint(100, 5000, (n,)).tolist() for n in (3, 5, 4, 2)]
+    runs = []
+    for share in (False, True):
+        policy = make_policy(name, **({"budget": 0.5} if name in ("h2o", "infinigen") else {}))
+        runs.append(Engine(tiny, policy).generate(prompts, 1, prefill_mode=policy.preferred_prefill, forced=forced,
+                                                  share_prompts=share))
+    for plain, shared in zip(runs[0].outputs, runs[1].outputs):
+        assert shared["logprobs"] == pytest.approx(plain["logprobs"], abs=1e-5)
+        assert shared["greedy"] == plain["greedy"]
