@@ -46,6 +46,17 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--arrival-interval", type=int, default=0,
                      help="with --schedule continuous: request i arrives at decode step i * this")
     run.add_argument("--json", action="store_true", help="print one JSON object")
+    ev = sub.add_parser("eval", help="lm-eval tasks through the engine under one policy and budget")
+    ev.add_argument("--model", default="smollm2-135m")
+    ev.add_argument("--policy", default="full")
+    ev.add_argument("--budget", type=float, default=None, help="fraction of KV entries each layer may keep")
+    ev.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any other policy setting")
+    ev.add_argument("--tasks", nargs="+", default=["kvlib_recall"],
+                    help="kvlib_recall / kvlib_pydoc_perplexity (generated offline), or lm-eval task names")
+    ev.add_argument("--include-path", default=None, help="a folder of lm-eval task configs (local tasks)")
+    ev.add_argument("--limit", type=int, default=None, help="items per task")
+    ev.add_argument("--batch-size", type=int, default=8)
+    ev.add_argument("--device", default=None)
     sub.add_parser("policies", help="list the registered policies and their settings")
     study = sub.add_parser("study", help="run a profile's experiments (resumable) and execute the notebooks")
     study.add_argument("--profile", default="embedded", help="params/<profile>.yaml")
@@ -124,6 +135,27 @@ def cmd_run(args) -> int:
     return 0
 
 
+def cmd_eval(args) -> int:
+    from kvlib.evaluation import KVLibLM
+    from kvlib.evaluation.tasks import OFFLINE_TASKS, evaluate, write_offline_tasks
+    from kvlib.findings import accuracy_table
+
+    policy = policy_from_args(args)  # validate settings before the model loads
+    settings = policy.settings()
+    lm = KVLibLM(pretrained=args.model, policy=args.policy, batch_size=args.batch_size, device=args.device,
+                 **settings)
+    folder = args.include_path
+    if folder is None and all(t in OFFLINE_TASKS for t in args.tasks):
+        folder = write_offline_tasks(lm.tokenizer, recall_lengths=[256, 512, 1024])
+    import pandas as pd
+
+    rows = evaluate(lm, args.tasks, include_path=folder, limit=args.limit)
+    table = accuracy_table(pd.DataFrame(rows).assign(policy=args.policy, budget=settings.get("budget")))
+    print(json.dumps({"policy": {"name": args.policy, **settings}, "scores": table.to_dict(orient="records"),
+                      "items": rows}))
+    return 0
+
+
 def cmd_policies(args) -> int:
     from kvlib.policies import available, policy_settings
 
@@ -143,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args = build_parser().parse_args(argv)
     try:
-        return {"run": cmd_run, "policies": cmd_policies, "study": cmd_study}[args.command](args)
+        return {"run": cmd_run, "eval": cmd_eval, "policies": cmd_policies, "study": cmd_study}[args.command](args)
     except UserError as exc:
         print(f"kvlib: error: {exc}", file=sys.stderr)
         return 2

@@ -5,9 +5,9 @@ Every sentence is computed from a results frame; nothing here states a number it
 
 from __future__ import annotations
 
-import pandas as pd
-
 import math
+
+import pandas as pd
 
 TITLES = {"ttft": "Time to first token", "batch_scaling": "Batch scaling", "decode_length": "Decode length",
           "accuracy": "Accuracy across KV budgets", "retention": "Retention of an early fact"}

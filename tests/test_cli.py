@@ -53,3 +53,16 @@ def test_bad_input_exits_nonzero_without_traceback(prompt_files, args, message, 
     assert proc.returncode == 2
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_eval_scores_offline_tasks_under_a_budget(smollm):
+    proc = kvlib("eval", "--policy", "h2o", "--budget", "0.1", "--tasks", "kvlib_recall", "--limit", "2")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["policy"]["budget"] == 0.1 and len(out["items"]) == 2
+    assert out["scores"][0]["task"] == "kvlib_recall" and 0 <= out["scores"][0]["score"] <= 1
+
+
+def test_eval_of_an_unknown_task_is_one_clear_error(smollm):
+    proc = kvlib("eval", "--tasks", "kvlib_recal")
+    assert proc.returncode == 2 and "unknown lm-eval task 'kvlib_recal'" in proc.stderr

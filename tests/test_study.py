@@ -98,3 +98,14 @@ def test_a_real_smoke_point_is_a_tidy_row(root):
     frame = study.run_experiment("p", "ttft", progress=False)
     assert isinstance(frame, pd.DataFrame) and len(frame) == 2
     assert (frame["device_kv_bytes"] > 0).all() and (~frame["oom"]).all()
+
+
+def test_an_axis_named_after_a_policy_setting_varies_only_policies_that_have_it(root):
+    write_profile(root, "p", {**PROFILE, "experiments": {"accuracy": {
+        "policies": ["full", "h2o"], "grid": {"task": ["a", "b"], "budget": [0.1, 0.5]}}}})
+    points = study.load_profile("p").points("accuracy")
+    assert sorted((p["policy"], p.get("budget"), p["task"]) for p in points) == [
+        ("full", None, "a"), ("full", None, "b"),
+        ("h2o", 0.1, "a"), ("h2o", 0.1, "b"), ("h2o", 0.5, "a"), ("h2o", 0.5, "b")]
+    from kvlib.experiments.common import settings_of
+    assert settings_of(next(p for p in points if p.get("budget") == 0.5)) == {"budget": 0.5}  # the axis wins

@@ -73,15 +73,18 @@ def offline_conversations(tokenizer, buckets: list[list[int]], per_bucket: int, 
     for lo, hi in buckets:
         for _ in range(per_bucket):
             per_side = (rng.randrange(lo, hi) - 60) // (2 * turns) - 20  # chat markup and phrasing take the rest
-
-            def excerpt() -> str:
-                start = rng.randrange(len(corpus) - per_side)
-                return tokenizer.decode(corpus[start:start + per_side]).strip()
-
-            exchanges = [(f"Here is part of the Python documentation:\n\n{excerpt()}\n\nWhat does it explain?",
-                         f"It explains the following.\n\n{excerpt()}") for _ in range(turns)]
+            exchanges = []
+            for _ in range(turns):
+                asked = _excerpt(tokenizer, corpus, per_side, rng)
+                exchanges.append((f"Here is part of the Python documentation:\n\n{asked}\n\nWhat does it explain?",
+                                  f"It explains the following.\n\n{_excerpt(tokenizer, corpus, per_side, rng)}"))
             convs.append(Conversation(f"pydoc-{len(convs)}", draw(rng, len(convs)), exchanges, (lo, hi)))
     return convs
+
+
+def _excerpt(tokenizer, corpus: tuple[int, ...], tokens: int, rng: random.Random) -> str:
+    start = rng.randrange(len(corpus) - tokens)
+    return tokenizer.decode(corpus[start:start + tokens]).strip()
 
 
 def dataset_conversations(tokenizer, source: dict, buckets: list[list[int]], per_bucket: int, min_turns: int = 2,
