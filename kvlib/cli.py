@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -88,9 +89,7 @@ def read_prompts(args, tokenizer) -> list[list[int]]:
     return prompts
 
 
-def policy_from_args(args):
-    from kvlib.policies import make_policy
-
+def settings_from_args(args) -> dict:
     settings = {}
     for item in args.set:
         key, sep, value = item.partition("=")
@@ -99,15 +98,40 @@ def policy_from_args(args):
         settings[key.replace("-", "_")] = _setting_value(value)
     if args.budget is not None:
         settings["budget"] = args.budget
-    return make_policy(args.policy, **settings)
+    return settings
+
+
+def policy_from_args(args):
+    from kvlib.policies import make_policy
+
+    return make_policy(args.policy, **settings_from_args(args))
+
+
+def run_backend(args, backend_class):
+    """`--policy vllm`: the same prompts through the real vLLM (its own scheduling and prefill)."""
+    from transformers import AutoTokenizer
+
+    from kvlib.models import resolve_model_path
+
+    settings = settings_from_args(args)
+    unknown = sorted(set(settings) - {f.name for f in dataclasses.fields(backend_class)})
+    if unknown:
+        raise UserError(f"backend {args.policy!r} has no setting {unknown[0]!r}")
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.model))
+    capacity = int(args.device_capacity_gb * 2**30) if args.device_capacity_gb else None
+    return backend_class(**settings).generate(args.model, read_prompts(args, tokenizer), args.max_new_tokens,
+                                              stop_at_eos=not args.ignore_eos, device_capacity_bytes=capacity)
 
 
 def cmd_run(args) -> int:
+    from kvlib.backends import BACKENDS
     from kvlib.engine import Engine
     from kvlib.models import load_model
 
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.policy in BACKENDS:
+        return print_result(args, run_backend(args, BACKENDS[args.policy]))
     policy = policy_from_args(args)  # validate settings before the model loads
     model = load_model(args.model, device=args.device)
     prompts = read_prompts(args, model.tokenizer)
@@ -121,6 +145,10 @@ def cmd_run(args) -> int:
     else:
         result = engine.generate(prompts, args.max_new_tokens, prefill_mode=args.prefill,
                                  chunk_size=args.chunk_size, stop_at_eos=not args.ignore_eos)
+    return print_result(args, result)
+
+
+def print_result(args, result) -> int:
     if args.json:
         print(json.dumps(result.to_json()))
     else:
@@ -157,10 +185,13 @@ def cmd_eval(args) -> int:
 
 
 def cmd_policies(args) -> int:
+    from kvlib.backends import BACKENDS, runner_settings
     from kvlib.policies import available, policy_settings
 
     for name in available():
         print(f"{name}: {', '.join(policy_settings(name)) or '(no settings)'}")
+    for name in BACKENDS:
+        print(f"{name} (the real vLLM, an extra): {', '.join(runner_settings(name))}")
     return 0
 
 

@@ -6,7 +6,7 @@ params/<profile>.yaml:
     policy_settings: {h2o: {budget: 0.3}}   # per-policy settings used wherever the policy runs
     experiments:
       ttft:
-        policies: all                # every registered policy, or a list of names
+        policies: [all, vllm]        # `all`: every kvlib policy; `vllm`: the real vLLM (an extra)
         grid: {prompt_tokens: [512, 2048], prefill: [full, fused, chunked]}
         fixed: {chunk_size: 512}
       accuracy:
@@ -63,15 +63,15 @@ class Profile:
 
     def points(self, experiment: str) -> list[dict]:
         """Every grid point of one experiment, in a stable order."""
-        from kvlib.policies import REGISTRY, available, policy_settings
+        from kvlib.backends import runner_class, runner_settings, runners
 
         spec = self.experiments[experiment]
         grid = spec.get("grid", {})
-        any_setting = {name for p in available() for name in policy_settings(p)}
+        any_setting = {name for p in runners() for name in runner_settings(p)}
         points = []
         for policy in self._policies(spec["policies"]):
             settings = dict(self.policy_settings.get(policy, {}))
-            own = set(policy_settings(policy)) if policy in REGISTRY else set()
+            own = set(runner_settings(policy))
             # an axis named after a policy setting (e.g. budget) varies only the policies that have it
             axes = sorted(a for a in grid if a in own or a not in any_setting)
             for values in itertools.product(*(grid[a] for a in axes)):
@@ -80,7 +80,7 @@ class Profile:
                          "device_capacity_gb": self.device_capacity_gb,
                          **spec.get("fixed", {}), **dict(zip(axes, values))}
                 prefill = point.get("prefill")
-                cls = REGISTRY.get(policy)
+                cls = runner_class(policy)
                 if prefill and cls is not None and prefill not in cls.supported_prefill:
                     continue  # e.g. H2O cannot score under fused prefill: nothing to measure
                 points.append(point)
@@ -91,7 +91,7 @@ class Profile:
 
         if names == "all":
             return available()
-        return list(names)
+        return [p for name in names for p in (available() if name == "all" else [name])]
 
 
 def point_hash(point: dict) -> str:
@@ -107,7 +107,7 @@ def load_profile(name: str) -> Profile:
 
 
 def validate_profile(name: str, raw: dict) -> Profile:
-    from kvlib.policies import REGISTRY, available, policy_settings
+    from kvlib.backends import runner_class, runner_settings, runners
 
     where = f"params/{name}.yaml"
     _no_unknown(raw, PROFILE_KEYS, where)
@@ -115,9 +115,9 @@ def validate_profile(name: str, raw: dict) -> Profile:
         raise UserError(f"{where}: `model` is required")
     settings = raw.get("policy_settings") or {}
     for policy, values in settings.items():
-        if policy not in REGISTRY:
-            raise UserError(f"{where}: policy_settings names unknown policy {policy!r}; available: {available()}")
-        _no_unknown(values, set(policy_settings(policy)), f"{where}: policy_settings.{policy}")
+        if runner_class(policy) is None:
+            raise UserError(f"{where}: policy_settings names unknown policy {policy!r}; available: {runners()}")
+        _no_unknown(values, set(runner_settings(policy)), f"{where}: policy_settings.{policy}")
     experiments = raw.get("experiments") or {}
     for exp, spec in experiments.items():
         if exp not in EXPERIMENTS:
@@ -129,8 +129,8 @@ def validate_profile(name: str, raw: dict) -> Profile:
             if not isinstance(policies, list):
                 raise UserError(f"{where}: experiments.{exp}.policies must be `all` or a list of policy names")
             for p in policies:
-                if p not in REGISTRY:
-                    raise UserError(f"{where}: experiments.{exp} names unknown policy {p!r}; available: {available()}")
+                if p != "all" and runner_class(p) is None:
+                    raise UserError(f"{where}: experiments.{exp} names unknown policy {p!r}; available: {runners()}")
         for axis, values in (spec.get("grid") or {}).items():
             if not isinstance(values, list) or not values:
                 raise UserError(f"{where}: experiments.{exp}.grid.{axis} must be a non-empty list")

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import functools
 
+from kvlib.backends import BACKENDS, runner_settings
 from kvlib.engine import Engine, RunResult
 from kvlib.models import LoadedModel, load_model
-from kvlib.policies import REGISTRY, make_policy, policy_settings
+from kvlib.policies import make_policy
 
 
 @functools.lru_cache(maxsize=2)
@@ -16,22 +17,31 @@ def model(name: str, device: str | None = None) -> LoadedModel:
 
 def settings_of(point: dict) -> dict:
     """The point's policy settings: the profile's, then any grid axis named after one of them (e.g. `budget`)."""
-    own = policy_settings(point["policy"]) if point["policy"] in REGISTRY else []
+    own = runner_settings(point["policy"])
     return {**point["policy_settings"], **{k: point[k] for k in own if k in point}}
+
+
+def capacity_bytes(point: dict) -> int | None:
+    capacity = point.get("device_capacity_gb")
+    return int(capacity * 2**30) if capacity else None
 
 
 def make_engine(point: dict) -> Engine:
     loaded = model(point["model"], point.get("device"))
-    capacity = point.get("device_capacity_gb")
     policy = make_policy(point["policy"], **settings_of(point))
-    return Engine(loaded, policy, device_capacity_bytes=int(capacity * 2**30) if capacity else None)
+    return Engine(loaded, policy, device_capacity_bytes=capacity_bytes(point))
 
 
 def run(point: dict, prompts: list[list[int]], max_new_tokens: int, prefill: str | None = None,
         chunk_size: int = 512) -> RunResult:
     """One generation run of the point's policy on the given prompts (ignoring EOS, so lengths are as asked).
 
-    Without a prefill mode, the policy's preferred one (fused, or chunked for H2O, which needs scores)."""
+    Without a prefill mode, the policy's preferred one (fused, or chunked for H2O, which needs scores). An outside
+    backend (the real vLLM) runs the same prompts its own way."""
+    if point["policy"] in BACKENDS:
+        backend = BACKENDS[point["policy"]](**settings_of(point))
+        return backend.generate(point["model"], prompts, max_new_tokens, stop_at_eos=False,
+                                device_capacity_bytes=capacity_bytes(point))
     engine = make_engine(point)
     return engine.generate(prompts, max_new_tokens, prefill_mode=prefill or engine.policy.preferred_prefill,
                            chunk_size=chunk_size, stop_at_eos=False)
@@ -40,8 +50,9 @@ def run(point: dict, prompts: list[list[int]], max_new_tokens: int, prefill: str
 def result_row(result: RunResult) -> dict:
     """The tidy columns every experiment stores: timings, memory by tier and component, OOM, policy stats."""
     m = result.metrics
-    row = {k: m.get(k) for k in ("ttft_s", "prefill_s", "decode_s", "total_s", "decode_tokens",
-                                 "decode_tokens_per_s", "decode_step_s_mean", "completed")}
+    row = {"policy": result.policy["name"]}  # what ran: "vllm (real)" for the outside baseline
+    row.update({k: m.get(k) for k in ("ttft_s", "prefill_s", "decode_s", "total_s", "decode_tokens",
+                                 "decode_tokens_per_s", "decode_step_s_mean", "completed")})
     row.update({f"split_{k}_s": v for k, v in m.get("wall_split_s", {}).items()})
     for tier in ("device", "host"):
         mem = result.memory.get(tier, {})

