@@ -61,7 +61,8 @@ class VLLMBackend:
     def generate(self, model: str, prompts: list[list[int]], max_new_tokens: int, stop_at_eos: bool = True,
                  device_capacity_bytes: int | None = None) -> RunResult:
         vllm = _import_vllm()
-        llm = _llm(model, self.block_size, self.prefix_caching, self.enforce_eager)
+        kv_space = _kv_space(model, device_capacity_bytes)
+        llm = _llm(model, self.block_size, self.prefix_caching, self.enforce_eager, kv_space)
         engine = llm.llm_engine
         params = vllm.SamplingParams(max_tokens=max_new_tokens, temperature=0.0, ignore_eos=not stop_at_eos)
         before = _counters(llm)
@@ -89,7 +90,7 @@ class VLLMBackend:
         spec = _spec(model)
         block_bytes = spec.kv_bytes(self.block_size)
         blocks = engine.vllm_config.cache_config.num_gpu_blocks or 0
-        ledger = MemoryLedger(device_capacity_bytes)
+        ledger = MemoryLedger()  # vLLM keeps within its own pool (sized to the capacity): it queues, never overflows
         ledger.add("device", "weights", _weights_bytes(model), where="vllm model weights")
         used = round(peak_usage * blocks) * block_bytes
         ledger.set("device", "vllm KV cache", kv=used, kv_reserved=blocks * block_bytes - used)
@@ -108,9 +109,10 @@ class VLLMBackend:
             "wall_split_s": {"prefill": prefill_end - t0, "cache_ops": 0.0, "decode": decode_s},
             "completed": True,
         }
-        hits, queries = (after[k] - before[k] for k in ("vllm:prefix_cache_hits", "vllm:prefix_cache_queries"))
+        hits, queries, preempted = (after[k] - before[k] for k in COUNTERS)
         stats = {"block_size": self.block_size, "num_blocks": blocks, "peak_blocks_used": round(peak_usage * blocks),
-                 "prefix_hit_rate": hits / queries if queries else 0.0, "vllm_version": vllm.__version__}
+                 "prefix_hit_rate": hits / queries if queries else 0.0, "preemptions": int(preempted),
+                 "vllm_version": vllm.__version__}
         tokenizer = llm.get_tokenizer()
         return RunResult(
             outputs=[{"token_ids": g, "text": tokenizer.decode(g, skip_special_tokens=True), "prompt_tokens": len(p)}
@@ -118,14 +120,29 @@ class VLLMBackend:
             metrics=metrics, memory=ledger.snapshot(), policy={"name": self.label, **asdict(self)}, stats=stats)
 
 
+COUNTERS = ("vllm:prefix_cache_hits", "vllm:prefix_cache_queries", "vllm:num_preemptions")
+
+
+def _kv_space(model: str, capacity: int | None) -> int | None:
+    """Under a configured device capacity, vLLM's KV pool is what its default memory utilization (0.9) leaves after
+    the weights; without one, vLLM sizes it itself (VLLM_CPU_KVCACHE_SPACE on a CPU, free GPU memory on CUDA)."""
+    if capacity is None:
+        return None
+    space = int(0.9 * capacity) - _weights_bytes(model)
+    if space <= 0:
+        raise UserError(f"a device capacity of {capacity / 2**30:.2f} GiB leaves vLLM no room for a KV cache next to "
+                        f"the {_weights_bytes(model) / 2**30:.2f} GiB of weights")
+    return space
+
+
 @functools.lru_cache(maxsize=1)
-def _llm(model: str, block_size: int, prefix_caching: bool, enforce_eager: bool):
+def _llm(model: str, block_size: int, prefix_caching: bool, enforce_eager: bool, kv_space: int | None):
     import torch
 
     vllm = _import_vllm()
     return vllm.LLM(model=resolve_model_path(model), dtype="float32" if not torch.cuda.is_available() else "auto",
                     block_size=block_size, enable_prefix_caching=prefix_caching, enforce_eager=enforce_eager,
-                    disable_log_stats=False, seed=0)
+                    kv_cache_memory_bytes=kv_space, disable_log_stats=False, seed=0)
 
 
 @functools.lru_cache(maxsize=4)
@@ -155,5 +172,4 @@ def _gauge(llm, name: str) -> float:
 
 def _counters(llm) -> dict[str, float]:
     found = _metrics_by_name(llm)
-    return {name: float(getattr(found.get(name), "value", 0.0))
-            for name in ("vllm:prefix_cache_hits", "vllm:prefix_cache_queries")}
+    return {name: float(getattr(found.get(name), "value", 0.0)) for name in COUNTERS}
