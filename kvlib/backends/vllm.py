@@ -33,6 +33,7 @@ def _import_vllm():
     import torch
 
     cuda = torch.cuda.is_available()
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout is kvlib's (`run --json`)
     if not cuda:
         for key, value in {**CPU_ENV, "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}"}.items():
             os.environ.setdefault(key, value)
@@ -159,9 +160,13 @@ def _llm(model: str, block_size: int, prefix_caching: bool, enforce_eager: bool,
     import torch
 
     vllm = _import_vllm()
-    return vllm.LLM(model=resolve_model_path(model), dtype="float32" if not torch.cuda.is_available() else "auto",
-                    block_size=block_size, enable_prefix_caching=prefix_caching, enforce_eager=enforce_eager,
-                    kv_cache_memory_bytes=kv_space, disable_log_stats=False, seed=0)
+    llm = vllm.LLM(model=resolve_model_path(model), dtype="float32" if not torch.cuda.is_available() else "auto",
+                   block_size=block_size, enable_prefix_caching=prefix_caching, enforce_eager=enforce_eager,
+                   kv_cache_memory_bytes=kv_space, disable_log_stats=False, seed=0)
+    # vLLM warms its model up at start, except on a CPU in eager mode with an explicit KV size (ours): without this,
+    # the first measured run would pay for the first calls of every kernel (a TTFT several times too long).
+    llm.generate([{"prompt_token_ids": list(range(100, 164))}], vllm.SamplingParams(max_tokens=4), use_tqdm=False)
+    return llm
 
 
 @functools.lru_cache(maxsize=4)
