@@ -17,25 +17,45 @@ import os
 import statistics
 from pathlib import Path
 
-THREADS = int(os.environ.get("BENCH_THREADS", os.cpu_count() or 1))
-# before torch and vLLM start: vLLM binds its OpenMP threads once, for the whole process (kvlib's side included)
-os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{THREADS - 1}")
+import torch
+from torch.profiler import ProfilerActivity, profile
 
-import torch  # noqa: E402
-
-from kvlib.backends.vllm import VLLMBackend  # noqa: E402
-from kvlib.engine import Engine  # noqa: E402
-from kvlib.models import load_model  # noqa: E402
-from kvlib.policies import make_policy  # noqa: E402
-from kvlib.workloads import mixed_length_prompts  # noqa: E402
+from kvlib.backends.vllm import VLLMBackend
+from kvlib.engine import Engine
+from kvlib.models import load_model
+from kvlib.policies import make_policy
+from kvlib.workloads import mixed_length_prompts
 
 OUT = Path(__file__).parent / "results" / "vllm.json"
 NEW_TOKENS = 32
 REPEATS = 2
+THREADS = int(os.environ.get("BENCH_THREADS", os.cpu_count() or 1))
+
+
+def profile_decode(kv, prompts: list[list[int]], new_tokens: int = 9, top: int = 5) -> dict:
+    """Where kvlib paged's decode time goes: self CPU time of the top ops over the decode steps (prefill excluded)."""
+    engine, profiler = Engine(kv, make_policy("paged")), profile(activities=[ProfilerActivity.CPU])
+    forward = engine.forward
+
+    def profiled(input_ids, step):
+        if step.phase == "decode" and profiler.profiler is None:
+            profiler.start()  # at the first decode pass; stopped when generate returns
+        return forward(input_ids, step)
+
+    engine.forward = profiled
+    result = engine.generate(prompts, new_tokens, stop_at_eos=False)
+    profiler.stop()
+    ops = sorted(profiler.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in ops)
+    return {"decode_steps": result.metrics["decode_steps"], "self_cpu_s": total / 1e6,
+            "top_ops": [{"op": e.key, "calls": e.count, "self_cpu_s": e.self_cpu_time_total / 1e6,
+                         "share": e.self_cpu_time_total / total} for e in ops[:top]]}
 
 
 def main() -> None:
     torch.set_num_threads(THREADS)
+    # vLLM binds its OpenMP threads when its engine starts, for the whole process (kvlib's side included)
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{THREADS - 1}")
     load_before = os.getloadavg()
     kv = load_model("smollm2-135m", device="cpu")
     vllm = VLLMBackend()
@@ -56,6 +76,8 @@ def main() -> None:
                 row[f"{name}_{key}"] = statistics.median(m[key] for m in metrics)
         row["decode_ratio_kvlib_over_vllm"] = row["kvlib_paged_decode_tokens_per_s"] / row["vllm_decode_tokens_per_s"]
         row["ttft_ratio_kvlib_over_vllm"] = row["kvlib_paged_ttft_s"] / row["vllm_ttft_s"]
+        if batch == 8:
+            row["kvlib_paged_decode_profile"] = profile_decode(kv, prompts)
         rows.append(row)
         print(json.dumps(row), flush=True)
     OUT.parent.mkdir(exist_ok=True)

@@ -60,3 +60,26 @@ def test_vllm_generates_what_kvlib_full_generates(smollm, mixed_prompts):
     assert theirs.metrics["ttft_s"] > 0 and theirs.memory["device"]["kv_bytes"] > 0
     # fp32 both: on a 2-core AVX2 CPU all 16 greedy tokens of each prompt agreed; a near tie could flip a late one
     assert [a["token_ids"] for a in ours.outputs] == [b["token_ids"] for b in theirs.outputs]
+
+
+def test_findings_compare_with_the_real_vllm_where_it_ran():
+    import pandas as pd
+
+    from kvlib import findings
+
+    gib = 2**30
+    rows = [("full", 10.0, 2.0, 0), ("h2o", 12.0, 1.0, 0), (findings.VLLM, 20.0, 4.0, 2.5)]
+    batch = pd.DataFrame([{"policy": p, "batch_size": 8, "oom": False, "decode_tokens_per_s": tps,
+                           "device_peak_bytes": dev * gib, "host_peak_bytes": 0, "device_kv_peak_bytes": 0.5 * gib,
+                           "device_kv_reserved_peak_bytes": reserved * gib} for p, tps, dev, reserved in rows])
+    lines = findings.batch_scaling(batch)
+    assert "Ours: h2o vs vllm (real) at batch 8: 0.60x throughput, 2.40x throughput per GiB of device memory." in lines
+    assert sum("full vs vllm (real)" in line or "vllm (real) vs full" in line for line in lines) == 1
+    assert any("preallocates its KV pool (3.00 GiB) and used 0.50 GiB" in line for line in lines)
+    assert not any("vllm" in line for line in findings.batch_scaling(batch[batch["policy"] != findings.VLLM]))
+
+    ttft = pd.DataFrame([{"policy": p, "prefill": m, "prompt_tokens": n, "ttft_s": t, "oom": False}
+                         for p, m, n, t in [("full", "fused", 512, 0.5), ("paged", "fused", 512, 0.4),
+                                            (findings.VLLM, "chunked", 512, 0.2), ("full", "fused", 1024, 1.0)]])
+    assert findings.ttft(ttft)[-1] == ("Ours: at 512 tokens vllm (real) takes 0.20 s to the first token; the fastest "
+                                       "kvlib policy, paged/fused, 0.40 s (2.00x vLLM's).")
