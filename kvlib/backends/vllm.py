@@ -160,9 +160,13 @@ def _llm(model: str, block_size: int, prefix_caching: bool, enforce_eager: bool,
     import torch
 
     vllm = _import_vllm()
-    llm = vllm.LLM(model=resolve_model_path(model), dtype="float32" if not torch.cuda.is_available() else "auto",
-                   block_size=block_size, enable_prefix_caching=prefix_caching, enforce_eager=enforce_eager,
-                   kv_cache_memory_bytes=kv_space, disable_log_stats=False, seed=0)
+    cuda = torch.cuda.is_available()
+    # On a GPU vLLM claims a fraction of the whole memory and refuses to start if that much is not free; kvlib's own
+    # copy of the model (the other policies, the tokenizer) stays loaded, so vLLM gets 90 % of what is free.
+    share = {"gpu_memory_utilization": 0.9 * torch.cuda.mem_get_info()[0] / torch.cuda.mem_get_info()[1]} if cuda else {}
+    llm = vllm.LLM(model=resolve_model_path(model), dtype="auto" if cuda else "float32", block_size=block_size,
+                   enable_prefix_caching=prefix_caching, enforce_eager=enforce_eager, kv_cache_memory_bytes=kv_space,
+                   disable_log_stats=False, seed=0, **share)
     # vLLM warms its model up at start, except on a CPU in eager mode with an explicit KV size (ours): without this,
     # the first measured run would pay for the first calls of every kernel (a TTFT several times too long).
     llm.generate([{"prompt_token_ids": list(range(100, 164))}], vllm.SamplingParams(max_tokens=4), use_tqdm=False)
