@@ -28,12 +28,20 @@ from kvlib.workloads import mixed_length_prompts
 
 OUT = Path(__file__).parent / "results" / "vllm.json"
 NEW_TOKENS = 32
-REPEATS = 2
+REPEATS = 3
 THREADS = int(os.environ.get("BENCH_THREADS", os.cpu_count() or 1))
 
 
-def profile_decode(kv, prompts: list[list[int]], new_tokens: int = 9, top: int = 5) -> dict:
-    """Where kvlib paged's decode time goes: self CPU time of the top ops over the decode steps (prefill excluded)."""
+def top_ops(profiler, steps: int, top: int = 5) -> dict:
+    ops = sorted(profiler.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in ops)
+    return {"decode_steps": steps, "self_cpu_s_per_step": total / 1e6 / steps,
+            "top_ops": [{"op": e.key, "calls_per_step": e.count / steps, "self_cpu_s_per_step": e.self_cpu_time_total
+                         / 1e6 / steps, "share": e.self_cpu_time_total / total} for e in ops[:top]]}
+
+
+def profile_kvlib_decode(kv, prompts: list[list[int]], new_tokens: int = 9) -> dict:
+    """Where kvlib paged's decode time goes: self CPU time of the top ops over the decode passes (prefill excluded)."""
     engine, profiler = Engine(kv, make_policy("paged")), profile(activities=[ProfilerActivity.CPU])
     forward = engine.forward
 
@@ -45,11 +53,30 @@ def profile_decode(kv, prompts: list[list[int]], new_tokens: int = 9, top: int =
     engine.forward = profiled
     result = engine.generate(prompts, new_tokens, stop_at_eos=False)
     profiler.stop()
-    ops = sorted(profiler.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
-    total = sum(e.self_cpu_time_total for e in ops)
-    return {"decode_steps": result.metrics["decode_steps"], "self_cpu_s": total / 1e6,
-            "top_ops": [{"op": e.key, "calls": e.count, "self_cpu_s": e.self_cpu_time_total / 1e6,
-                         "share": e.self_cpu_time_total / total} for e in ops[:top]]}
+    return top_ops(profiler, result.metrics["decode_steps"])
+
+
+def profile_vllm_decode(backend: VLLMBackend, prompts: list[list[int]], new_tokens: int = 9) -> dict:
+    """The same for vLLM, whose engine runs in this process: its steps after the first, which prefills every prompt
+    (they fit its token budget; checked below)."""
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    step, profiler, calls = LLMEngine.step, profile(activities=[ProfilerActivity.CPU]), []
+
+    def profiled(self):
+        calls.append(self)
+        if len(calls) == 2:
+            profiler.start()
+        return step(self)
+
+    LLMEngine.step = profiled
+    try:
+        result = backend.generate("smollm2-135m", prompts, new_tokens, stop_at_eos=False)
+    finally:
+        LLMEngine.step = step
+    profiler.stop()
+    assert result.metrics["decode_steps"] == len(calls) - 1, "vLLM took more than one step to prefill"
+    return top_ops(profiler, result.metrics["decode_steps"])
 
 
 def main() -> None:
@@ -77,7 +104,8 @@ def main() -> None:
         row["decode_ratio_kvlib_over_vllm"] = row["kvlib_paged_decode_tokens_per_s"] / row["vllm_decode_tokens_per_s"]
         row["ttft_ratio_kvlib_over_vllm"] = row["kvlib_paged_ttft_s"] / row["vllm_ttft_s"]
         if batch == 8:
-            row["kvlib_paged_decode_profile"] = profile_decode(kv, prompts)
+            row["kvlib_paged_decode_profile"] = profile_kvlib_decode(kv, prompts)
+            row["vllm_decode_profile"] = profile_vllm_decode(vllm, prompts)
         rows.append(row)
         print(json.dumps(row), flush=True)
     OUT.parent.mkdir(exist_ok=True)

@@ -62,6 +62,26 @@ def test_vllm_generates_what_kvlib_full_generates(smollm, mixed_prompts):
     assert [a["token_ids"] for a in ours.outputs] == [b["token_ids"] for b in theirs.outputs]
 
 
+@pytest.mark.model
+@pytest.mark.slow
+def test_cli_run_policy_vllm_prints_one_json_object(tmp_path):
+    import json
+    import os
+    import subprocess
+
+    pytest.importorskip("vllm")
+    prompt = tmp_path / "a.txt"
+    prompt.write_text("The capital of France is")
+    proc = subprocess.run([sys.executable, "-m", "kvlib", "run", "--policy", "vllm", "--max-new-tokens", "4",
+                           "--prompt-file", str(prompt), "--json"], capture_output=True, text=True, check=False,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout)  # vLLM's own log lines go to stderr
+    assert result["outputs"][0]["token_ids"][:2] == [7042, 30] and result["policy"]["name"] == "vllm (real)"
+    assert result["metrics"]["ttft_s"] > 0 and result["metrics"]["decode_tokens_per_s"] > 0
+    assert result["memory"]["device"]["kv_bytes"] > 0
+
+
 def test_findings_compare_with_the_real_vllm_where_it_ran():
     import pandas as pd
 
