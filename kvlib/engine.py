@@ -42,6 +42,31 @@ def activation_bytes(model: LoadedModel, batch: int, q_len: int) -> int:
     return batch * q_len * per_token * s.dtype_bytes + batch * c.vocab_size * 4
 
 
+def run_metrics(*, ttft: list[float], step_latencies: list[float], prefill_s: float, decode_s: float,
+                total_s: float, decode_tokens: int, wall_split: dict, completed: bool = True, **extra) -> dict:
+    """The metrics every run reports, whatever produced it (the static engine, the scheduler, the real vLLM)."""
+    return {
+        "ttft_s": statistics.fmean(ttft) if ttft else None,
+        "ttft_per_request_s": ttft,
+        "prefill_s": prefill_s,
+        "decode_s": decode_s,
+        "total_s": total_s,
+        "decode_tokens": decode_tokens,
+        "decode_tokens_per_s": decode_tokens / decode_s if decode_s > 0 and decode_tokens else None,
+        "decode_step_s_mean": statistics.fmean(step_latencies) if step_latencies else None,
+        "decode_step_s_p50": statistics.median(step_latencies) if step_latencies else None,
+        "decode_steps": len(step_latencies),
+        "wall_split_s": wall_split,
+        "completed": completed,
+        **extra,
+    }
+
+
+def decoded_outputs(tokenizer, generated: list[list[int]], prompts: list[list[int]]) -> list[dict]:
+    return [{"token_ids": g, "text": tokenizer.decode(g, skip_special_tokens=True), "prompt_tokens": len(p)}
+            for g, p in zip(generated, prompts)]
+
+
 class Engine:
     def __init__(self, model: LoadedModel, policy: KVPolicy, device_capacity_bytes: int | None = None):
         self.model, self.policy = model, policy
@@ -100,7 +125,7 @@ class Engine:
             if len(forced) != len(prompts) or not all(forced):
                 raise UserError("forced needs one non-empty continuation per prompt")
             max_new_tokens = max(map(len, forced))
-        self._validate(prompts, max_new_tokens, prefill_mode, chunk_size)
+        self.validate(prompts, max_new_tokens, prefill_mode, chunk_size)
         eos = self.model.tokenizer.eos_token_id if stop_at_eos and forced is None else None
         n = len(prompts)
         generated: list[list[int]] = [[] for _ in range(n)]
@@ -160,16 +185,19 @@ class Engine:
         stats = self.policy.stats()
         policy_total = self._policy_seconds()
         self.policy.finish()
+        outputs = decoded_outputs(self.model.tokenizer, generated, prompts)
+        if forced is not None:
+            for out, lp, gr in zip(outputs, logprobs, greedy):
+                out.update(logprobs=lp, greedy=gr)
         return RunResult(
-            outputs=[{"token_ids": g, "text": self.model.tokenizer.decode(g, skip_special_tokens=True),
-                      "prompt_tokens": len(p), **({"logprobs": lp, "greedy": gr} if forced is not None else {})}
-                     for g, p, lp, gr in zip(generated, prompts, logprobs, greedy)],
+            outputs=outputs,
             metrics=self._metrics(ttft, step_latencies, t0, prefill_end, decode_end, policy_prefill, policy_total,
                                   generated, oom),
             memory=memory, policy={"name": self.policy.name, **self.policy.settings()}, oom=oom, stats=stats)
 
     # -- helpers ----------------------------------------------------------------------------------------------
-    def _validate(self, prompts, max_new_tokens, prefill_mode, chunk_size):
+    def validate(self, prompts, max_new_tokens, prefill_mode, chunk_size):
+        """One clear error for a request this engine cannot run (the scheduler checks each request with it)."""
         if not prompts:
             raise UserError("no prompts given")
         if max_new_tokens < 1:
@@ -200,21 +228,9 @@ class Engine:
                  oom) -> dict:
         prefill_s = max(prefill_end - t0, 0.0)
         decode_s = max(decode_end - prefill_end, 0.0)
-        decode_tokens = sum(max(len(g) - 1, 0) for g in generated)
-        cache_ops = policy_total
-        return {
-            "ttft_s": statistics.fmean(ttft) if ttft else None,
-            "ttft_per_request_s": ttft,
-            "prefill_s": prefill_s,
-            "decode_s": decode_s,
-            "total_s": prefill_s + decode_s,
-            "decode_tokens": decode_tokens,
-            "decode_tokens_per_s": decode_tokens / decode_s if decode_s > 0 and decode_tokens else None,
-            "decode_step_s_mean": statistics.fmean(step_latencies) if step_latencies else None,
-            "decode_step_s_p50": statistics.median(step_latencies) if step_latencies else None,
-            "decode_steps": len(step_latencies),
-            "wall_split_s": {"prefill": prefill_s - policy_prefill, "cache_ops": cache_ops,
-                             "decode": decode_s - (policy_total - policy_prefill)},
-            "sections_s": dict(self.timers.seconds),
-            "completed": oom is None,
-        }
+        return run_metrics(
+            ttft=ttft, step_latencies=step_latencies, prefill_s=prefill_s, decode_s=decode_s,
+            total_s=prefill_s + decode_s, decode_tokens=sum(max(len(g) - 1, 0) for g in generated),
+            wall_split={"prefill": prefill_s - policy_prefill, "cache_ops": policy_total,
+                        "decode": decode_s - (policy_total - policy_prefill)},
+            completed=oom is None, sections_s=dict(self.timers.seconds))

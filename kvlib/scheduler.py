@@ -9,7 +9,6 @@ release single rows (`paged`).
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -17,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlib.block_pool import OutOfBlocks
-from kvlib.engine import Engine, RunResult
+from kvlib.engine import Engine, RunResult, decoded_outputs, run_metrics
 from kvlib.errors import UserError
 from kvlib.policies.base import KVPolicy, Step
 
@@ -34,7 +33,7 @@ def serve(engine: Engine, requests: list[Request], chunk_size: int = 512, max_ba
     if type(policy).release is KVPolicy.release:  # the base class cannot drop single rows
         raise UserError(f"continuous batching needs a policy that can release single rows; {policy.name!r} cannot")
     for r in requests:
-        engine._validate([r.prompt], r.max_new_tokens, "chunked", chunk_size)
+        engine.validate([r.prompt], r.max_new_tokens, "chunked", chunk_size)
     n = len(requests)
     generated: list[list[int]] = [[] for _ in range(n)]
     ttft: list[float | None] = [None] * n
@@ -66,7 +65,8 @@ def serve(engine: Engine, requests: list[Request], chunk_size: int = 512, max_ba
             row = pending.popleft()
             arrived_at[row] = time.perf_counter()
             waiting.append(row)
-        if prefilling is None and waiting and (not admit_blocked or not running) and (max_batch is None or len(running) < max_batch):
+        room = max_batch is None or len(running) < max_batch
+        if prefilling is None and waiting and (not admit_blocked or not running) and room:
             row = waiting.popleft()
             # a preempted request is recomputed: its prompt plus what it generated, but the last token, is re-prefilled
             tokens = requests[row].prompt + generated[row][:-1]
@@ -128,15 +128,11 @@ def serve(engine: Engine, requests: list[Request], chunk_size: int = 512, max_ba
     memory, stats = engine.ledger.snapshot(), policy.stats()
     cache_ops = sum(engine.timers.seconds.values())
     policy.finish()
-    metrics = {
-        "ttft_s": statistics.fmean(ttft), "ttft_per_request_s": ttft, "prefill_s": prefill_s, "decode_s": decode_s,
-        "total_s": total, "decode_tokens": decode_tokens,
-        "decode_tokens_per_s": decode_tokens / decode_s if decode_s else None,
-        "decode_step_s_mean": statistics.fmean(latencies) if latencies else None, "decode_steps": len(latencies),
-        "wall_split_s": {"prefill": prefill_s, "cache_ops": cache_ops, "decode": total - prefill_s - cache_ops},
-        "sections_s": dict(engine.timers.seconds), "completed": True, "preemptions": preemptions,
-    }
+    metrics = run_metrics(ttft=ttft, step_latencies=latencies, prefill_s=prefill_s, decode_s=decode_s, total_s=total,
+                          decode_tokens=decode_tokens,
+                          wall_split={"prefill": prefill_s, "cache_ops": cache_ops,
+                                      "decode": total - prefill_s - cache_ops},
+                          sections_s=dict(engine.timers.seconds), preemptions=preemptions)
     return RunResult(
-        outputs=[{"token_ids": g, "text": engine.model.tokenizer.decode(g, skip_special_tokens=True),
-                  "prompt_tokens": len(r.prompt)} for g, r in zip(generated, requests)],
+        outputs=decoded_outputs(engine.model.tokenizer, generated, [r.prompt for r in requests]),
         metrics=metrics, memory=memory, policy={"name": policy.name, **policy.settings()}, stats=stats)

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import functools
 import os
-import statistics
 import time
 from dataclasses import asdict, dataclass
 from typing import ClassVar
 
-from kvlib.engine import RunResult
+from kvlib.engine import RunResult, decoded_outputs, run_metrics
 from kvlib.errors import UserError
 from kvlib.ledger import MemoryLedger
 from kvlib.models import ModelSpec, resolve_model_path
@@ -117,24 +116,16 @@ class VLLMBackend:
         decode_tokens = sum(map(len, generated)) - after_prefill
         decode_s = end - prefill_end
         ttft = [first.get(str(i), end - t0) for i in range(len(prompts))]
-        metrics = {
-            "ttft_s": statistics.fmean(ttft), "ttft_per_request_s": ttft, "prefill_s": prefill_end - t0,
-            "decode_s": decode_s, "total_s": end - t0, "decode_tokens": decode_tokens,
-            "decode_tokens_per_s": decode_tokens / decode_s if decode_s > 0 and decode_tokens else None,
-            "decode_step_s_mean": statistics.fmean(steps) if steps else None,
-            "decode_step_s_p50": statistics.median(steps) if steps else None, "decode_steps": len(steps),
-            # vLLM interleaves its bookkeeping with the forward passes: no separate cache-operations share
-            "wall_split_s": {"prefill": prefill_end - t0, "cache_ops": 0.0, "decode": decode_s},
-            "completed": True,
-        }
+        # vLLM interleaves its bookkeeping with the forward passes: no separate cache-operations share
+        metrics = run_metrics(ttft=ttft, step_latencies=steps, prefill_s=prefill_end - t0, decode_s=decode_s,
+                              total_s=end - t0, decode_tokens=decode_tokens,
+                              wall_split={"prefill": prefill_end - t0, "cache_ops": 0.0, "decode": decode_s})
         hits, queries, preempted = (after[k] - before[k] for k in COUNTERS)
         stats = {"block_size": self.block_size, "num_blocks": blocks, "peak_blocks_used": round(peak_usage * blocks),
                  "prefix_hit_rate": hits / queries if queries else 0.0, "preemptions": int(preempted),
                  "vllm_version": vllm.__version__}
-        tokenizer = llm.get_tokenizer()
         return RunResult(
-            outputs=[{"token_ids": g, "text": tokenizer.decode(g, skip_special_tokens=True), "prompt_tokens": len(p)}
-                     for g, p in zip(generated, prompts)],
+            outputs=decoded_outputs(llm.get_tokenizer(), generated, prompts),
             metrics=metrics, memory=ledger.snapshot(), policy={"name": self.label, **asdict(self)}, stats=stats)
 
 

@@ -106,7 +106,7 @@ def evaluate(lm, tasks: list[str], include_path: str | Path | None = None, limit
     try:
         out = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit, log_samples=True,
                                       bootstrap_iters=0, verbosity="ERROR")
-    except (ConnectionError, FileNotFoundError, OSError, ValueError) as exc:
+    except (ConnectionError, FileNotFoundError, OSError) as exc:  # datasets' offline errors are among these
         raise UserError(f"lm-eval task(s) {tasks} cannot load their dataset here ({type(exc).__name__}: {exc}). "
                         "Their data comes from the Hugging Face hub: run where the hub is reachable, without "
                         "HF_DATASETS_OFFLINE=1, once (it is cached after that)") from exc
