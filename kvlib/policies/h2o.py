@@ -158,7 +158,7 @@ class HeavyHitterPolicy(BudgetedPolicy):
         kc[r, heads, slot] = key[:, :, 0]
         vc[r, heads, slot] = value[:, :, 0]
         self.scores[layer, r, heads, slot] = 0.0
-        self.positions[layer, r, heads, slot] = step.start[:, None]
+        self.positions[layer, r, heads, slot] = step.start[:, None].to(self.device)
         used = int(self.region[rows].max()) + 1
         visible = select_rows(self.positions[layer], rows)[:, :, :used] >= 0  # [B, Hkv, used]: per-head kept sets
         out, probs = matrix_attention(query, select_rows(kc, rows)[:, :, :used], select_rows(vc, rows)[:, :, :used],
@@ -190,12 +190,12 @@ class HeavyHitterPolicy(BudgetedPolicy):
         if len(over) == 0:
             return
         recent = torch.tensor([self.split(int(k))[1] for k in allowed[self.kept[rows] > allowed]])
-        window_start = (self.seen[over] - recent)[None, :, None, None]
+        window_start = (self.seen[over] - recent)[None, :, None, None].to(self.device)
         pos = self.positions[:, over]
         evictable = (pos >= 0) & (pos < window_start)
         victim = self.scores[:, over].masked_fill(~evictable, float("inf")).argmin(dim=-1)  # [L, B, Hkv]
         self.positions[:, over] = pos.scatter(-1, victim[..., None], -1)
-        self.write_slot[:, over] = victim
+        self.write_slot[:, over] = victim.cpu()
         self.kept[over] -= 1
 
     def _book(self):

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlib.attention import fused_attention, matrix_attention, prefill_attention
+from kvlib.attention import decode_mask, fused_attention, matrix_attention, prefill_attention
 from kvlib.errors import UserError
 from kvlib.policies.base import BudgetedPolicy, Step, select_rows
 from kvlib.skewing import load_or_compute_skew
@@ -149,11 +149,9 @@ class InfiniGenPolicy(BudgetedPolicy):
     def _decode_attention(self, layer, query, key, value, step):
         rows = step.rows
         if layer < self.dense:
-            kv_len = int(step.start.max()) + 1
-            visible = torch.arange(kv_len)[None, :] <= step.start[:, None]
+            visible, kv_len = decode_mask(step.start, self.dense_k.shape[3], self.device)
             return fused_attention(query, select_rows(self.dense_k[layer], rows)[:, :, :kv_len],
-                                   select_rows(self.dense_v[layer], rows)[:, :, :kv_len],
-                                   visible[:, None, None, :].to(self.device), self.scale)
+                                   select_rows(self.dense_v[layer], rows)[:, :, :kv_len], visible, self.scale)
         if self.stream is not None:
             torch.cuda.current_stream().wait_stream(self.stream)
         k_sel, v_sel, visible = self.fetched.pop(layer)
@@ -183,17 +181,17 @@ class InfiniGenPolicy(BudgetedPolicy):
             cached = step.start  # tokens already in the cache per row (the current one is not)
             k_part = self.partial_k[nxt - self.dense][rows, :, :int(cached.max())]  # [B, Hkv, L, r]
             approx = torch.einsum("bhgr,bhlr->bhgl", q_part, k_part) * self.scale
-            valid = torch.arange(k_part.shape[2])[None, :] < cached[:, None]
+            valid = (torch.arange(k_part.shape[2])[None, :] < cached[:, None]).to(self.device)
             approx = approx.masked_fill(~valid[:, None, None, :], float("-inf")).amax(dim=2)  # [B, Hkv, L]
             peak = approx.amax(dim=-1, keepdim=True)
-            candidates = (approx > peak - self.alpha).sum(dim=-1).float().mean(dim=-1)  # [B]
+            candidates = (approx > peak - self.alpha).sum(dim=-1).float().mean(dim=-1).cpu()  # [B]
             cap = (torch.full_like(cached, self.budget_tokens).float() if self.budget_tokens is not None
                    else torch.ceil(self.budget * cached.float()))
             count = torch.minimum(candidates.round(), cap).clamp(min=1).long()
             if self.budget_tokens is None and self.budget >= 1:
                 count = cached.clamp(min=1)  # budget 1.0 keeps everything, as for every policy: no speculation loss
             chosen = approx.topk(int(count.max()), dim=-1).indices  # [B, Hkv, n]
-            keep = torch.arange(chosen.shape[-1])[None, None, :] < count[:, None, None]
+            keep = (torch.arange(chosen.shape[-1])[None, None, :] < count[:, None, None]).to(self.device)
         with self.timers.section("fetch"):
             i = nxt - self.dense
             r, heads = rows[:, None, None], torch.arange(s.num_kv_heads)[None, :, None]
@@ -202,7 +200,7 @@ class InfiniGenPolicy(BudgetedPolicy):
             with stream:
                 k_sel = self.host_k[i][r, heads, idx].to(self.device, non_blocking=True)
                 v_sel = self.host_v[i][r, heads, idx].to(self.device, non_blocking=True)
-            self.fetched[nxt] = (k_sel, v_sel, keep.to(self.device))
+            self.fetched[nxt] = (k_sel, v_sel, keep)
         moved = int(count.sum()) * s.num_kv_heads * s.head_dim * 2 * s.dtype_bytes
         self.step_moved += moved
         self.bytes_moved += moved
@@ -219,7 +217,7 @@ class InfiniGenPolicy(BudgetedPolicy):
         k_full = torch.cat([self.host_k[i][rows, :, :kv_len].to(self.device), key], dim=2)
         group = self.spec.num_attention_heads // self.spec.num_kv_heads
         logits = torch.einsum("bhgd,bhld->bhgl", query.view(len(rows), -1, group, self.spec.head_dim), k_full)
-        valid = torch.arange(kv_len + 1)[None, :] < step.start[:, None]
+        valid = (torch.arange(kv_len + 1)[None, :] < step.start[:, None]).to(self.device)
         valid[:, -1] = True
         probs = torch.softmax((logits * self.scale).masked_fill(~valid[:, None, None, :], float("-inf")), dim=-1)
         picked = torch.zeros_like(valid[:, None, :].expand(-1, chosen.shape[1], -1).clone())

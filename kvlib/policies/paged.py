@@ -79,8 +79,10 @@ class PagedPolicy(KVPolicy):
         width = max(map(len, tables))
         self.table = torch.tensor([t + [0] * (width - len(t)) for t in tables])  # [B, blocks]
         pos = step.start[:, None] + torch.arange(step.q_len)[None, :]
-        self.slot_block = self.table.gather(1, pos // bs)  # [B, T]
-        self.slot_offset = pos % bs
+        # indices live where the cache does: one small copy per step, not one per layer
+        self.slot_block = self.table.gather(1, pos // bs).to(self.device)  # [B, T]
+        self.slot_offset = (pos % bs).to(self.device)
+        self.table = self.table.to(self.device)
         self.peak_blocks = max(self.peak_blocks, self.pool.used)
 
     def release(self, row):
