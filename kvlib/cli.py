@@ -64,6 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     study.add_argument("--experiments", nargs="+", default=None, help="a subset of the profile's experiments")
     study.add_argument("--force", action="store_true", help="recompute points already in results/")
     study.add_argument("--build", action="store_true", help="then build the HTML book (book/_build/html)")
+    study.add_argument("--policies", nargs="+", default=None,
+                       help="with --compute-only: only these policies / backends (e.g. every kvlib policy where vLLM is not "
+                            "installed); a notebook computes any point still missing")
+    study.add_argument("--compute-only", action="store_true",
+                       help="store the results only, no notebooks (a GPU machine without the book's packages)")
     return parser
 
 
@@ -198,7 +203,8 @@ def cmd_policies(args) -> int:
 def cmd_study(args) -> int:
     from kvlib.study import run_study
 
-    run_study(args.profile, args.experiments, force=args.force, build=args.build)
+    run_study(args.profile, args.experiments, force=args.force, build=args.build, policies=args.policies,
+              notebooks=not args.compute_only)
     return 0
 
 

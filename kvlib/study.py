@@ -167,9 +167,10 @@ def run_metadata(profile: str) -> dict:
             "cpu_threads": torch.get_num_threads(), "finished_at": datetime.now(UTC).isoformat()}
 
 
-def run_experiment(profile: str | Profile, experiment: str, force: bool = False, progress: bool = True
-                   ) -> pd.DataFrame:
-    """Compute every missing grid point of one experiment, then return all of its stored rows."""
+def run_experiment(profile: str | Profile, experiment: str, force: bool = False, progress: bool = True,
+                   policies: list[str] | None = None) -> pd.DataFrame:
+    """Compute every missing grid point of one experiment (of the given policies only, if any), then return all of
+    its stored rows."""
     prof = profile if isinstance(profile, Profile) else load_profile(profile)
     if experiment not in prof.experiments:
         raise UserError(f"profile {prof.name!r} has no experiment {experiment!r}; it has {sorted(prof.experiments)}")
@@ -177,6 +178,13 @@ def run_experiment(profile: str | Profile, experiment: str, force: bool = False,
     out_dir = results_dir(prof.name, experiment)
     out_dir.mkdir(parents=True, exist_ok=True)
     points = prof.points(experiment)
+    if policies is not None:
+        from kvlib.backends import runners
+
+        unknown = sorted(set(policies) - set(runners()))
+        if unknown:
+            raise UserError(f"unknown policies {unknown}: choose from {runners()}")
+        points = [p for p in points if p["policy"] in policies]
     todo = [p for p in points if force or not (out_dir / f"{point_hash(p)}.parquet").exists()]
     meta = run_metadata(prof.name)
     bar = tqdm(total=len(points), initial=len(points) - len(todo), desc=f"{prof.name}/{experiment}",
@@ -207,21 +215,27 @@ def _flat_point(point: dict) -> dict:
 
 
 # -- the whole study: execute the notebooks and build the book ---------------------------------------------------
-def run_study(profile: str, experiments: list[str] | None = None, force: bool = False, build: bool = False) -> None:
-    import papermill
-
+def run_study(profile: str, experiments: list[str] | None = None, force: bool = False, build: bool = False,
+              policies: list[str] | None = None, notebooks: bool = True) -> None:
     prof = load_profile(profile)
     names = experiments or [e for e in EXPERIMENTS if e in prof.experiments]
+    for name in names:
+        # computed here, with a progress bar on the terminal; the notebook then finds every point stored
+        run_experiment(prof, name, force=force, policies=policies)
+        if notebooks:
+            _execute(name, profile)
+    if notebooks:
+        _execute("findings", profile)
+    if build:
+        subprocess.run(["jupyter-book", "build", str(repo_root() / "book")], check=True,
+                       env={**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})
+
+
+def _execute(notebook: str, profile: str) -> None:
+    import papermill
+
     root = repo_root()
     executed = root / "book" / "executed"
     executed.mkdir(parents=True, exist_ok=True)
-    for name in names:
-        # computed here, with a progress bar on the terminal; the notebook then finds every point stored
-        run_experiment(prof, name, force=force)
-        papermill.execute_notebook(str(root / "notebooks" / f"{name}.ipynb"), str(executed / f"{name}.ipynb"),
-                                   parameters={"profile": profile}, cwd=str(root / "notebooks"), progress_bar=False)
-    papermill.execute_notebook(str(root / "notebooks" / "findings.ipynb"), str(executed / "findings.ipynb"),
+    papermill.execute_notebook(str(root / "notebooks" / f"{notebook}.ipynb"), str(executed / f"{notebook}.ipynb"),
                                parameters={"profile": profile}, cwd=str(root / "notebooks"), progress_bar=False)
-    if build:
-        subprocess.run(["jupyter-book", "build", str(root / "book")], check=True,
-                       env={**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})

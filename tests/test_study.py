@@ -109,3 +109,18 @@ def test_an_axis_named_after_a_policy_setting_varies_only_policies_that_have_it(
         ("h2o", 0.1, "a"), ("h2o", 0.1, "b"), ("h2o", 0.5, "a"), ("h2o", 0.5, "b")]
     from kvlib.experiments.common import settings_of
     assert settings_of(next(p for p in points if p.get("budget") == 0.5)) == {"budget": 0.5}  # the axis wins
+
+
+def test_compute_only_runs_the_named_policies_and_no_notebook(root, monkeypatch):
+    """What a GPU machine without vLLM or the book's packages runs: `kvlib study --compute-only --policies ...`."""
+    from kvlib import cli
+
+    write_profile(root, "p", {**PROFILE, "experiments": {"ttft": {**PROFILE["experiments"]["ttft"],
+                                                                   "policies": ["all", "vllm"]}}})
+    calls = []
+    monkeypatch.setattr(ttft, "run_point", lambda point: calls.append(point["policy"]) or [{"ttft_s": 0.1}])
+    monkeypatch.setattr(study, "_execute", lambda *args: pytest.fail("no notebook runs with --compute-only"))
+    assert cli.main(["study", "--profile", "p", "--compute-only", "--policies", "full", "h2o"]) == 0
+    assert sorted(set(calls)) == ["full", "h2o"] and len(calls) == 6  # 2 lengths x (full: full, fused; h2o: full)
+    assert len(list((root / "results" / "p" / "ttft").glob("*.parquet"))) == 6
+    assert cli.main(["study", "--profile", "p", "--compute-only", "--policies", "vlm"]) == 2  # one clear error
