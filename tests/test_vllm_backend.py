@@ -50,6 +50,23 @@ def test_params_name_vllm_next_to_all_kvlib_policies(tmp_path, monkeypatch):
     assert runner_settings("vllm") == ["block_size", "prefix_caching", "enforce_eager"]
 
 
+def test_an_experiment_point_runs_vllm_with_the_profiles_settings_and_capacity(monkeypatch):
+    from kvlib.experiments import common
+
+    point = next(p for p in study.load_profile("embedded").points("batch_scaling") if p["policy"] == "vllm")
+    seen = {}
+
+    def generate(self, model, prompts, max_new_tokens, stop_at_eos=True, device_capacity_bytes=None):
+        seen.update(backend=self, model=model, stop_at_eos=stop_at_eos, capacity=device_capacity_bytes)
+        return "result"
+
+    monkeypatch.setattr(VLLMBackend, "generate", generate)
+    assert common.run(point, [[1, 2, 3]], 4) == "result"
+    # the same model, lengths as asked (no EOS stop) and the profile's device capacity, which sizes vLLM's pool
+    assert seen["model"] == "smollm2-135m" and seen["stop_at_eos"] is False
+    assert seen["capacity"] == int(1.25 * 2**30) and seen["backend"].block_size == 32
+
+
 @pytest.mark.model
 @pytest.mark.slow
 def test_vllm_generates_what_kvlib_full_generates(smollm, mixed_prompts):
