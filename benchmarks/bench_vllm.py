@@ -5,13 +5,15 @@ hits both. Writes benchmarks/results/vllm.json; needs the vllm extra (`make inst
 Both sides measure alike: TTFT = mean time from the start of the run to each request's first token; decode
 throughput = tokens generated after every request has its first token, over the time from then to the last token.
 
-Where the time goes (the profiles at batch 8, stored with the results): kvlib's paged decode gathers every row's
-blocks through its block table into a tensor padded to the longest row (`aten::index`, K and V in every layer), then
-runs SDPA over that padded length; vLLM's CPU kernel (`cpu_attention_with_kv_cache`) reads the blocks in place, each
-row over its own length, and its weight matmuls are oneDNN calls with fused QKV and gate/up projections (121 calls a
-step against kvlib's 211). At batch 1 there is no padding and one row's gather is small: there the two were within the
-noise of a shared machine (three runs: 0.84x, 1.53x, 1.02x).
-The next step for kvlib is attention that reads the block pool in place instead of gathering it.
+Where the time goes (the profiles at batch 8, stored with the results; 2 threads on an idle machine): kvlib's paged
+decode copies every row's blocks out of the pool through its block table into a tensor padded to the longest row
+(`aten::index_select`, K and V in every layer: ~30 ms a step; it was `aten::index`, advanced indexing, ~100 ms for
+the same copy) and runs SDPA over that padded, strided copy (~73 ms); vLLM's CPU kernel (`cpu_attention_with_kv_cache`,
+~26 ms) reads the blocks in place, each row over its own length. The larger gap is the weight matmuls: transformers'
+modeling code makes 211 `aten::mm` calls a step (~142 ms) where vLLM makes 121 oneDNN calls (~68 ms) with fused QKV
+and gate/up projections (kvlib keeps transformers' own modules: no copied modeling files). At batch 1 the two are
+within the noise of a shared machine (runs of 0.73x to 1.53x).
+The next steps for kvlib are attention that reads the block pool in place, and fused projections.
 
 BENCH_THREADS=n runs both on n cores (default: all). On a machine shared with other work, 1 is the honest choice: two
 OpenMP threads on two cores that another process also uses wait for each other at every parallel region (measured

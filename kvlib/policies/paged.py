@@ -103,8 +103,11 @@ class PagedPolicy(KVPolicy):
         kc[self.slot_block, self.slot_offset] = key.transpose(1, 2)
         vc[self.slot_block, self.slot_offset] = value.transpose(1, 2)
         b, s = len(step.rows), self.spec
-        k = kc[self.table].view(b, -1, s.num_kv_heads, s.head_dim).transpose(1, 2)
-        v = vc[self.table].view(b, -1, s.num_kv_heads, s.head_dim).transpose(1, 2)
+        # index_select copies whole blocks; advanced indexing (kc[table]) took 6x as long on this CPU for the same
+        # copy (0.40 vs 0.07 ms for a 2,048-token row), a third of a paged decode step at batch 1
+        blocks = self.table.flatten()
+        k = kc.index_select(0, blocks).view(b, -1, s.num_kv_heads, s.head_dim).transpose(1, 2)
+        v = vc.index_select(0, blocks).view(b, -1, s.num_kv_heads, s.head_dim).transpose(1, 2)
         end = step.start + step.q_len
         if step.phase == "prefill":
             n = int(end[0])
