@@ -65,8 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     study.add_argument("--force", action="store_true", help="recompute points already in results/")
     study.add_argument("--build", action="store_true", help="then build the HTML book (book/_build/html)")
     study.add_argument("--policies", nargs="+", default=None,
-                       help="with --compute-only: only these policies / backends (e.g. every kvlib policy where vLLM is not "
-                            "installed); a notebook computes any point still missing")
+                       help="only these policies / backends (e.g. every kvlib policy where vLLM is not installed); "
+                            "without --compute-only, a notebook then computes any point still missing")
     study.add_argument("--compute-only", action="store_true",
                        help="store the results only, no notebooks (a GPU machine without the book's packages)")
     return parser

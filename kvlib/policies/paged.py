@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlib.attention import fused_attention, prefill_attention
+from kvlib.attention import decode_mask, fused_attention, prefill_attention
 from kvlib.block_pool import BlockPool, BlockTable
 from kvlib.errors import UserError
 from kvlib.policies.base import KVPolicy, Step
@@ -84,8 +84,7 @@ class PagedPolicy(KVPolicy):
         self.slot_offset = (pos % bs).to(self.device)
         self.table = self.table.to(self.device)
         if step.phase == "decode":  # each row sees its own length of the padded gather
-            visible = torch.arange(width * bs)[None, :] < (step.start + 1)[:, None]
-            self.visible = visible[:, None, None, :].to(self.device)
+            self.visible, self.kv_len = decode_mask(step.start, width * bs, self.device)
         self.peak_blocks = max(self.peak_blocks, self.pool.used)
 
     def release(self, row):
@@ -115,7 +114,8 @@ class PagedPolicy(KVPolicy):
             n = int(step.start[0]) + step.q_len
             return prefill_attention(query, k[:, :, :n], v[:, :, :n], int(step.start[0]), step.prefill_mode,
                                      self.scale, self.ledger, layer)
-        return fused_attention(query, k, v, self.visible, self.scale)
+        n = self.kv_len
+        return fused_attention(query, k[:, :, :n], v[:, :, :n], self.visible, self.scale)
 
     def after_pass(self, step: Step):
         for row, start in zip(step.rows.tolist(), step.start.tolist()):
