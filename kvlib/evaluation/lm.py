@@ -25,8 +25,7 @@ from kvlib.policies import make_policy
 @register_model("kvlib")
 class KVLibLM(TemplateLM):
     def __init__(self, pretrained: str = "smollm2-135m", policy: str = "full", batch_size: int | str = 8,
-                 device: str | None = None, max_length: int | None = None, max_batch_size: int | None = None,
-                 loaded=None, **policy_settings):
+                 device: str | None = None, max_length: int | None = None, loaded=None, **policy_settings):
         super().__init__()
         kv_policy = make_policy(policy, **policy_settings)  # bad settings fail here, before the model is loaded
         self.loaded = loaded or load_model(pretrained, device=device)
