@@ -41,7 +41,7 @@ class Engine:
     def forward(self, input_ids: torch.Tensor, step: Step) -> torch.Tensor:
         """Run the model on [B, T] new tokens of step.rows; return the last position's logits [B, V] (fp32)."""
         positions = step.start[:, None] + torch.arange(step.q_len)[None, :]
-        with self.timers.section("pass"):
+        with self.timers.section("compute"):
             self.policy.prepare(step)
             with self.ledger.transient("device", "activations", activation_bytes(self.model, *input_ids.shape),
                                        f"{step.phase} forward"):

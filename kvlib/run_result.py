@@ -67,6 +67,7 @@ def build_metrics(*, ttft: list[float], step_latencies: list[float], prefill_s: 
         "decode_tokens_per_s": decode_tokens / decode_s if decode_s > 0 and decode_tokens else None,
         "decode_step_s_mean": statistics.fmean(step_latencies) if step_latencies else None,
         "decode_step_s_p50": statistics.median(step_latencies) if step_latencies else None,
+        **_step_throughput_quartiles(decode_tokens, step_latencies),
         "decode_steps": len(step_latencies),
         "step_latencies_s": step_latencies,
         "wall_split_s": wall_split(sections, prefill_s, decode_s, total_s),
@@ -74,6 +75,16 @@ def build_metrics(*, ttft: list[float], step_latencies: list[float], prefill_s: 
         "completed": completed,
         **extra,
     }
+
+
+def _step_throughput_quartiles(decode_tokens: int, step_latencies: list[float]) -> dict:
+    """The spread of decode throughput within a run: the quartiles of each step's tokens per second (a run's decode
+    throughput is one number; its steps show how steady the machine was while it was measured)."""
+    if len(step_latencies) < 2 or not decode_tokens:
+        return {"decode_tokens_per_s_q1": None, "decode_tokens_per_s_q3": None}
+    per_step = decode_tokens / len(step_latencies)
+    q1, _, q3 = statistics.quantiles([per_step / s for s in step_latencies], n=4)
+    return {"decode_tokens_per_s_q1": q1, "decode_tokens_per_s_q3": q3}
 
 
 def decoded_outputs(tokenizer, generated: list[list[int]], prompts: list[list[int]]) -> list[dict]:

@@ -108,95 +108,92 @@ class _Loop:
         pending = deque(sorted(self.seqs, key=lambda s: s.arrival_step))
         waiting: deque[Sequence] = deque()
         running: list[Sequence] = []
-        first_of: dict[tuple, tuple[Sequence, torch.Tensor]] = {}  # prompt -> its first row and logits (sharing)
-        t0 = clock()
-        try:
-            return self._loop(session, clock, pending, waiting, running, first_of)
-        finally:
-            self.total_s = clock() - t0
-
-    def _loop(self, session, clock, pending, waiting, running, first_of) -> dict | None:
         prefilling: Sequence | None = None
+        first_of: dict[tuple, tuple[Sequence, torch.Tensor]] = {}  # prompt -> its first row and logits (sharing)
         blocked = False  # a prefill found no room: admit again once a running request has left
         step = 0
-        while pending or waiting or running or prefilling:
-            while pending and pending[0].arrival_step <= step:
-                seq = pending.popleft()
-                seq.arrived_at, seq.status = clock(), "waiting"
-                waiting.append(seq)
-            if prefilling is None and waiting and (not blocked or not running):
-                seq = waiting.popleft()
-                shared = first_of.get(tuple(seq.prompt)) if self.share and not seq.generated else None
-                begin = clock()
-                if shared is not None:  # the same context as an earlier row: fork it instead of prefilling again
-                    session.fork(shared[0].row, seq.row)
-                    self._first_token(seq, shared[1], running, clock)
-                else:
-                    session.prefix(seq.row, seq.tokens_to_prefill())
-                    prefilling, seq.status = seq, "prefilling"
-                self.prefill_s += clock() - begin
-            if prefilling is not None:
-                seq, tokens = prefilling, prefilling.tokens_to_prefill()
-                held = session.lengths[seq.row]
-                size = self.chunk_size if self.mode == "chunked" else len(tokens) - held
-                begin = clock()
-                try:
-                    logits = session.prefill_chunk(seq.row, tokens[held:held + size], self.mode, len(tokens))
-                except (DeviceOOM, torch.OutOfMemoryError) as exc:
-                    if not (self.continuous and isinstance(exc, OutOfBlocks)):
-                        return oom_record(exc, "prefill")
-                    if not running:
-                        raise UserError(f"the block pool cannot hold request {seq.row} ({len(tokens)} tokens) even "
-                                        f"alone: {exc}") from exc
-                    # never preempt running requests for a new one (they would take turns forever): wait for room
-                    session.release(seq.row)
-                    waiting.appendleft(seq)
-                    prefilling, blocked = None, True
-                    continue
-                if session.lengths[seq.row] == len(tokens):
-                    prefilling = None
-                    if self.share and not seq.generated:
-                        first_of.setdefault(tuple(seq.prompt), (seq, logits))
-                    if seq.generated:  # recomputed after a preemption: it goes on where it was
-                        seq.status = "running"
-                        running.append(seq)
+        t0 = clock()
+        try:
+            while pending or waiting or running or prefilling:
+                while pending and pending[0].arrival_step <= step:
+                    seq = pending.popleft()
+                    seq.arrived_at, seq.status = clock(), "waiting"
+                    waiting.append(seq)
+                if prefilling is None and waiting and (not blocked or not running):
+                    seq = waiting.popleft()
+                    shared = first_of.get(tuple(seq.prompt)) if self.share and not seq.generated else None
+                    begin = clock()
+                    if shared is not None:  # the same context as an earlier row: fork it instead of prefilling again
+                        session.fork(shared[0].row, seq.row)
+                        self._first_token(seq, shared[1], running, clock)
                     else:
-                        self._first_token(seq, logits, running, clock)
-                        if seq.status == "finished" and self.continuous:
-                            session.release(seq.row)
-                self.prefill_s += clock() - begin
-            decode_now = self.continuous or not (pending or waiting or prefilling)
-            if running and decode_now:
-                begin = clock()
-                try:
-                    logits = session.decode([s.row for s in running], [s.generated[-1] for s in running])
-                except (DeviceOOM, torch.OutOfMemoryError) as exc:
-                    if not (self.continuous and isinstance(exc, OutOfBlocks)):
-                        return oom_record(exc, "decode")
-                    if len(running) == 1:
-                        raise UserError(f"the block pool cannot hold request {running[0].row} even alone: "
-                                        f"{exc}") from exc
-                    victim = running.pop()  # the newest: it waits, first in line, until another request has left
-                    session.release(victim.row)
-                    victim.status = "waiting"
-                    waiting.appendleft(victim)
-                    self.preemptions += 1
-                    blocked = True
-                    continue
-                for seq, row_logits in zip(list(running), logits):
-                    seq.take(row_logits)
-                    self.decode_tokens += 1
-                    if seq.done(self.eos):
-                        seq.status = "finished"
-                        running.remove(seq)
-                        if self.continuous:
-                            session.release(seq.row)
-                            blocked = False
-                elapsed = clock() - begin
-                self.latencies.append(elapsed)
-                self.decode_s += elapsed
-            step += 1
-        return None
+                        session.prefix(seq.row, seq.tokens_to_prefill())
+                        prefilling, seq.status = seq, "prefilling"
+                    self.prefill_s += clock() - begin
+                if prefilling is not None:
+                    seq, tokens = prefilling, prefilling.tokens_to_prefill()
+                    held = session.lengths[seq.row]
+                    size = self.chunk_size if self.mode == "chunked" else len(tokens) - held
+                    begin = clock()
+                    try:
+                        logits = session.prefill_chunk(seq.row, tokens[held:held + size], self.mode, len(tokens))
+                    except (DeviceOOM, torch.OutOfMemoryError) as exc:
+                        if not (self.continuous and isinstance(exc, OutOfBlocks)):
+                            return oom_record(exc, "prefill")
+                        if not running:
+                            raise UserError(f"the block pool cannot hold request {seq.row} ({len(tokens)} tokens) even "
+                                            f"alone: {exc}") from exc
+                        # never preempt running requests for a new one (they would take turns forever): wait for room
+                        session.release(seq.row)
+                        waiting.appendleft(seq)
+                        prefilling, blocked = None, True
+                        continue
+                    if session.lengths[seq.row] == len(tokens):
+                        prefilling = None
+                        if self.share and not seq.generated:
+                            first_of.setdefault(tuple(seq.prompt), (seq, logits))
+                        if seq.generated:  # recomputed after a preemption: it goes on where it was
+                            seq.status = "running"
+                            running.append(seq)
+                        else:
+                            self._first_token(seq, logits, running, clock)
+                            if seq.status == "finished" and self.continuous:
+                                session.release(seq.row)
+                    self.prefill_s += clock() - begin
+                decode_now = self.continuous or not (pending or waiting or prefilling)
+                if running and decode_now:
+                    begin = clock()
+                    try:
+                        logits = session.decode([s.row for s in running], [s.generated[-1] for s in running])
+                    except (DeviceOOM, torch.OutOfMemoryError) as exc:
+                        if not (self.continuous and isinstance(exc, OutOfBlocks)):
+                            return oom_record(exc, "decode")
+                        if len(running) == 1:
+                            raise UserError(f"the block pool cannot hold request {running[0].row} even alone: "
+                                            f"{exc}") from exc
+                        victim = running.pop()  # the newest: it waits, first in line, until another request has left
+                        session.release(victim.row)
+                        victim.status = "waiting"
+                        waiting.appendleft(victim)
+                        self.preemptions += 1
+                        blocked = True
+                        continue
+                    for seq, row_logits in zip(list(running), logits):
+                        seq.take(row_logits)
+                        self.decode_tokens += 1
+                        if seq.done(self.eos):
+                            seq.status = "finished"
+                            running.remove(seq)
+                            if self.continuous:
+                                session.release(seq.row)
+                                blocked = False
+                    elapsed = clock() - begin
+                    self.latencies.append(elapsed)
+                    self.decode_s += elapsed
+                step += 1
+            return None
+        finally:
+            self.total_s = clock() - t0
 
     def _first_token(self, seq: Sequence, logits, running: list[Sequence], clock) -> None:
         seq.take(logits)

@@ -13,10 +13,19 @@ from kvlib.skewing import capture_qk, compute_skew
 def test_fetching_every_entry_equals_full(smollm, mixed_prompts):
     full = Engine(smollm, make_policy("full")).generate(mixed_prompts, 16)
     for mode in ("full", "fused", "chunked"):
-        # budget 1.0 and an alpha that admits every candidate: each step fetches the whole cache
+        # budget 1.0 and an alpha that admits every candidate: speculation runs, and each step fetches the whole cache
         ig = Engine(smollm, make_policy("infinigen", budget=1.0, alpha=1e9)).generate(
             mixed_prompts, 16, prefill_mode=mode, chunk_size=6)
         assert [o["token_ids"] for o in ig.outputs] == [o["token_ids"] for o in full.outputs]
+        assert ig.stats["bytes_moved_host_to_device"] > 0 and ig.stats["kv_share_attended"] == 1.0
+
+
+def test_budget_one_is_a_cap_not_a_bypass(tiny):
+    """At budget 1.0 InfiniGen still fetches only the candidates speculation finds (the budget caps them)."""
+    prompts = [list(range(300, 400))]
+    capped = Engine(tiny, make_policy("infinigen", budget=1.0, alpha=0.0)).generate(prompts, 6, stop_at_eos=False)
+    dense = 2
+    assert all(share < 1.0 for share in capped.stats["kv_share_attended_per_layer"][dense:])
 
 
 def test_skewing_is_orthogonal_and_leaves_scores_unchanged(tiny):
@@ -42,7 +51,7 @@ def test_tiers_and_bytes_moved_match_the_selection(tiny):
 
     def recording(layer, step):
         speculate(layer, step)
-        k, v, keep, _ = policy.fetched[layer + 1]
+        k, _, keep, _ = policy.fetched[layer + 1]
         fetched.append(int(keep[:, 0].sum()))  # entries per head, summed over rows
         gathered.append(k.shape[0] * k.shape[2])  # what the gather copied: the longest selection, every row
 

@@ -59,7 +59,8 @@ def result_row(result: RunResult) -> dict:
     m = result.metrics
     row = {"policy": result.policy["name"]}  # what ran: "vllm (real)" for the outside baseline
     row.update({k: m.get(k) for k in ("ttft_s", "setup_s", "prefill_s", "decode_s", "total_s", "decode_tokens",
-                                      "decode_tokens_per_s", "decode_step_s_mean", "decode_step_s_p50", "completed",
+                                      "decode_tokens_per_s", "decode_tokens_per_s_q1", "decode_tokens_per_s_q3",
+                                      "decode_step_s_mean", "decode_step_s_p50", "decode_steps", "completed",
                                       "preemptions")})
     row["step_latencies_s"] = m.get("step_latencies_s")
     row.update({f"split_{k}_s": v for k, v in m.get("wall_split_s", {}).items()})

@@ -53,10 +53,11 @@ class KVUsage:
             self.row_steps += rows
 
     def summary(self) -> dict:
+        totals = {"kv_tokens_attended_total": sum(self.attended), "kv_tokens_seen_total": sum(self.seen)}
         if not self.row_steps:
             return {"kv_share_attended": None, "kv_share_attended_per_layer": None,
-                    "kv_tokens_attended_per_step": None}
-        return {"kv_share_attended": sum(self.attended) / max(sum(self.seen), 1),
+                    "kv_tokens_attended_per_step": None, **totals}
+        return {**totals, "kv_share_attended": sum(self.attended) / max(sum(self.seen), 1),
                 "kv_share_attended_per_layer": [a / max(s, 1) for a, s in zip(self.attended, self.seen)],
                 "kv_tokens_attended_per_step": sum(self.attended) / len(self.attended) / self.row_steps}
 

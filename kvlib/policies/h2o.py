@@ -150,7 +150,8 @@ class HeavyHitterPolicy(BudgetedPolicy):
         seen = int(self.seen[row])
         self.prompt_of[row] = seen
         keep, recent = self.limits(seen, seen)
-        keep = min(keep, buf.filled)
+        keep = min(keep, buf.filled)  # a conversation's row holds less than it has seen: earlier turns were evicted
+        recent = min(recent, keep)
         if keep >= self.cap:
             raise UserError(f"row {row} grew to {seen} tokens, past the lengths given to start()")
         idx = select_heavy_recent(buf.scores[..., :buf.filled], keep - recent, recent)  # [L, Hkv, keep]
