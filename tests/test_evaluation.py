@@ -35,7 +35,8 @@ def test_kvlib_full_scores_each_item_as_lm_eval_hf_does(smollm, tasks):
         a, b = scores(ours, task), scores(theirs, task)
         assert len(a) == len(b) > 0
         for x, y in zip(a, b):
-            assert x == pytest.approx(y, abs=1e-4)
+            # a document's log-likelihood sums ~200 per-token fp32 scores: 1e-4 per item, 1e-6 of a sum
+            assert x == pytest.approx(y, abs=1e-4, rel=1e-6)
 
 
 @pytest.mark.model
@@ -44,7 +45,9 @@ def test_kvlib_full_scores_each_item_as_lm_eval_hf_does(smollm, tasks):
 def test_budget_one_scores_as_full_and_small_budgets_change_scores(smollm, tasks, name):
     names = ["kvlib_recall", "kvlib_pydoc_perplexity"]
     full = evaluate(KVLibLM(policy="full", loaded=smollm), names, include_path=tasks)
-    whole = evaluate(KVLibLM(policy=name, budget=1.0, loaded=smollm), names, include_path=tasks)
+    # InfiniGen's budget is a cap: with every candidate admitted (alpha) it attends everything, speculation running
+    every = {"alpha": 1e9} if name == "infinigen" else {}
+    whole = evaluate(KVLibLM(policy=name, budget=1.0, loaded=smollm, **every), names, include_path=tasks)
     small = evaluate(KVLibLM(policy=name, budget=0.1, loaded=smollm), names, include_path=tasks)
     for task in names:
         for x, y in zip(scores(whole, task), scores(full, task)):
