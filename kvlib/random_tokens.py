@@ -45,6 +45,6 @@ class NoTextTokenizer:
 
     def __call__(self, *args, **kwargs):
         raise UserError(f"model {self.model!r} has random weights and no tokenizer: its prompts are random token ids "
-                        "(a prompt length, or text_source {kind: random_ids}), not text")
+                        "(`--prompt-tokens N`; in a profile, no text_source or {kind: random_ids}), not text")
 
     apply_chat_template = __call__

@@ -4,15 +4,26 @@ from __future__ import annotations
 
 import functools
 
+from kvlib import architectures
 from kvlib.backends import BACKENDS, runner_settings
 from kvlib.engine import Engine, RunResult
+from kvlib.errors import UserError
 from kvlib.models import LoadedModel, load_model
 from kvlib.policies import make_policy
+from kvlib.random_weights import CAVEAT
 
 
 @functools.lru_cache(maxsize=2)
-def model(name: str, device: str | None = None) -> LoadedModel:
-    return load_model(name, device=device)
+def model(name: str, device: str | None = None, weights: str = "pretrained") -> LoadedModel:
+    return load_model(name, device=device, weights=weights)
+
+
+def weights_of(point: dict) -> str:
+    return point.get("weights", "pretrained")
+
+
+def model_of(point: dict) -> LoadedModel:
+    return model(point["model"], point.get("device"), weights_of(point))
 
 
 def settings_of(point: dict) -> dict:
@@ -27,7 +38,7 @@ def capacity_bytes(point: dict) -> int | None:
 
 
 def make_engine(point: dict) -> Engine:
-    loaded = model(point["model"], point.get("device"))
+    loaded = model_of(point)
     policy = make_policy(point["policy"], **settings_of(point))
     return Engine(loaded, policy, device_capacity_bytes=capacity_bytes(point))
 
@@ -39,6 +50,9 @@ def run(point: dict, prompts: list[list[int]], max_new_tokens: int, prefill: str
     Without a prefill mode, the policy's preferred one (fused, or chunked for H2O, which needs scores). An outside
     backend (the real vLLM) runs the same prompts its own way."""
     if point["policy"] in BACKENDS:
+        if weights_of(point) == "random" and not architectures.is_architecture(point["model"]):
+            raise UserError(f"the real vLLM runs random weights for named architectures only "
+                            f"({', '.join(architectures.names())}), not {point['model']!r}")
         backend = BACKENDS[point["policy"]](**settings_of(point))
         return backend.generate(point["model"], prompts, max_new_tokens, stop_at_eos=False,
                                 device_capacity_bytes=capacity_bytes(point))
@@ -52,10 +66,12 @@ def run(point: dict, prompts: list[list[int]], max_new_tokens: int, prefill: str
     return engine.generate(prompts, max_new_tokens, prefill_mode=mode, chunk_size=chunk_size, stop_at_eos=False)
 
 
-def result_row(result: RunResult) -> dict:
+def result_row(result: RunResult, point: dict | None = None) -> dict:
     """The tidy columns every experiment stores: timings, memory by tier and component, OOM, policy stats."""
     m = result.metrics
     row = {"policy": result.policy["name"]}  # what ran: "vllm (real)" for the outside baseline
+    if point is not None and weights_of(point) == "random":
+        row["caveat"] = CAVEAT
     row.update({k: m.get(k) for k in ("ttft_s", "prefill_s", "decode_s", "total_s", "decode_tokens",
                                  "decode_tokens_per_s", "decode_step_s_mean", "completed")})
     row.update({f"split_{k}_s": v for k, v in m.get("wall_split_s", {}).items()})
