@@ -193,3 +193,38 @@ def test_cli_runs_a_named_architecture_with_random_weights(capsys, monkeypatch):
     assert main(["run", "--model", "llama-3.1-8b", "--weights", "random", "--num-layers", "1", "--device", "cpu",
                  "--prompt-file", __file__]) == 2
     assert "no tokenizer" in capsys.readouterr().err
+
+
+def test_a_systems_point_runs_end_to_end_with_random_weights(monkeypatch):
+    from kvlib.experiments import common, decode_length, ttft
+
+    def one_layer(name, device=None, weights="pretrained"):
+        return load_model(name, device="cpu", dtype=torch.bfloat16, weights=weights, num_layers=1)
+
+    monkeypatch.setattr(common, "load_model", one_layer)
+    common.model.cache_clear()
+    try:
+        base = {"model": "llama-3.1-8b", "policy": "full", "policy_settings": {}, "device": "cpu",
+                "device_capacity_gb": None, "weights": "random"}
+        [row] = ttft.run_point({**base, "experiment": "ttft", "prompt_tokens": 24, "prefill": "full"})
+        assert row["completed"] and row["caveat"] == "random weights: systems figures only"
+        assert row["device_kv_bytes"] == 24 * 1 * 8 * 128 * 2 * 2
+        [row] = decode_length.run_point({**base, "experiment": "decode_length", "prompt_tokens": 16,
+                                         "output_tokens": 5})
+        assert row["decode_tokens"] == 4  # no end of sequence: the asked length
+    finally:
+        common.model.cache_clear()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_whole_8b_model_on_a_gpu():
+    """Not yet run: no GPU in the session that wrote it."""
+    model = load_model("llama-3.1-8b", device="cuda", weights="random")
+    assert model.spec.dtype == torch.bfloat16 and model.spec.kv_bytes_per_token == 128 * 2**10
+    assert model.weights_bytes == parameter_count(model.model.config) * 2
+    batch = [prompt_of_length(model.tokenizer, 1024), prompt_of_length(model.tokenizer, 300, offset=5000)]
+    for policy in available():
+        chosen = make_policy(policy)
+        result = Engine(model, chosen).generate(batch, 4, prefill_mode=chosen.preferred_prefill)
+        assert result.oom is None and [len(o["token_ids"]) for o in result.outputs] == [4, 4]
+    assert torch.cuda.max_memory_allocated() >= model.weights_bytes
