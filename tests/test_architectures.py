@@ -30,9 +30,10 @@ LAYERS = 2
 POLICY_SETTINGS = {"infinigen": {"dense_layers": 1, "calibration_tokens": 32}}
 
 
-@pytest.fixture(scope="module", params=["llama-3.1-8b", pytest.param("llama-3.1-70b", marks=pytest.mark.slow)])
+@pytest.fixture(scope="class", params=["llama-3.1-8b", pytest.param("llama-3.1-70b", marks=pytest.mark.slow)])
 def two_layers(request):
-    """One architecture at a time (the 70B's two layers, embedding and head are 7.6 GB in bf16)."""
+    """One architecture at a time, freed when TestTwoLayers ends (the 70B's two layers, embedding and head are 7.6 GB
+    in bf16)."""
     model = load_model(request.param, device="cpu", dtype=torch.bfloat16, weights="random", num_layers=LAYERS)
     yield request.param, model
     del model
@@ -58,41 +59,43 @@ def test_configs_hold_the_published_shapes(name):
     assert parameter_count(config) / 1e9 == pytest.approx(billions, abs=0.01)
 
 
-@pytest.mark.parametrize("policy", available())
-def test_every_policy_runs_on_the_first_two_layers(two_layers, policy):
-    name, model = two_layers
-    assert model.spec.num_layers == LAYERS and model.spec.hidden_size == PUBLISHED[name][1]
-    chosen = make_policy(policy, **POLICY_SETTINGS.get(policy, {}))
-    # stop_at_eos left on: random weights have no end of sequence, so every request still decodes its full length
-    result = Engine(model, chosen).generate(prompts(model.tokenizer), 3, prefill_mode=chosen.preferred_prefill)
-    assert result.oom is None
-    assert [len(o["token_ids"]) for o in result.outputs] == [3, 3]
-    assert all(0 <= t < 128256 for o in result.outputs for t in o["token_ids"])
-    assert "random weights: no text" in result.outputs[0]["text"]
+class TestTwoLayers:
+    """Each configuration cut to its first two layers, every other dimension as published."""
+
+    @pytest.mark.parametrize("policy", available())
+    def test_every_policy_runs_on_the_first_two_layers(self, two_layers, policy):
+        name, model = two_layers
+        assert model.spec.num_layers == LAYERS and model.spec.hidden_size == PUBLISHED[name][1]
+        chosen = make_policy(policy, **POLICY_SETTINGS.get(policy, {}))
+        # stop_at_eos left on: random weights have no end of sequence, so every request still decodes its full length
+        result = Engine(model, chosen).generate(prompts(model.tokenizer), 3, prefill_mode=chosen.preferred_prefill)
+        assert result.oom is None
+        assert [len(o["token_ids"]) for o in result.outputs] == [3, 3]
+        assert all(0 <= t < 128256 for o in result.outputs for t in o["token_ids"])
+        assert "random weights: no text" in result.outputs[0]["text"]
 
 
-def test_ledger_kv_bytes_per_token_are_the_full_models_formula(two_layers):
-    name, model = two_layers
-    batch = prompts(model.tokenizer)
-    result = Engine(model, make_policy("full")).generate(batch, 3)
-    cached = sum(len(p) + len(o["token_ids"]) - 1 for p, o in zip(batch, result.outputs))
-    per_token = result.memory["device"]["kv_bytes"] / cached
-    assert per_token == LAYERS * 8 * 128 * 2 * 2  # what two bf16 layers hold
-    full_layers = PUBLISHED[name][0]
-    assert per_token * full_layers / LAYERS == FULL_MODEL_KV_BYTES_PER_TOKEN[name]
+    def test_ledger_kv_bytes_per_token_are_the_full_models_formula(self, two_layers):
+        name, model = two_layers
+        batch = prompts(model.tokenizer)
+        result = Engine(model, make_policy("full")).generate(batch, 3)
+        cached = sum(len(p) + len(o["token_ids"]) - 1 for p, o in zip(batch, result.outputs))
+        per_token = result.memory["device"]["kv_bytes"] / cached
+        assert per_token == LAYERS * 8 * 128 * 2 * 2  # what two bf16 layers hold
+        full_layers = PUBLISHED[name][0]
+        assert per_token * full_layers / LAYERS == FULL_MODEL_KV_BYTES_PER_TOKEN[name]
 
-
-def test_predicted_full_matrix_prefill_peak_is_what_the_engine_books(two_layers):
-    _, model = two_layers
-    prompt = prompt_of_length(model.tokenizer, 40)
-    predicted = full_matrix_prefill_bytes(model.model.config, torch.bfloat16, len(prompt))
-    assert predicted["weights"] == model.weights_bytes
-    peak = sum(predicted.values())
-    fits = Engine(model, make_policy("full"), device_capacity_bytes=peak).generate([prompt], 1, prefill_mode="full")
-    assert fits.oom is None and fits.memory["device"]["peak_bytes"] == peak
-    short = Engine(model, make_policy("full"), device_capacity_bytes=peak - 1).generate([prompt], 1,
-                                                                                      prefill_mode="full")
-    assert short.oom is not None and "attention matrix" in short.oom["where"]
+    def test_predicted_full_matrix_prefill_peak_is_what_the_engine_books(self, two_layers):
+        _, model = two_layers
+        prompt = prompt_of_length(model.tokenizer, 40)
+        predicted = full_matrix_prefill_bytes(model.model.config, torch.bfloat16, len(prompt))
+        assert predicted["weights"] == model.weights_bytes
+        peak = sum(predicted.values())
+        fits = Engine(model, make_policy("full"), device_capacity_bytes=peak).generate([prompt], 1, prefill_mode="full")
+        assert fits.oom is None and fits.memory["device"]["peak_bytes"] == peak
+        short = Engine(model, make_policy("full"), device_capacity_bytes=peak - 1).generate([prompt], 1,
+                                                                                          prefill_mode="full")
+        assert short.oom is not None and "attention matrix" in short.oom["where"]
 
 
 def test_the_book_states_the_computed_oom_boundary():
