@@ -74,7 +74,6 @@ class TestTwoLayers:
         assert all(0 <= t < 128256 for o in result.outputs for t in o["token_ids"])
         assert "random weights: no text" in result.outputs[0]["text"]
 
-
     def test_ledger_kv_bytes_per_token_are_the_full_models_formula(self, two_layers):
         name, model = two_layers
         batch = prompts(model.tokenizer)
