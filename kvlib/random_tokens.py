@@ -15,9 +15,9 @@ STREAM = 2**20  # prompts are cut from one seeded stream of ids, as text prompts
 
 
 @functools.lru_cache(maxsize=4)
-def _stream(vocab_size: int, seed: int, length: int) -> tuple[int, ...]:
+def _stream(vocab_size: int, seed: int, length: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
-    return tuple(torch.randint(0, vocab_size, (length,), generator=gen).tolist())
+    return torch.randint(0, vocab_size, (length,), generator=gen)
 
 
 def random_token_ids(vocab_size: int, tokens: int, offset: int = 0, seed: int = 0) -> list[int]:
@@ -25,7 +25,7 @@ def random_token_ids(vocab_size: int, tokens: int, offset: int = 0, seed: int = 
     their prefix, as prompts cut from one text do."""
     ids = _stream(vocab_size, seed, max(STREAM, tokens))
     start = offset % (len(ids) - tokens + 1)
-    return list(ids[start:start + tokens])
+    return ids[start:start + tokens].tolist()
 
 
 @dataclass(frozen=True)

@@ -104,6 +104,11 @@ def test_the_book_states_the_computed_oom_boundary():
     config = architectures.architecture_config("llama-3.1-8b")
     over = sum(full_matrix_prefill_bytes(config, torch.bfloat16, boundary + 1).values())
     assert sum(full_matrix_prefill_bytes(config, torch.bfloat16, boundary).values()) <= 80 * 2**30 < over
+    at_10k = full_matrix_prefill_bytes(config, torch.bfloat16, 10240)
+    at_boundary = full_matrix_prefill_bytes(config, torch.bfloat16, boundary)
+    assert f"the ledger books {sum(at_10k.values()) / 2**30:.2f} GiB" in text
+    for component in ("kv_reserved", "activations", "attention_matrix"):  # the table's two columns
+        assert f"| {at_10k[component] / 2**30:.2f} GiB | {at_boundary[component] / 2**30:.2f} GiB |" in text
 
 
 def test_random_weights_are_seeded():

@@ -35,21 +35,12 @@ def hub_id(name: str) -> str:
     return published_config(name)["_hub_id"]
 
 
-def architecture_config(name: str, num_layers: int | None = None):
-    """A transformers config of the architecture; num_layers keeps only the first layers (tests on a CPU), every
-    other dimension as published."""
+def architecture_config(name: str):
+    """A transformers config of the architecture, every dimension as published."""
     from transformers import AutoConfig
 
     raw = {k: v for k, v in published_config(name).items() if not k.startswith("_")}
-    full = raw["num_hidden_layers"]
-    if num_layers is not None:
-        if not 1 <= num_layers <= full:
-            raise UserError(f"num_layers must be between 1 and {full} for {name!r}, got {num_layers}")
-        raw["num_hidden_layers"] = num_layers
-        if "layer_types" in raw:
-            raw["layer_types"] = raw["layer_types"][:num_layers]
-    model_type = raw.pop("model_type")
-    return AutoConfig.for_model(model_type, **raw)
+    return AutoConfig.for_model(raw.pop("model_type"), **raw)
 
 
 def config_folder(name: str) -> Path:
