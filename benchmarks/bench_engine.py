@@ -7,18 +7,18 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
 import torch
 from hf_baseline import best_of, hf_generate
+from smoke import results_path, sized
 
 from kvlib.engine import Engine
 from kvlib.models import load_model
 from kvlib.policies import make_policy
 from kvlib.workloads import mixed_length_prompts
 
-NEW_TOKENS = 32
-OUT = Path(__file__).parent / "results" / "engine.json"
+NEW_TOKENS = sized(32, 4)
+OUT = results_path("engine.json")
 
 
 def main() -> None:
@@ -27,8 +27,8 @@ def main() -> None:
     hf = load_model("smollm2-135m", device="cpu")
     hf.model.config._attn_implementation = "sdpa"
     rows = []
-    for batch in (1, 8):
-        prompts = mixed_length_prompts(kv.tokenizer, batch, 128, 1024, seed=batch)
+    for batch in sized((1, 8), (2,)):
+        prompts = mixed_length_prompts(kv.tokenizer, batch, *sized((128, 1024), (16, 32)), seed=batch)
         hf_generate(hf.model, hf.tokenizer, prompts[:1], 2)  # warm-up
         base = best_of([hf_generate(hf.model, hf.tokenizer, prompts, NEW_TOKENS) for _ in range(2)])
         hf_ttft, hf_decode_tps = base["all_first_tokens_s"], base["decode_tokens_per_s"]

@@ -11,9 +11,9 @@ Writes benchmarks/results/infinigen.json.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import torch
+from smoke import results_path, sized
 
 from kvlib.engine import Engine
 from kvlib.models import load_model
@@ -21,7 +21,7 @@ from kvlib.policies import make_policy
 from kvlib.skewing import capture_qk, compute_skew
 from kvlib.workloads import prompt_of_length
 
-OUT = Path(__file__).parent / "results" / "infinigen.json"
+OUT = results_path("infinigen.json")
 
 
 def column_share(model, prompt, skew) -> float:
@@ -42,27 +42,28 @@ def column_share(model, prompt, skew) -> float:
 
 def main() -> None:
     model = load_model("smollm2-135m", device="cpu")
-    calibration = prompt_of_length(model.tokenizer, 512)
-    held_out = prompt_of_length(model.tokenizer, 1024, offset=50_000)
+    calibration = prompt_of_length(model.tokenizer, sized(512, 64))
+    held_out = prompt_of_length(model.tokenizer, sized(1024, 64), offset=50_000)
     quality = []
     for alpha in (1e9, 4.0):
-        for budget in (0.1, 0.3, 0.5):
+        for budget in sized((0.1, 0.3, 0.5), (0.3,)):
             for skew in (True, False):
                 run = Engine(model, make_policy("infinigen", budget=budget, skew=skew, alpha=alpha,
-                                                measure_coverage=True)).generate([held_out], 16, stop_at_eos=False)
+                                                measure_coverage=True)).generate([held_out], sized(16, 3),
+                                                                                 stop_at_eos=False)
                 quality.append({"alpha": None if alpha > 1e8 else alpha, "budget": budget, "skew": skew,
                                 "coverage": run.stats["speculation_coverage"],
-                                "selected_share": run.stats["selected_share"]})
+                                "kv_share_attended": run.stats["kv_share_attended"]})
                 print(quality[-1])
     concentration = {name: column_share(model, held_out, compute_skew(model, calibration, 0.2, skew))
                      for name, skew in (("skewed", True), ("raw", False))}
     print(concentration)
     timing = []
-    for context in (1024, 2048, 4096):
+    for context in sized((1024, 2048, 4096), (64,)):
         prompt = prompt_of_length(model.tokenizer, context)
         row = {"context": context}
         for name in ("full", "infinigen"):
-            run = Engine(model, make_policy(name)).generate([prompt], 24, stop_at_eos=False)
+            run = Engine(model, make_policy(name)).generate([prompt], sized(24, 3), stop_at_eos=False)
             steps = max(run.metrics["decode_steps"], 1)
             row[name] = {"decode_step_s": run.metrics["decode_step_s_mean"],
                          **{f"{k}_per_step_s": v / steps for k, v in run.metrics["sections_s"].items()},

@@ -10,20 +10,20 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 import torch
 from hf_baseline import hf_generate
+from smoke import results_path, sized
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from kvlib.engine import Engine
 from kvlib.models import load_model, resolve_model_path
 from kvlib.policies import make_policy
-from kvlib.scheduler import Request, serve
+from kvlib.scheduler import Sequence, run
 from kvlib.workloads import mixed_length_prompts
 
-OUT = Path(__file__).parent / "results" / "paged.json"
-NEW_TOKENS = 24
+OUT = results_path("paged.json")
+NEW_TOKENS = sized(24, 4)
 
 
 def hf_generate_batch(model, prompts) -> dict:
@@ -48,10 +48,11 @@ def main() -> None:
     Engine(kv, make_policy("paged")).generate([list(range(100, 200))], 4)  # warm-up, as transformers gets one
     hf_generate(hf, kv.tokenizer, [list(range(100, 200))], 4)
     rows = []
-    for batch in (1, 8, 16):
-        prompts = mixed_length_prompts(kv.tokenizer, batch, 128, 2048, seed=batch)
+    for batch in sized((1, 8, 16), (2,)):
+        prompts = mixed_length_prompts(kv.tokenizer, batch, *sized((128, 2048), (16, 48)), seed=batch)
         static = Engine(kv, make_policy("paged")).generate(prompts, NEW_TOKENS, stop_at_eos=False)
-        continuous = serve(Engine(kv, make_policy("paged")), [Request(p, NEW_TOKENS) for p in prompts])
+        continuous = run(Engine(kv, make_policy("paged")), [Sequence(p, NEW_TOKENS) for p in prompts], "continuous",
+                         "chunked", stop_at_eos=False)
         row = {"batch": batch, "prompt_tokens": [len(p) for p in prompts],
                "kvlib_paged_static": static.metrics["decode_tokens_per_s"],
                "kvlib_paged_continuous": continuous.metrics["decode_tokens_per_s"],

@@ -25,9 +25,9 @@ from __future__ import annotations
 import json
 import os
 import statistics
-from pathlib import Path
 
 import torch
+from smoke import results_path, sized
 from torch.profiler import ProfilerActivity, profile
 
 from kvlib.backends.vllm import VLLMBackend
@@ -36,9 +36,9 @@ from kvlib.models import load_model
 from kvlib.policies import make_policy
 from kvlib.workloads import mixed_length_prompts
 
-OUT = Path(__file__).parent / "results" / "vllm.json"
-NEW_TOKENS = 32
-REPEATS = 3
+OUT = results_path("vllm.json")
+NEW_TOKENS = sized(32, 4)
+REPEATS = sized(3, 1)
 THREADS = int(os.environ.get("BENCH_THREADS", os.cpu_count() or 1))
 
 
@@ -116,8 +116,8 @@ def main() -> None:
     Engine(kv, make_policy("paged")).generate(warm, 4)
     vllm.generate("smollm2-135m", warm, 4)
     rows = []
-    for batch in (1, 8):
-        prompts = mixed_length_prompts(kv.tokenizer, batch, 128, 1024, seed=batch)
+    for batch in sized((1, 8), (1, 8)):
+        prompts = mixed_length_prompts(kv.tokenizer, batch, *sized((128, 1024), (16, 32)), seed=batch)
         runs = {"kvlib_paged": [], "vllm": []}
         for _ in range(REPEATS):
             runs["kvlib_paged"].append(Engine(kv, make_policy("paged")).generate(prompts, NEW_TOKENS,

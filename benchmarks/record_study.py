@@ -15,8 +15,9 @@ from pathlib import Path
 
 from kvlib import study
 
-MEASURED = ["ttft_s", "decode_tokens_per_s", "decode_step_s_mean", "device_peak_bytes", "device_kv_bytes",
-            "host_peak_bytes", "oom"]
+MEASURED = ["repeat", "ttft_s", "decode_tokens_per_s", "decode_tokens_per_s_q1", "decode_tokens_per_s_q3",
+            "decode_step_s_mean", "device_peak_bytes", "device_kv_bytes", "host_peak_bytes", "oom",
+            "stat_kv_share_attended", "disturbed", "others_cpu_share"]
 KEEP = {
     "ttft": ["policy", "prefill", "prompt_tokens", *MEASURED],
     "batch_scaling": ["policy", "batch_size", *MEASURED],

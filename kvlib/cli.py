@@ -149,11 +149,18 @@ def run_backend(args, backend_class):
         tokenizer = NoTextTokenizer(args.model, model_config(args.model).vocab_size)
     else:
         tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.model))
-    capacity = int(args.device_capacity_gb * 2**30) if args.device_capacity_gb else None
     # random weights may emit an end-of-sequence id at any step: lengths stay fixed, as in kvlib's engine
     return backend_class(**settings).generate(args.model, read_prompts(args, tokenizer), args.max_new_tokens,
                                               stop_at_eos=not (args.ignore_eos or random),
-                                              device_capacity_bytes=capacity)
+                                              device_capacity_bytes=capacity_from_args(args))
+
+
+def capacity_from_args(args) -> int | None:
+    if args.device_capacity_gb is None:
+        return None
+    if args.device_capacity_gb <= 0:
+        raise UserError(f"--device-capacity-gb must be positive, got {args.device_capacity_gb:g}")
+    return int(args.device_capacity_gb * 2**30)
 
 
 def cmd_run(args) -> int:
@@ -163,18 +170,19 @@ def cmd_run(args) -> int:
 
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    capacity_from_args(args)  # a bad capacity fails before any model loads
     if args.policy in BACKENDS:
         return print_result(args, run_backend(args, BACKENDS[args.policy]))
     policy = policy_from_args(args)  # validate settings before the model loads
     model = load_model(args.model, device=args.device, weights=args.weights, num_layers=args.num_layers)
     prompts = read_prompts(args, model.tokenizer)
-    capacity = int(args.device_capacity_gb * 2**30) if args.device_capacity_gb else None
-    engine = Engine(model, policy, device_capacity_bytes=capacity)
+    engine = Engine(model, policy, device_capacity_bytes=capacity_from_args(args))
     if args.schedule == "continuous":
-        from kvlib.scheduler import Request, serve
+        from kvlib.scheduler import Sequence, run
 
-        requests = [Request(p, args.max_new_tokens, i * args.arrival_interval) for i, p in enumerate(prompts)]
-        result = serve(engine, requests, chunk_size=args.chunk_size)
+        sequences = [Sequence(p, args.max_new_tokens, arrival_step=i * args.arrival_interval)
+                     for i, p in enumerate(prompts)]
+        result = run(engine, sequences, "continuous", "chunked", args.chunk_size, stop_at_eos=not args.ignore_eos)
     else:
         result = engine.generate(prompts, args.max_new_tokens, prefill_mode=args.prefill,
                                  chunk_size=args.chunk_size, stop_at_eos=not args.ignore_eos)

@@ -1,37 +1,23 @@
-"""One generation engine for every policy: prefill each prompt (whole, or in chunks), then greedy decode in a batch.
+"""One engine for every policy: the forward pass, and the Session through which everything drives a policy.
 
-The paper prefills H2O's and InfiniGen's prompts one at a time and decodes them together; the engine does the same for
-every policy, so a difference between policies is a difference of KV-cache management, not of schedule. Continuous
-batching (requests joining and leaving between decode steps) lives in kvlib.scheduler on the same forward pass.
+A Session is a batch of cache rows open on the engine between the policy's start and finish. The scheduler's loop
+(kvlib.scheduler: the paper's static schedule and continuous batching), the retention test and lm-eval's model all
+drive policies through it, so every policy is timed by the same sections and booked in the same ledger whoever drives
+it. Nothing else calls a policy's lifecycle.
 """
 
 from __future__ import annotations
 
-import statistics
-import time
-from dataclasses import dataclass, field
+from contextlib import contextmanager
 
 import torch
 
 from kvlib.errors import DeviceOOM, UserError
 from kvlib.ledger import MemoryLedger
 from kvlib.models import LoadedModel
-from kvlib.policies.base import PREFILL_MODES, KVPolicy, Step
+from kvlib.policies.base import PREFILL_MODES, KVPolicy, KVUsage, Step
+from kvlib.run_result import RunResult
 from kvlib.timing import Timers
-
-
-@dataclass
-class RunResult:
-    outputs: list[dict]
-    metrics: dict
-    memory: dict
-    policy: dict
-    oom: dict | None = None
-    stats: dict = field(default_factory=dict)
-
-    def to_json(self) -> dict:
-        return {"outputs": self.outputs, "metrics": self.metrics, "memory": self.memory, "policy": self.policy,
-                "oom": self.oom, "policy_stats": self.stats}
 
 
 def activation_bytes(model: LoadedModel, batch: int, q_len: int) -> int:
@@ -42,162 +28,31 @@ def activation_bytes(model: LoadedModel, batch: int, q_len: int) -> int:
     return batch * q_len * per_token * s.dtype_bytes + batch * c.vocab_size * 4
 
 
-def run_metrics(*, ttft: list[float], step_latencies: list[float], prefill_s: float, decode_s: float,
-                total_s: float, decode_tokens: int, wall_split: dict, completed: bool = True, **extra) -> dict:
-    """The metrics every run reports, whatever produced it (the static engine, the scheduler, the real vLLM)."""
-    return {
-        "ttft_s": statistics.fmean(ttft) if ttft else None,
-        "ttft_per_request_s": ttft,
-        "prefill_s": prefill_s,
-        "decode_s": decode_s,
-        "total_s": total_s,
-        "decode_tokens": decode_tokens,
-        "decode_tokens_per_s": decode_tokens / decode_s if decode_s > 0 and decode_tokens else None,
-        "decode_step_s_mean": statistics.fmean(step_latencies) if step_latencies else None,
-        "decode_step_s_p50": statistics.median(step_latencies) if step_latencies else None,
-        "decode_steps": len(step_latencies),
-        "wall_split_s": wall_split,
-        "completed": completed,
-        **extra,
-    }
-
-
-def decoded_outputs(tokenizer, generated: list[list[int]], prompts: list[list[int]]) -> list[dict]:
-    return [{"token_ids": g, "text": tokenizer.decode(g, skip_special_tokens=True), "prompt_tokens": len(p)}
-            for g, p in zip(generated, prompts)]
-
-
 class Engine:
     def __init__(self, model: LoadedModel, policy: KVPolicy, device_capacity_bytes: int | None = None):
+        if device_capacity_bytes is not None and device_capacity_bytes <= 0:
+            raise UserError(f"the device capacity must be positive, got {device_capacity_bytes} bytes")
         self.model, self.policy = model, policy
         self.ledger = MemoryLedger(device_capacity_bytes)
         self.timers = Timers(model.device)
-        self.ledger.add("device", "weights", model.weights_bytes, where="model weights")
         policy.bind(model, self.ledger, self.timers)
 
-    # -- the one forward pass every schedule uses ----------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, step: Step) -> torch.Tensor:
         """Run the model on [B, T] new tokens of step.rows; return the last position's logits [B, V] (fp32)."""
         positions = step.start[:, None] + torch.arange(step.q_len)[None, :]
-        where = f"{step.phase} forward"
-        with self.timers.section("cache_ops"):
+        with self.timers.section("compute"):
             self.policy.prepare(step)
-        with self.ledger.transient("device", "activations", activation_bytes(self.model, *input_ids.shape), where):
-            out = self.model.model(input_ids=input_ids.to(self.model.device),
-                                   position_ids=positions.to(self.model.device),
-                                   use_cache=False, logits_to_keep=1, kv_step=step)
-        self.policy.after_pass(step)
+            with self.ledger.transient("device", "activations", activation_bytes(self.model, *input_ids.shape),
+                                       f"{step.phase} forward"):
+                out = self.model.model(input_ids=input_ids.to(self.model.device),
+                                       position_ids=positions.to(self.model.device),
+                                       use_cache=False, logits_to_keep=1, kv_step=step)
+            self.policy.after_pass(step)
         return out.logits[:, -1].float()
 
-    def prefill(self, row: int, prompt: list[int], mode: str, chunk_size: int, start: int = 0) -> torch.Tensor:
-        """Feed a row its prompt, whole or in chunks; return the logits after its last token. With start > 0 the row
-        already holds `start` tokens and the prompt extends it (the next turn of a conversation)."""
-        size = chunk_size if mode == "chunked" else len(prompt)
-        logits = None
-        cached = 0
-        if start == 0:
-            with self.timers.section("cache_ops"):
-                cached = self.policy.reuse_prefix(row, prompt)
-        for begin in range(cached, len(prompt), size):
-            chunk = prompt[begin:begin + size]
-            step = Step(self.policy, torch.tensor([row]), torch.tensor([start + begin]), len(chunk), "prefill", mode,
-                        last_chunk=begin + size >= len(prompt))
-            logits = self.forward(torch.tensor([chunk]), step)
-        return logits[0]
-
-    def decode_step(self, rows: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
-        """One decode pass: row rows[i] is fed tokens[i] at position positions[i]; returns logits [B, V]."""
-        rows_t = torch.tensor(rows)
-        return self.forward(torch.tensor(tokens)[:, None], Step(self.policy, rows_t, torch.tensor(positions), 1,
-                                                                "decode"))
-
-    # -- static batch: sequential prefill, batched decode ------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, prefill_mode: str = "fused",
-                 chunk_size: int = 512, stop_at_eos: bool = True, forced: list[list[int]] | None = None,
-                 share_prompts: bool = False) -> RunResult:
-        """Greedy generation; with `forced`, teacher forcing: row r is fed forced[r] instead of its own choices and
-        each output carries the log-probabilities of those tokens (`logprobs`) and whether each was the greedy choice
-        (`greedy`), while the policy keeps, evicts and fetches exactly as it does when generating (how a KV budget
-        acts on a scored continuation). With share_prompts, a prompt equal to an earlier row's is not prefilled
-        again: the policy forks that row (the answer choices of one question share their context)."""
-        if forced is not None:
-            if len(forced) != len(prompts) or not all(forced):
-                raise UserError("forced needs one non-empty continuation per prompt")
-            max_new_tokens = max(map(len, forced))
-        self.validate(prompts, max_new_tokens, prefill_mode, chunk_size)
-        eos = self.model.tokenizer.eos_token_id if stop_at_eos and forced is None else None
-        n = len(prompts)
-        generated: list[list[int]] = [[] for _ in range(n)]
-        logprobs: list[list[float]] = [[] for _ in range(n)]
-        greedy: list[list[bool]] = [[] for _ in range(n)]
-
-        def take(row: int, logits: torch.Tensor) -> None:
-            best = int(logits.argmax())
-            token = forced[row][len(generated[row])] if forced is not None else best
-            if forced is not None:
-                logprobs[row].append(float(torch.log_softmax(logits, dim=-1)[token]))
-                greedy[row].append(token == best)
-            generated[row].append(token)
-
-        def finished(row: int) -> bool:
-            if forced is not None:
-                return len(generated[row]) == len(forced[row])
-            return eos is not None and generated[row][-1] == eos
-
-        ttft: list[float] = []
-        step_latencies: list[float] = []
-        oom = None
-        self.timers.seconds.clear()
-        self.ledger.reset_peaks()
-        t0 = time.perf_counter()
-        prefill_end = decode_end = t0
-        try:
-            self.policy.start(n, [len(p) for p in prompts], max_new_tokens)
-            first_row: dict[tuple, int] = {}
-            prefilled: dict[int, torch.Tensor] = {}
-            for row, prompt in enumerate(prompts):
-                src = first_row.setdefault(tuple(prompt), row) if share_prompts else row
-                if src == row:
-                    prefilled[row] = self.prefill(row, prompt, prefill_mode, chunk_size)
-                else:
-                    with self.timers.section("cache_ops"):
-                        self.policy.fork(src, row)
-                take(row, prefilled[src])
-                ttft.append(self.timers.now() - t0)
-            prefill_end = self.timers.now()
-            policy_prefill = self._policy_seconds()
-            for _ in range(max_new_tokens - 1):
-                live = [r for r in range(n) if not finished(r)]
-                if not live:
-                    break
-                begin = self.timers.now()
-                logits = self.decode_step(live, [generated[r][-1] for r in live],
-                                          [len(prompts[r]) + len(generated[r]) - 1 for r in live])
-                for i, r in enumerate(live):
-                    take(r, logits[i])
-                step_latencies.append(self.timers.now() - begin)
-            decode_end = self.timers.now()
-        except (DeviceOOM, torch.OutOfMemoryError) as exc:
-            oom = self._oom_record(exc, phase="decode" if len(ttft) == n else "prefill")
-            policy_prefill = self._policy_seconds()
-        memory = self.ledger.snapshot()
-        stats = self.policy.stats()
-        policy_total = self._policy_seconds()
-        self.policy.finish()
-        outputs = decoded_outputs(self.model.tokenizer, generated, prompts)
-        if forced is not None:
-            for out, lp, gr in zip(outputs, logprobs, greedy):
-                out.update(logprobs=lp, greedy=gr)
-        return RunResult(
-            outputs=outputs,
-            metrics=self._metrics(ttft, step_latencies, t0, prefill_end, decode_end, policy_prefill, policy_total,
-                                  generated, oom),
-            memory=memory, policy={"name": self.policy.name, **self.policy.settings()}, oom=oom, stats=stats)
-
-    # -- helpers ----------------------------------------------------------------------------------------------
     def validate(self, prompts, max_new_tokens, prefill_mode, chunk_size):
-        """One clear error for a request this engine cannot run (the scheduler checks each request with it)."""
+        """One clear error for a request this engine cannot run."""
         if not prompts:
             raise UserError("no prompts given")
         if max_new_tokens < 1:
@@ -215,22 +70,116 @@ class Engine:
                 raise UserError(f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} that exceeds "
                                 f"the model's context of {limit} tokens")
 
-    def _policy_seconds(self) -> float:
-        return sum(self.timers.seconds.values())
+    def open(self, prompt_lens: list[int], max_new_tokens: int) -> Session:
+        """A new session of len(prompt_lens) rows (the ledger and timers start afresh). May raise DeviceOOM: the
+        weights, or the policy's allocation, do not fit the device capacity."""
+        return Session(self, prompt_lens, max_new_tokens)
 
-    def _oom_record(self, exc, phase: str) -> dict:
-        if isinstance(exc, DeviceOOM):
-            return {"phase": phase, "where": exc.where, "requested_bytes": exc.requested,
-                    "in_use_bytes": exc.in_use, "capacity_bytes": exc.capacity, "kind": "capacity"}
-        return {"phase": phase, "where": str(exc).splitlines()[0], "kind": "cuda"}
+    @contextmanager
+    def session(self, prompt_lens: list[int], max_new_tokens: int):
+        session = self.open(prompt_lens, max_new_tokens)
+        try:
+            yield session
+        finally:
+            session.close()
 
-    def _metrics(self, ttft, step_latencies, t0, prefill_end, decode_end, policy_prefill, policy_total, generated,
-                 oom) -> dict:
-        prefill_s = max(prefill_end - t0, 0.0)
-        decode_s = max(decode_end - prefill_end, 0.0)
-        return run_metrics(
-            ttft=ttft, step_latencies=step_latencies, prefill_s=prefill_s, decode_s=decode_s,
-            total_s=prefill_s + decode_s, decode_tokens=sum(max(len(g) - 1, 0) for g in generated),
-            wall_split={"prefill": prefill_s - policy_prefill, "cache_ops": policy_total,
-                        "decode": decode_s - (policy_total - policy_prefill)},
-            completed=oom is None, sections_s=dict(self.timers.seconds))
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, prefill_mode: str = "fused",
+                 chunk_size: int = 512, stop_at_eos: bool = True, forced: list[list[int]] | None = None,
+                 share_prompts: bool = False) -> RunResult:
+        """The paper's schedule: prefill each prompt in turn, then decode the batch together (greedy). With `forced`,
+        teacher forcing: row r is fed forced[r] instead of its own choices, and each output carries the
+        log-probabilities of those tokens (`logprobs`) and whether each was the greedy choice (`greedy`), while the
+        policy keeps, evicts and fetches exactly as when generating. With share_prompts, a prompt equal to an earlier
+        row's is not prefilled again: the policy forks that row (the answer choices of one question)."""
+        from kvlib.scheduler import Sequence, run
+
+        if forced is not None:
+            if len(forced) != len(prompts) or not all(forced):
+                raise UserError("forced needs one non-empty continuation per prompt")
+            max_new_tokens = max(map(len, forced))
+        sequences = [Sequence(p, len(forced[i]) if forced else max_new_tokens, forced=forced[i] if forced else None)
+                     for i, p in enumerate(prompts)]
+        return run(self, sequences, "static", prefill_mode, chunk_size, stop_at_eos=stop_at_eos,
+                   share_prompts=share_prompts)
+
+
+class Session:
+    """Rows of cache open on an engine: prefill extends a row, decode advances several rows by one token, fork copies
+    a row (a branch off a shared prefix), release empties one. Each row's length is tracked here, so callers never
+    compute positions."""
+
+    def __init__(self, engine: Engine, prompt_lens: list[int], max_new_tokens: int):
+        self.engine, self.policy, self.timers = engine, engine.policy, engine.timers
+        self.lengths = [0] * len(prompt_lens)
+        engine.ledger.clear()
+        self.timers.reset()
+        self.closed = True  # until the policy has started: nothing to finish
+        self.policy.usage = KVUsage(engine.model.spec.num_layers)
+        with self.timers.section("allocate"):
+            engine.ledger.add("device", "weights", engine.model.weights_bytes, where="model weights")
+            self.closed = False
+            try:
+                self.policy.start(len(prompt_lens), prompt_lens, max_new_tokens)
+            except BaseException:
+                self.close()  # whatever the policy allocated before the capacity ran out
+                raise
+
+    def prefix(self, row: int, prompt: list[int]) -> int:
+        """Before a fresh row's prefill: how many leading prompt tokens the policy has cached already (prefix sharing),
+        now in the row."""
+        self.timers.phase = "prefill"
+        with self.timers.section("block_management"):
+            self.lengths[row] = self.policy.reuse_prefix(row, prompt)
+        return self.lengths[row]
+
+    def prefill_chunk(self, row: int, tokens: list[int], mode: str, end: int) -> torch.Tensor:
+        """Extend a row by tokens, one forward pass; `end` is the row's length once its whole prompt (this prefill)
+        is in. Returns the logits after the last token [V]."""
+        self.timers.phase = "prefill"
+        start = self.lengths[row]
+        step = Step(self.policy, torch.tensor([row]), torch.tensor([start]), len(tokens), "prefill", mode,
+                    last_chunk=start + len(tokens) >= end, end=torch.tensor([end]))
+        logits = self.engine.forward(torch.tensor([tokens]), step)
+        self.lengths[row] = start + len(tokens)
+        return logits[0]
+
+    def prefill(self, row: int, tokens: list[int], mode: str, chunk_size: int = 512) -> torch.Tensor:
+        """Extend a row by a whole prompt (or the next turn of a conversation), in chunks for `chunked` prefill."""
+        size = chunk_size if mode == "chunked" else len(tokens)
+        end = self.lengths[row] + len(tokens)
+        logits = None
+        for begin in range(0, len(tokens), size):
+            logits = self.prefill_chunk(row, tokens[begin:begin + size], mode, end)
+        return logits
+
+    def decode(self, rows: list[int], tokens: list[int]) -> torch.Tensor:
+        """Row rows[i] is fed tokens[i] after what it holds; returns logits [B, V]."""
+        self.timers.phase = "decode"
+        start = torch.tensor([self.lengths[r] for r in rows])
+        logits = self.engine.forward(torch.tensor(tokens)[:, None],
+                                     Step(self.policy, torch.tensor(rows), start, 1, "decode", end=start + 1))
+        for r in rows:
+            self.lengths[r] += 1
+        return logits
+
+    def fork(self, src: int, dst: int) -> None:
+        with self.timers.section("fork"):
+            self.policy.fork(src, dst)
+        self.lengths[dst] = self.lengths[src]
+
+    def release(self, row: int) -> None:
+        with self.timers.section("block_management"):
+            self.policy.release(row)
+        self.lengths[row] = 0
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.policy.finish()
+
+
+def oom_record(exc: Exception, phase: str) -> dict:
+    if isinstance(exc, DeviceOOM):
+        return {"phase": phase, "where": exc.where, "requested_bytes": exc.requested,
+                "in_use_bytes": exc.in_use, "capacity_bytes": exc.capacity, "kind": "capacity"}
+    return {"phase": phase, "where": str(exc).splitlines()[0], "kind": "cuda"}

@@ -6,7 +6,9 @@ Every sentence is computed from a results frame; nothing here states a number it
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
+import numpy as np
 import pandas as pd
 
 from kvlib.backends.vllm import VLLMBackend
@@ -30,6 +32,63 @@ PAPER = {
 }
 
 
+@dataclass
+class Spread:
+    """A measured figure: the median and the range it was seen in (over repeats, or over the steps of a run)."""
+
+    median: float
+    low: float
+    high: float
+    n: int = 1  # measurements the range comes from (repeats, or decode steps)
+
+    def overlaps(self, other: Spread) -> bool:
+        return self.low <= other.high and other.low <= self.high
+
+    def __format__(self, spec: str) -> str:
+        if f"{self.low:{spec}}" == f"{self.high:{spec}}":
+            return f"{self.median:{spec}}"
+        return f"{self.median:{spec}} ({self.low:{spec}}-{self.high:{spec}})"
+
+
+def ttft_spread(g: pd.DataFrame) -> Spread:
+    """TTFT over the repeats of a point (min to max)."""
+    return Spread(g["ttft_s"].median(), g["ttft_s"].min(), g["ttft_s"].max(), len(g))
+
+
+def decode_spread(g: pd.DataFrame) -> Spread:
+    """Decode throughput: the median over repeats; the range spans every repeat's interquartile range of per-step
+    throughput (and the repeats themselves)."""
+    tps = g["decode_tokens_per_s"]
+    q1, q3 = g.get("decode_tokens_per_s_q1"), g.get("decode_tokens_per_s_q3")
+    steps = q1 is not None and q1.notna().all()
+    low = min(tps.min(), q1.min()) if steps else tps.min()
+    high = max(tps.max(), q3.max()) if steps else tps.max()
+    return Spread(tps.median(), low, high, int(g["decode_steps"].sum()) if steps and "decode_steps" in g else len(g))
+
+
+def ratio(a: Spread, b: Spread) -> Spread:
+    return Spread(a.median / b.median, a.low / b.high, a.high / b.low, min(a.n, b.n))
+
+
+def compare(name_a: str, a: Spread, name_b: str, b: Spread, higher_is_better: bool, what: str) -> str:
+    """A verdict only when both were measured more than once and their ranges do not overlap."""
+    if min(a.n, b.n) < 2:
+        return f"a single measurement of {what} each for {name_a} and {name_b}: no spread to judge a difference by"
+    if a.overlaps(b):
+        return f"{name_a} and {name_b} are within noise of each other on {what} (their measured ranges overlap)"
+    better, worse = (name_a, name_b) if (a.median > b.median) == higher_is_better else (name_b, name_a)
+    return f"{better} is faster than {worse} on {what} (their measured ranges do not overlap)"
+
+
+def disturbed_note(df: pd.DataFrame) -> list[str]:
+    if "disturbed" not in df or not df["disturbed"].fillna(False).any():
+        return []
+    d = df[df["disturbed"].fillna(False).astype(bool)]
+    note = (f"Ours: {len(d)} measurement(s) ran while other processes took more than 10 % of the CPU, twice in a "
+            f"row ({', '.join(sorted(d['policy'].unique()))}); they are kept and flagged `disturbed` in the results.")
+    return [note]
+
+
 def ttft(df: pd.DataFrame) -> list[str]:
     out = [f"Paper: {PAPER['ttft']}"]
     for (policy, prefill), g in df.groupby(["policy", "prefill"]):
@@ -41,11 +100,18 @@ def ttft(df: pd.DataFrame) -> list[str]:
     ok = df[~df["oom"]]
     if not ok.empty:
         longest = ok["prompt_tokens"].max()
-        at = ok[ok["prompt_tokens"] == longest].groupby(["policy", "prefill"])["ttft_s"].mean().sort_values()
-        (policy, prefill), best = at.index[0], at.iloc[0]
-        out.append(f"Ours: at {longest:,} tokens the lowest TTFT is {policy}/{prefill} ({best:.2f} s).")
+        at = {key: ttft_spread(g) for key, g in ok[ok["prompt_tokens"] == longest].groupby(["policy", "prefill"])}
+        ranked = sorted(at, key=lambda k: at[k].median)
+        (policy, prefill), best = ranked[0], at[ranked[0]]
+        runs = ((ok["prompt_tokens"] == longest) & (ok["policy"] == policy) & (ok["prefill"] == prefill)).sum()
+        out.append(f"Ours: at {longest:,} tokens the lowest median TTFT is {policy}/{prefill}, {best:.2f} s "
+                   f"(median and range of {runs} runs).")
+        if len(ranked) > 1:
+            (p2, m2), second = ranked[1], at[ranked[1]]
+            out.append(f"Ours: at {longest:,} tokens, " + compare(f"{policy}/{prefill}", best, f"{p2}/{m2}", second,
+                                                                 False, "TTFT") + ".")
         out += _ttft_vs_vllm(ok)
-    return out
+    return out + disturbed_note(df)
 
 
 def _ttft_vs_vllm(ok: pd.DataFrame) -> list[str]:
@@ -53,12 +119,14 @@ def _ttft_vs_vllm(ok: pd.DataFrame) -> list[str]:
     lengths = set(ok.loc[ok["policy"] == VLLM, "prompt_tokens"]) & set(ok.loc[ok["policy"] != VLLM, "prompt_tokens"])
     if not lengths:
         return []
-    at = ok[ok["prompt_tokens"] == max(lengths)].groupby(["policy", "prefill"])["ttft_s"].mean()
-    theirs = at[VLLM].min()
-    ours = at.drop(VLLM, level="policy").sort_values()
-    (policy, prefill), best = ours.index[0], ours.iloc[0]
+    at = {key: ttft_spread(g) for key, g in ok[ok["prompt_tokens"] == max(lengths)].groupby(["policy", "prefill"])}
+    theirs = min((v for (p, _), v in at.items() if p == VLLM), key=lambda v: v.median)
+    ours = {k: v for k, v in at.items() if k[0] != VLLM}
+    (policy, prefill) = min(ours, key=lambda k: ours[k].median)
+    best = ours[(policy, prefill)]
     return [(f"Ours: at {max(lengths):,} tokens {VLLM} takes {theirs:.2f} s to the first token; the fastest kvlib "
-             f"policy, {policy}/{prefill}, {best:.2f} s ({best / theirs:.2f}x vLLM's).")]
+             f"policy, {policy}/{prefill}, {best:.2f} s ({ratio(best, theirs):.2f}x vLLM's); "
+             + compare(f"{policy}/{prefill}", best, VLLM, theirs, False, "TTFT") + ".")]
 
 
 def batch_scaling(df: pd.DataFrame) -> list[str]:
@@ -70,109 +138,158 @@ def batch_scaling(df: pd.DataFrame) -> list[str]:
     if d.empty:
         return out + ["Ours: no batch completed."]
     biggest = d["batch_size"].max()
-    at = d[d["batch_size"] == biggest].groupby("policy").agg(
-        tps=("decode_tokens_per_s", "mean"), device=("device_peak_bytes", "mean"), host=("host_peak_bytes", "mean"))
-    at["per_gib"] = at["tps"] / (at["device"] / 2**30)
-    best = at["tps"].idxmax()
-    out.append(f"Ours: at batch {biggest} the highest decode throughput is {best} ({at.loc[best, 'tps']:.1f} tok/s).")
-    for policy, row in at.iterrows():
-        out.append(f"Ours: {policy} at batch {biggest}: {row['tps']:.1f} tok/s, device peak "
-                   f"{row['device'] / 2**30:.2f} GiB, {row['per_gib']:.1f} tok/s per GiB, "
-                   f"host peak {row['host'] / 2**30:.2f} GiB.")
-    if VLLM in at.index and "paged" in at.index:
-        out.append(f"Ours: kvlib's paged policy reaches {at.loc['paged', 'tps'] / at.loc[VLLM, 'tps']:.2f}x the real "
-                   f"vLLM's decode throughput at batch {biggest} (how far kvlib's engine is from a production one).")
+    big = d[d["batch_size"] == biggest]
+    tps = {policy: decode_spread(g) for policy, g in big.groupby("policy")}
+    device = big.groupby("policy")["device_peak_bytes"].median()
+    host = big.groupby("policy")["host_peak_bytes"].median()
+    per_gib = {p: Spread(*(x / (device[p] / 2**30) for x in (t.median, t.low, t.high)), t.n) for p, t in tps.items()}
+    ranked = sorted(tps, key=lambda p: tps[p].median, reverse=True)
+    out.append(f"Ours: at batch {biggest} the highest median decode throughput is {ranked[0]} "
+               f"({tps[ranked[0]]:.1f} tok/s; range: the interquartile range of its decode steps).")
+    if len(ranked) > 1:
+        out.append(f"Ours: at batch {biggest}, " + compare(ranked[0], tps[ranked[0]], ranked[1], tps[ranked[1]], True,
+                                                           "decode throughput") + ".")
+    for policy in ranked:
+        out.append(f"Ours: {policy} at batch {biggest}: {tps[policy]:.1f} tok/s, device peak "
+                   f"{device[policy] / 2**30:.2f} GiB, {per_gib[policy].median:.1f} tok/s per GiB, "
+                   f"host peak {host[policy] / 2**30:.2f} GiB.")
+    if VLLM in tps and "paged" in tps:
+        out.append(f"Ours: kvlib's paged policy decodes at {ratio(tps['paged'], tps[VLLM]):.2f}x the real vLLM's "
+                   f"throughput at batch {biggest} (how far kvlib's engine is from a production one); "
+                   + compare("paged", tps["paged"], VLLM, tps[VLLM], True, "decode throughput") + ".")
     # against the full cache, and against the real vLLM (the paper's H2O: ~3x vLLM's throughput per GB); each pair once
-    references = [r for r in ("full", VLLM) if r in at.index]
+    references = [r for r in ("full", VLLM) if r in tps]
     for i, reference in enumerate(references):
-        for policy in at.index.drop(references[:i + 1]):
-            ratio = at.loc[policy, "per_gib"] / at.loc[reference, "per_gib"]
-            speed = at.loc[policy, "tps"] / at.loc[reference, "tps"]
-            out.append(f"Ours: {policy} vs {reference} at batch {biggest}: {speed:.2f}x throughput, {ratio:.2f}x "
-                       f"throughput per GiB of device memory.")
-    if VLLM in at.index and "device_kv_reserved_peak_bytes" in d:
-        pool = d.loc[(d["policy"] == VLLM) & (d["batch_size"] == biggest)].iloc[0]
+        for policy in [p for p in ranked if p not in references[:i + 1]]:
+            speed = ratio(tps[policy], tps[reference])
+            out.append(f"Ours: {policy} vs {reference} at batch {biggest}: {speed:.2f}x throughput, "
+                       f"{ratio(per_gib[policy], per_gib[reference]):.2f}x throughput per GiB of device memory"
+                       + ("; the throughputs are within noise" if tps[policy].overlaps(tps[reference])
+                          and min(tps[policy].n, tps[reference].n) > 1 else "") + ".")
+    if VLLM in tps and "device_kv_reserved_peak_bytes" in d:
+        pool = big[big["policy"] == VLLM].iloc[0]
         held = pool["device_kv_reserved_peak_bytes"] + pool["device_kv_peak_bytes"]
         out.append(f"Ours: {VLLM} preallocates its KV pool ({held / 2**30:.2f} GiB) and used "
                    f"{pool['device_kv_peak_bytes'] / 2**30:.2f} GiB of it at batch {biggest}: its device peak, and so "
                    f"its throughput per GiB, counts the whole pool.")
-    return out
+    return out + disturbed_note(df)
 
 
 def decode_length(df: pd.DataFrame) -> list[str]:
     out = [f"Paper: {PAPER['decode_length']}"]
     d = df[~df["oom"]]
     for policy, g in d.groupby("policy"):
-        g = g.sort_values("output_tokens")
-        first, last = g.iloc[0], g.iloc[-1]
-        change = last["decode_tokens_per_s"] / first["decode_tokens_per_s"] - 1
-        out.append(f"Ours: {policy}: {first['decode_tokens_per_s']:.1f} tok/s at {first['output_tokens']} output "
-                   f"tokens, {last['decode_tokens_per_s']:.1f} at {last['output_tokens']} ({change:+.0%}).")
-    return out
+        by_length = {n: decode_spread(x) for n, x in g.groupby("output_tokens")}
+        first, last = min(by_length), max(by_length)
+        a, b = by_length[first], by_length[last]
+        change = f"{b.median / a.median - 1:+.0%}" + (", within noise" if a.overlaps(b) and min(a.n, b.n) > 1 else "")
+        out.append(f"Ours: {policy}: {a:.1f} tok/s at {first} output tokens, {b:.1f} at {last} ({change}).")
+    return out + disturbed_note(df)
+
+
+def wilson(correct: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95 % Wilson interval of a share of n binary outcomes (honest for small n: 12 recall items, one is 8 pp)."""
+    if n == 0:
+        return (math.nan, math.nan)
+    p = correct / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(centre - half, 0.0), min(centre + half, 1.0)
+
+
+def _perplexity_interval(g: pd.DataFrame, draws: int = 1000, seed: int = 0) -> tuple[float, float]:
+    """95 % bootstrap interval of word perplexity, resampling the documents."""
+    rng = np.random.default_rng(seed)
+    loglik, words = g["loglik"].to_numpy(), g["words"].to_numpy()
+    picks = rng.integers(0, len(g), size=(draws, len(g)))
+    values = np.exp(-loglik[picks].sum(axis=1) / words[picks].sum(axis=1))
+    return float(np.quantile(values, 0.025)), float(np.quantile(values, 0.975))
 
 
 def accuracy_table(df: pd.DataFrame) -> pd.DataFrame:
-    """One score per (task, policy, budget): accuracy for multiple-choice tasks, word perplexity for rolling ones.
-    The full cache has no budget: it is listed at budget 1.0."""
+    """One score per (task, policy, budget) with its 95 % interval: accuracy (Wilson) for multiple-choice tasks, word
+    perplexity (bootstrap over documents) for rolling ones; and the KV share the policy actually attended while
+    scoring. The full cache has no budget: it is listed at budget 1.0."""
     d = df.assign(budget=df["budget"].fillna(1.0) if "budget" in df else 1.0)
     rows = []
     for (task, policy, budget), g in d.groupby(["task", "policy", "budget"]):
+        attended = g["kv_share_attended"].median() if "kv_share_attended" in g else math.nan
         if "correct" in g and g["correct"].notna().any():
-            rows.append((task, policy, budget, "accuracy", g["correct"].mean(), len(g)))
+            low, high = wilson(g["correct"].sum(), len(g))
+            rows.append((task, policy, budget, attended, "accuracy", g["correct"].mean(), low, high, len(g)))
         else:
-            rows.append((task, policy, budget, "word perplexity", math.exp(-g["loglik"].sum() / g["words"].sum()),
-                         len(g)))
-    return pd.DataFrame(rows, columns=["task", "policy", "budget", "metric", "score", "items"])
+            score = math.exp(-g["loglik"].sum() / g["words"].sum())
+            rows.append((task, policy, budget, attended, "word perplexity", score, *_perplexity_interval(g), len(g)))
+    return pd.DataFrame(rows, columns=["task", "policy", "budget", "kv_share_attended", "metric", "score", "low",
+                                       "high", "items"])
 
 
 def accuracy(df: pd.DataFrame) -> list[str]:
     out = [f"Paper: {PAPER['accuracy']}"]
     table = accuracy_table(df)
     for task, t in table.groupby("task"):
-        full = t.loc[t["policy"] == "full", "score"]
+        full = t[t["policy"] == "full"]
         if full.empty:
             continue
         base, metric = full.iloc[0], t["metric"].iloc[0]
         unit = (lambda x: f"{x:.1%}") if metric == "accuracy" else (lambda x: f"{x:.2f}")
-        out.append(f"Ours: {task} ({t['items'].iloc[0]} items), full cache {metric} {unit(base)}.")
-        sparse = t[t["policy"] != "full"]
-        for budget, b in sparse.groupby("budget"):
+        out.append(f"Ours: {task} ({t['items'].iloc[0]} items), full cache {metric} {unit(base['score'])} "
+                   f"(95 % interval {unit(base['low'])}-{unit(base['high'])}).")
+        for budget, b in t[t["policy"] != "full"].groupby("budget"):
             parts = []
             for _, row in b.iterrows():
-                delta = (f"{(row['score'] - base) * 100:+.1f} pp" if metric == "accuracy"
-                         else f"{row['score'] / base - 1:+.1%}")
-                parts.append(f"{row['policy']} {unit(row['score'])} ({delta})")
+                delta = (f"{(row['score'] - base['score']) * 100:+.1f} pp" if metric == "accuracy"
+                         else f"{row['score'] / base['score'] - 1:+.1%}")
+                used = (f", attended {row['kv_share_attended']:.0%} of the KV"
+                        if not math.isnan(row["kv_share_attended"]) else "")
+                parts.append(f"{row['policy']} {unit(row['score'])} ({delta}{used})")
             out.append(f"Ours: {task} at budget {budget:g}: " + ", ".join(parts) + ".")
-            verdict = _who_loses_more(b.set_index("policy")["score"], base, metric == "accuracy")
+            verdict = _who_loses_more(b.set_index("policy"))
             if verdict:
                 out.append(f"Ours: {task} at budget {budget:g}: {verdict}.")
     return out
 
 
-def _who_loses_more(scores: pd.Series, base: float, higher_is_better: bool) -> str | None:
-    """Whether H2O loses more than InfiniGen against the full cache (the paper's comparison); None if one is missing."""
+def _who_loses_more(scores: pd.DataFrame) -> str | None:
+    """Whether H2O loses more than InfiniGen (the paper's comparison): a verdict only when their 95 % intervals do not
+    overlap; None if one of them is missing. scores: indexed by policy, with score, low, high and metric."""
     if not {"h2o", "infinigen"} <= set(scores.index):
         return None
-    loss = {p: (base - scores[p]) if higher_is_better else (scores[p] - base) for p in ("h2o", "infinigen")}
-    if math.isclose(loss["h2o"], loss["infinigen"], abs_tol=1e-6 * max(abs(base), 1.0)):  # float noise is no loss
-        return "H2O and InfiniGen lose the same (paper: H2O loses more)"
-    more = "H2O loses more than InfiniGen" if loss["h2o"] > loss["infinigen"] else "InfiniGen loses more than H2O"
-    return f"{more} (paper: H2O loses more)"
+    h2o, ig = scores.loc["h2o"], scores.loc["infinigen"]
+    if h2o["low"] <= ig["high"] and ig["low"] <= h2o["high"]:
+        return "H2O and InfiniGen are within noise of each other (95 % intervals overlap; paper: H2O loses more)"
+    higher_is_better = h2o["metric"] == "accuracy"
+    h2o_worse = (h2o["score"] < ig["score"]) == higher_is_better
+    more = "H2O loses more than InfiniGen" if h2o_worse else "InfiniGen loses more than H2O"
+    return f"{more} (95 % intervals do not overlap; paper: H2O loses more)"
+
+
+def retention_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Share of questions answered correctly per policy with its 95 % Wilson interval and the KV share attended."""
+    rows = []
+    for policy, g in df.groupby("policy"):
+        attended = g["kv_share_attended"].median() if "kv_share_attended" in g else math.nan
+        rows.append((policy, g["correct"].mean(), *wilson(g["correct"].sum(), len(g)), len(g), attended))
+    return pd.DataFrame(rows, columns=["policy", "score", "low", "high", "items", "kv_share_attended"]).assign(
+        metric="accuracy").set_index("policy")
 
 
 def retention(df: pd.DataFrame) -> list[str]:
     out = [f"Paper: {PAPER['retention']}"]
-    overall = df.groupby("policy")["correct"].mean()
-    if "full" not in overall:
+    table = retention_table(df)
+    if "full" not in table.index:
         return out + ["Ours: no full-cache run to compare with."]
-    base = overall["full"]
-    out.append(f"Ours: {len(df[df['policy'] == 'full'])} questions per policy; the full cache answers {base:.0%}.")
-    for policy in overall.index.drop("full"):
-        out.append(f"Ours: {policy} answers {overall[policy]:.0%} ({(overall[policy] - base) * 100:+.0f} pp).")
+    base = table.loc["full"]
+    out.append(f"Ours: {int(base['items'])} questions per policy; the full cache answers {base['score']:.0%} "
+               f"(95 % interval {base['low']:.0%}-{base['high']:.0%}).")
+    for policy, row in table.drop("full").iterrows():
+        used = f", attending {row['kv_share_attended']:.0%} of the KV" if not math.isnan(row["kv_share_attended"]) else ""
+        out.append(f"Ours: {policy} answers {row['score']:.0%} ({(row['score'] - base['score']) * 100:+.0f} pp; "
+                   f"95 % interval {row['low']:.0%}-{row['high']:.0%}{used}).")
     by_bucket = df.groupby(["bucket", "policy"])["correct"].mean().unstack()
     for bucket, row in by_bucket.iterrows():
         out.append(f"Ours: bucket {bucket}: " + ", ".join(f"{p} {v:.0%}" for p, v in row.items()) + ".")
-    verdict = _who_loses_more(overall, base, higher_is_better=True)
+    verdict = _who_loses_more(table)
     return out + ([f"Ours: retention over all buckets and turns: {verdict}."] if verdict else [])
 
 

@@ -19,8 +19,12 @@ COMPONENTS = ("weights", "activations", "kv", "kv_reserved", "overhead")
 
 
 class MemoryLedger:
-    def __init__(self, device_capacity: int | None = None):
+    def __init__(self, device_capacity: int | None = None, unmeasured: tuple[str, ...] = ()):
         self.capacity = device_capacity
+        self.unmeasured = unmeasured  # components a backend cannot see: reported as None, never 0
+        self.clear()
+
+    def clear(self) -> None:
         self.current: dict[tuple[str, str], int] = defaultdict(int)
         self.peak: dict[tuple[str, str], int] = defaultdict(int)
         self.peak_total: dict[str, int] = defaultdict(int)
@@ -62,10 +66,6 @@ class MemoryLedger:
         finally:
             self.add(tier, component, -nbytes)
 
-    def reset_peaks(self) -> None:
-        self.peak = defaultdict(int, self.current)
-        self.peak_total = defaultdict(int, {t: self.total(t) for t in TIERS})
-
     def snapshot(self) -> dict:
         out = {}
         for tier in TIERS:
@@ -77,6 +77,8 @@ class MemoryLedger:
                 "components": comps,
                 "peak_components": {c: self.peak[(tier, c)] for c in COMPONENTS},
             }
+            for c in self.unmeasured:
+                out[tier]["components"][c] = out[tier]["peak_components"][c] = None
         out["device"]["capacity_bytes"] = self.capacity
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             out["cuda"] = {
@@ -85,7 +87,3 @@ class MemoryLedger:
                 "reserved_bytes": torch.cuda.memory_reserved(),
             }
         return out
-
-
-def tensor_bytes(*tensors: torch.Tensor) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)

@@ -15,18 +15,20 @@ def _style():
 
 
 def ttft(df: pd.DataFrame):
-    """TTFT vs prompt length, one line per policy and prefill mode; OOM points marked on the top edge."""
+    """TTFT vs prompt length, one line per policy and prefill mode (median of the repeats, the band their range); OOM
+    points marked on the top edge."""
     _style()
     fig, ax = plt.subplots(figsize=(8, 4.5))
     ok = df[~df["oom"]]
-    sns.lineplot(ok, x="prompt_tokens", y="ttft_s", hue="policy", style="prefill", markers=True, dashes=True, ax=ax)
+    sns.lineplot(ok, x="prompt_tokens", y="ttft_s", hue="policy", style="prefill", markers=True, dashes=True,
+                 estimator="median", errorbar=("pi", 100), ax=ax)
     oom = df[df["oom"]]
     if not oom.empty:
         top = ok["ttft_s"].max() * 1.3 if not ok.empty else 1
         ax.scatter(oom["prompt_tokens"], [top] * len(oom), marker="x", color="crimson", s=80, label="OOM")
         ax.axhline(top, color="crimson", lw=0.5, ls=":")
     ax.set(xscale="log", yscale="log", xlabel="prompt length (tokens)", ylabel="time to first token (s)",
-           title="TTFT vs prompt length (x = out of device memory)")
+           title="TTFT vs prompt length (median, band: range of repeats; x = out of device memory)")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
     fig.tight_layout()
     return fig
@@ -67,19 +69,39 @@ def batch_scaling(df: pd.DataFrame):
               ("throughput_per_gib", "throughput per GiB of device memory"),
               ("device_peak_gib", "device memory peak (GiB)"), ("host_peak_gib", "host (offload) memory peak (GiB)")]
     for ax, (col, label) in zip(axes.flat, panels):
-        sns.lineplot(d, x="batch_size", y=col, hue="policy", marker="o", ax=ax, legend=ax is axes.flat[0])
+        if col == "decode_tokens_per_s":
+            throughput(d, "batch_size", ax)
+        else:
+            sns.lineplot(d, x="batch_size", y=col, hue="policy", marker="o", estimator="median", errorbar=None,
+                         ax=ax, legend=False)
         ax.set(xlabel="batch size", ylabel=label)
-    fig.suptitle("Batch scaling (mixed-length prompts)")
+    fig.suptitle("Batch scaling (mixed-length prompts; bars: interquartile range of the decode steps)")
     fig.tight_layout()
     return fig
 
 
+def throughput(d: pd.DataFrame, by: str, ax) -> None:
+    """Decode throughput vs `by`, one line per policy: the median over repeats, error bars from the interquartile
+    range of the decode steps' throughput."""
+    palette = dict(zip(sorted(d["policy"].unique()), sns.color_palette("colorblind")))
+    for policy, g in d.groupby("policy"):
+        agg = g.groupby(by).agg(tps=("decode_tokens_per_s", "median"), q1=("decode_tokens_per_s_q1", "min"),
+                                q3=("decode_tokens_per_s_q3", "max")).reset_index()
+        low = (agg["tps"] - agg["q1"]).clip(lower=0).fillna(0)
+        high = (agg["q3"] - agg["tps"]).clip(lower=0).fillna(0)
+        ax.errorbar(agg[by], agg["tps"], yerr=[low, high], marker="o", capsize=3, label=policy, color=palette[policy])
+    ax.legend(fontsize="small")
+
+
 def wall_split(df: pd.DataFrame, by: str, title: str = ""):
-    """Wall time split into prefill / cache operations / decode, stacked, per (policy, `by`)."""
+    """Wall time split into prefill compute / cache operations / decode compute / other, stacked, per (policy, `by`);
+    cache operations as book/methods.md defines them (kvlib.run_result.CACHE_OPS)."""
     _style()
-    cols = ["split_prefill_s", "split_cache_ops_s", "split_decode_s"]
-    data = df[~df["oom"]].groupby(["policy", by])[cols].mean()
-    data.columns = ["prefill", "cache operations", "decode"]
+    cols = [c for c in ("split_prefill_s", "split_cache_ops_s", "split_decode_s", "split_other_s") if c in df]
+    data = df[~df["oom"]].groupby(["policy", by])[cols].median()
+    data.columns = [c.removeprefix("split_").removesuffix("_s").replace("_", " ").replace("cache ops",
+                                                                                          "cache operations")
+                    for c in cols]
     fig, ax = plt.subplots(figsize=(9, 4.5))
     data.plot.bar(stacked=True, ax=ax, width=0.8)
     ax.set(xlabel=f"policy, {by.replace('_', ' ')}", ylabel="wall time (s)", title=title or "Wall-time split")
@@ -92,24 +114,33 @@ def wall_split(df: pd.DataFrame, by: str, title: str = ""):
 def decode_length(df: pd.DataFrame):
     _style()
     fig, ax = plt.subplots(figsize=(7, 4))
-    sns.lineplot(df[~df["oom"]], x="output_tokens", y="decode_tokens_per_s", hue="policy", marker="o", ax=ax)
+    throughput(df[~df["oom"]], "output_tokens", ax)
     ax.set(xlabel="output length (tokens)", ylabel="decode throughput (tokens/s)",
-           title="Decode throughput vs output length (fixed input)")
+           title="Decode throughput vs output length (bars: interquartile range of the steps)")
     return fig
 
 
 def accuracy(table: pd.DataFrame):
-    """Paper Fig. 7: one panel per task, score vs KV budget per sparse policy, the full cache as a dashed line."""
+    """Paper Fig. 7: one panel per task, score against the KV share each policy actually attended (its configured
+    budget written next to each point), 95 % intervals as bars, the full cache as a dashed line with its band."""
     _style()
     tasks = sorted(table["task"].unique())
     fig, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 4), squeeze=False)
+    palette = dict(zip(sorted(table["policy"].unique()), sns.color_palette("colorblind")))
     for ax, task in zip(axes.flat, tasks):
         t = table[table["task"] == task]
-        sparse = t[t["policy"] != "full"]
-        sns.lineplot(sparse, x="budget", y="score", hue="policy", marker="o", ax=ax)
+        for policy, g in t[t["policy"] != "full"].groupby("policy"):
+            g = g.sort_values("kv_share_attended")
+            ax.errorbar(g["kv_share_attended"], g["score"], yerr=[g["score"] - g["low"], g["high"] - g["score"]],
+                        marker="o", capsize=3, label=policy, color=palette[policy])
+            for _, row in g.iterrows():
+                ax.annotate(f"cap {row['budget']:g}", (row["kv_share_attended"], row["score"]), fontsize="x-small",
+                            textcoords="offset points", xytext=(4, 4))
         for _, row in t[t["policy"] == "full"].iterrows():
             ax.axhline(row["score"], color="black", ls="--", lw=1, label="full cache")
-        ax.set(xscale="log", xlabel="KV budget (fraction of entries kept)", ylabel=t["metric"].iloc[0], title=task)
+            ax.axhspan(row["low"], row["high"], color="black", alpha=0.08)
+        ax.set(xscale="log", xlabel="KV share attended during decode (configured budget: cap)",
+               ylabel=t["metric"].iloc[0], title=task)
         ax.legend(fontsize="small")
     fig.tight_layout()
     return fig
@@ -136,8 +167,9 @@ def retention(df: pd.DataFrame):
     _style()
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     order = sorted(df["bucket"].unique(), key=lambda label: df.loc[df["bucket"] == label, "context_tokens"].min())
-    sns.barplot(df, x="bucket", y="correct", hue="policy", order=order, errorbar=None, ax=a)
-    a.set(xlabel="conversation length bucket (tokens)", ylabel="retention accuracy", title="(a) by context length")
+    sns.barplot(df, x="bucket", y="correct", hue="policy", order=order, errorbar=("ci", 95), seed=0, ax=a)
+    a.set(xlabel="conversation length bucket (tokens)", ylabel="retention accuracy",
+          title="(a) by context length (bars: 95 % bootstrap interval)")
     per_bucket = df.groupby(["policy", "bucket", "turn"], as_index=False)["correct"].mean()
     sns.lineplot(per_bucket, x="turn", y="correct", hue="policy", marker="o", errorbar=("pi", 100), ax=b)
     b.set(xlabel="turn at which the question is asked", ylabel="retention accuracy",

@@ -1,138 +1,222 @@
-"""Continuous batching on the engine's forward pass (vLLM's scheduling, simplified).
+"""The one loop that serves requests on the engine, under one of two schedules.
 
-Requests arrive at given decode steps. Each iteration prefills one chunk of the oldest waiting request (chunked prefill
-interleaved with decoding) and then runs one decode step for every running request; finished requests leave and free
-their blocks at once. When the pool runs out of blocks, the newest running request is preempted: its blocks are freed
-and it is queued again, to be recomputed from its prompt and the tokens it had generated. Needs a policy that can
-release single rows (`paged`).
+`static` is the paper's schedule for H2O and InfiniGen, applied to every policy: each prompt is prefilled in turn (whole,
+or chunk by chunk), then all requests decode together; finished rows stay allocated until the run ends; running out of
+device memory ends the run as a recorded OOM point.
+
+`continuous` is vLLM's: requests arrive at given decode steps; each iteration prefills one chunk of the oldest waiting
+request and then runs one decode step for every running request; finished requests leave and free their rows at once.
+When the block pool runs out, the newest running request is preempted (its blocks freed, queued again, recomputed from
+its prompt and the tokens it had generated). It needs a policy that can release single rows (`paged`).
+
+Both go through the same Session (kvlib.engine), so they are timed and booked alike; only the order of work differs.
 """
 
 from __future__ import annotations
 
-import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from kvlib.block_pool import OutOfBlocks
-from kvlib.engine import Engine, RunResult, decoded_outputs, run_metrics
-from kvlib.errors import UserError
-from kvlib.policies.base import KVPolicy, Step
+from kvlib.engine import Engine, oom_record
+from kvlib.errors import DeviceOOM, UserError
+from kvlib.run_result import RunResult, build_metrics, decoded_outputs
+
+SCHEDULES = ("static", "continuous")
 
 
 @dataclass
-class Request:
+class Sequence:
+    """One request: its prompt, what it generated, and where it stands."""
+
     prompt: list[int]
     max_new_tokens: int
     arrival_step: int = 0
+    forced: list[int] | None = None  # teacher forcing: the tokens fed instead of the model's own choices
+    row: int = -1
+    status: str = "pending"  # pending -> waiting -> prefilling -> running -> finished
+    generated: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    greedy: list[bool] = field(default_factory=list)
+    arrived_at: float | None = None
+    ttft: float | None = None
+
+    def tokens_to_prefill(self) -> list[int]:
+        """The prompt; after a preemption, also what it had generated but the last token (fed by the next decode)."""
+        return self.prompt + self.generated[:-1]
+
+    def take(self, logits: torch.Tensor) -> None:
+        best = int(logits.argmax())
+        token = self.forced[len(self.generated)] if self.forced is not None else best
+        if self.forced is not None:
+            self.logprobs.append(float(torch.log_softmax(logits, dim=-1)[token]))
+            self.greedy.append(token == best)
+        self.generated.append(token)
+
+    def done(self, eos: int | None) -> bool:
+        return len(self.generated) >= self.max_new_tokens or (eos is not None and self.generated[-1] == eos)
 
 
-def serve(engine: Engine, requests: list[Request], chunk_size: int = 512, max_batch: int | None = None) -> RunResult:
-    policy = engine.policy
-    if type(policy).release is KVPolicy.release:  # the base class cannot drop single rows
-        raise UserError(f"continuous batching needs a policy that can release single rows; {policy.name!r} cannot")
-    for r in requests:
-        engine.validate([r.prompt], r.max_new_tokens, "chunked", chunk_size)
-    n = len(requests)
-    generated: list[list[int]] = [[] for _ in range(n)]
-    ttft: list[float | None] = [None] * n
-    arrived_at: list[float | None] = [None] * n
-    engine.timers.seconds.clear()
-    engine.ledger.reset_peaks()
-    policy.start(n, [len(r.prompt) for r in requests], max(r.max_new_tokens for r in requests))
-    pending = deque(sorted(range(n), key=lambda i: requests[i].arrival_step))
-    waiting: deque[int] = deque()
-    running: list[int] = []
-    prefilling: tuple[int, list[int], int] | None = None  # (row, tokens to prefill, next offset)
-    preemptions = step = decode_tokens = 0
-    admit_blocked = False  # after a prefill ran out of blocks: admit again only once a running request has left
-    decode_s = prefill_s = 0.0
-    latencies: list[float] = []
-    t0 = time.perf_counter()
+def run(engine: Engine, sequences: list[Sequence], schedule: str = "static", prefill_mode: str = "fused",
+        chunk_size: int = 512, stop_at_eos: bool = True, share_prompts: bool = False) -> RunResult:
+    if schedule not in SCHEDULES:
+        raise UserError(f"unknown schedule {schedule!r}; choose from {list(SCHEDULES)}")
+    continuous = schedule == "continuous"
+    if continuous:
+        if not engine.policy.can_release:
+            raise UserError(f"continuous batching needs a policy that can release single rows; "
+                            f"{engine.policy.name!r} cannot")
+        if prefill_mode != "chunked":
+            raise UserError("continuous batching prefills in chunks: use prefill mode 'chunked'")
+    for seq in sequences:
+        engine.validate([seq.prompt], seq.max_new_tokens, prefill_mode, chunk_size)
+    eos = engine.model.tokenizer.eos_token_id if stop_at_eos else None
+    for row, seq in enumerate(sequences):
+        seq.row = row
+        if seq.forced is not None:
+            seq.max_new_tokens, eos = len(seq.forced), None
+    timers = engine.timers
+    loop = _Loop(engine, sequences, continuous, prefill_mode, chunk_size, eos, share_prompts)
+    try:
+        session = engine.open([len(s.prompt) for s in sequences], max(s.max_new_tokens for s in sequences))
+    except (DeviceOOM, torch.OutOfMemoryError) as exc:
+        return loop.result(oom_record(exc, "setup"))
+    setup_s = timers.seconds.get("setup.allocate")
+    try:
+        oom = loop.serve(session)
+        memory, stats = engine.ledger.snapshot(), {**engine.policy.stats(), **engine.policy.usage.summary()}
+    finally:
+        session.close()
+    return loop.result(oom, memory, stats, setup_s)
 
-    def preempt() -> None:
-        """Free the newest running request's blocks; it waits (first in line) until another request has left."""
-        nonlocal preemptions, admit_blocked
-        victim = running.pop()
-        policy.release(victim)
-        waiting.appendleft(victim)
-        preemptions += 1
-        admit_blocked = True
 
-    while pending or waiting or running or prefilling:
-        while pending and requests[pending[0]].arrival_step <= step:
-            row = pending.popleft()
-            arrived_at[row] = time.perf_counter()
-            waiting.append(row)
-        room = max_batch is None or len(running) < max_batch
-        if prefilling is None and waiting and (not admit_blocked or not running) and room:
-            row = waiting.popleft()
-            # a preempted request is recomputed: its prompt plus what it generated, but the last token, is re-prefilled
-            tokens = requests[row].prompt + generated[row][:-1]
-            prefilling = (row, tokens, policy.reuse_prefix(row, tokens))
-        if prefilling is not None:
-            row, tokens, offset = prefilling
-            size = min(chunk_size, len(tokens) - offset)
-            begin = time.perf_counter()
-            try:
-                logits = engine.forward(torch.tensor([tokens[offset:offset + size]]),
-                                        Step(policy, torch.tensor([row]), torch.tensor([offset]), size, "prefill",
-                                             "chunked", last_chunk=offset + size == len(tokens)))
-            except OutOfBlocks as exc:
-                if not running:
-                    raise UserError(f"the block pool cannot hold request {row} ({len(tokens)} tokens) even alone: "
-                                    f"{exc}") from exc
-                # never preempt running requests for a new one (they would take turns forever): wait for room
-                policy.release(row)
-                waiting.appendleft(row)
-                prefilling, admit_blocked = None, True
-                continue
-            prefill_s += time.perf_counter() - begin
-            if offset + size < len(tokens):
-                prefilling = (row, tokens, offset + size)
-            else:
-                prefilling = None
-                if not generated[row]:
-                    generated[row].append(int(logits[0].argmax()))
-                    ttft[row] = time.perf_counter() - arrived_at[row]
-                if len(generated[row]) < requests[row].max_new_tokens:
-                    running.append(row)
-                else:
-                    policy.release(row)
-        if running:
-            rows = torch.tensor(running)
-            starts = torch.tensor([len(requests[r].prompt) + len(generated[r]) - 1 for r in running])
-            begin = time.perf_counter()
-            try:
-                logits = engine.forward(torch.tensor([[generated[r][-1]] for r in running]),
-                                        Step(policy, rows, starts, 1, "decode"))
-            except OutOfBlocks as exc:
-                if len(running) == 1:
-                    raise UserError(f"the block pool cannot hold request {running[0]} even alone: {exc}") from exc
-                preempt()
-                continue
-            elapsed = time.perf_counter() - begin
-            decode_s += elapsed
-            latencies.append(elapsed)
-            for r, tok in zip(list(running), logits.argmax(-1).tolist()):
-                generated[r].append(tok)
-                decode_tokens += 1
-                if len(generated[r]) >= requests[r].max_new_tokens:
-                    running.remove(r)
-                    policy.release(r)
-                    admit_blocked = False
-        step += 1
-    total = time.perf_counter() - t0
-    policy.preemptions = preemptions
-    memory, stats = engine.ledger.snapshot(), policy.stats()
-    cache_ops = sum(engine.timers.seconds.values())
-    policy.finish()
-    metrics = run_metrics(ttft=ttft, step_latencies=latencies, prefill_s=prefill_s, decode_s=decode_s, total_s=total,
-                          decode_tokens=decode_tokens,
-                          wall_split={"prefill": prefill_s, "cache_ops": cache_ops,
-                                      "decode": total - prefill_s - cache_ops},
-                          sections_s=dict(engine.timers.seconds), preemptions=preemptions)
-    return RunResult(
-        outputs=decoded_outputs(engine.model.tokenizer, generated, [r.prompt for r in requests]),
-        metrics=metrics, memory=memory, policy={"name": policy.name, **policy.settings()}, stats=stats)
+class _Loop:
+    """The state of one run: queues, clocks and counters."""
+
+    def __init__(self, engine, sequences, continuous, prefill_mode, chunk_size, eos, share_prompts):
+        self.engine, self.seqs, self.continuous = engine, sequences, continuous
+        self.mode, self.chunk_size, self.eos, self.share = prefill_mode, chunk_size, eos, share_prompts
+        self.latencies: list[float] = []
+        self.prefill_s = self.decode_s = self.total_s = 0.0
+        self.preemptions = self.decode_tokens = 0
+
+    def serve(self, session) -> dict | None:
+        """Run until every sequence has finished; returns an OOM record if the device ran out (static schedule)."""
+        clock = self.engine.timers.now
+        pending = deque(sorted(self.seqs, key=lambda s: s.arrival_step))
+        waiting: deque[Sequence] = deque()
+        running: list[Sequence] = []
+        prefilling: Sequence | None = None
+        first_of: dict[tuple, tuple[Sequence, torch.Tensor]] = {}  # prompt -> its first row and logits (sharing)
+        blocked = False  # a prefill found no room: admit again once a running request has left
+        step = 0
+        t0 = clock()
+        try:
+            while pending or waiting or running or prefilling:
+                while pending and pending[0].arrival_step <= step:
+                    seq = pending.popleft()
+                    seq.arrived_at, seq.status = clock(), "waiting"
+                    waiting.append(seq)
+                if prefilling is None and waiting and (not blocked or not running):
+                    seq = waiting.popleft()
+                    shared = first_of.get(tuple(seq.prompt)) if self.share and not seq.generated else None
+                    begin = clock()
+                    if shared is not None:  # the same context as an earlier row: fork it instead of prefilling again
+                        session.fork(shared[0].row, seq.row)
+                        self._first_token(seq, shared[1], running, clock)
+                    else:
+                        session.prefix(seq.row, seq.tokens_to_prefill())
+                        prefilling, seq.status = seq, "prefilling"
+                    self.prefill_s += clock() - begin
+                if prefilling is not None:
+                    seq, tokens = prefilling, prefilling.tokens_to_prefill()
+                    held = session.lengths[seq.row]
+                    size = self.chunk_size if self.mode == "chunked" else len(tokens) - held
+                    begin = clock()
+                    try:
+                        logits = session.prefill_chunk(seq.row, tokens[held:held + size], self.mode, len(tokens))
+                    except (DeviceOOM, torch.OutOfMemoryError) as exc:
+                        if not (self.continuous and isinstance(exc, OutOfBlocks)):
+                            return oom_record(exc, "prefill")
+                        if not running:
+                            raise UserError(f"the block pool cannot hold request {seq.row} ({len(tokens)} tokens) even "
+                                            f"alone: {exc}") from exc
+                        # never preempt running requests for a new one (they would take turns forever): wait for room
+                        session.release(seq.row)
+                        waiting.appendleft(seq)
+                        prefilling, blocked = None, True
+                        continue
+                    if session.lengths[seq.row] == len(tokens):
+                        prefilling = None
+                        if self.share and not seq.generated:
+                            first_of.setdefault(tuple(seq.prompt), (seq, logits))
+                        if seq.generated:  # recomputed after a preemption: it goes on where it was
+                            seq.status = "running"
+                            running.append(seq)
+                        else:
+                            self._first_token(seq, logits, running, clock)
+                            if seq.status == "finished" and self.continuous:
+                                session.release(seq.row)
+                    self.prefill_s += clock() - begin
+                decode_now = self.continuous or not (pending or waiting or prefilling)
+                if running and decode_now:
+                    begin = clock()
+                    try:
+                        logits = session.decode([s.row for s in running], [s.generated[-1] for s in running])
+                    except (DeviceOOM, torch.OutOfMemoryError) as exc:
+                        if not (self.continuous and isinstance(exc, OutOfBlocks)):
+                            return oom_record(exc, "decode")
+                        if len(running) == 1:
+                            raise UserError(f"the block pool cannot hold request {running[0].row} even alone: "
+                                            f"{exc}") from exc
+                        victim = running.pop()  # the newest: it waits, first in line, until another request has left
+                        session.release(victim.row)
+                        victim.status = "waiting"
+                        waiting.appendleft(victim)
+                        self.preemptions += 1
+                        blocked = True
+                        continue
+                    for seq, row_logits in zip(list(running), logits):
+                        seq.take(row_logits)
+                        self.decode_tokens += 1
+                        if seq.done(self.eos):
+                            seq.status = "finished"
+                            running.remove(seq)
+                            if self.continuous:
+                                session.release(seq.row)
+                                blocked = False
+                    elapsed = clock() - begin
+                    self.latencies.append(elapsed)
+                    self.decode_s += elapsed
+                step += 1
+            return None
+        finally:
+            self.total_s = clock() - t0
+
+    def _first_token(self, seq: Sequence, logits, running: list[Sequence], clock) -> None:
+        seq.take(logits)
+        seq.ttft = clock() - seq.arrived_at
+        if seq.done(self.eos):
+            seq.status = "finished"
+        else:
+            seq.status = "running"
+            running.append(seq)
+
+    def result(self, oom: dict | None, memory: dict | None = None, stats: dict | None = None,
+               setup_s: float | None = None) -> RunResult:
+        engine = self.engine
+        outputs = decoded_outputs(engine.model.tokenizer, [s.generated for s in self.seqs],
+                                  [s.prompt for s in self.seqs])
+        if any(s.forced is not None for s in self.seqs):
+            for out, seq in zip(outputs, self.seqs):
+                out.update(logprobs=seq.logprobs, greedy=seq.greedy)
+        metrics = build_metrics(
+            ttft=[s.ttft for s in self.seqs if s.ttft is not None], step_latencies=self.latencies,
+            prefill_s=self.prefill_s, decode_s=self.decode_s, total_s=self.total_s, decode_tokens=self.decode_tokens,
+            sections=dict(engine.timers.seconds), setup_s=setup_s, completed=oom is None,
+            preemptions=self.preemptions)
+        return RunResult(outputs=outputs, metrics=metrics, memory=memory or engine.ledger.snapshot(),
+                         policy={"name": engine.policy.name, **engine.policy.settings()}, oom=oom,
+                         stats=stats or {})

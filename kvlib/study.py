@@ -13,9 +13,13 @@ params/<profile>.yaml:
       accuracy:
         policies: [full, h2o, infinigen]
         grid: {task: [kvlib_recall], budget: [0.1, 0.5]}   # a setting as an axis: full (no budget) runs once
+        repeats: 1                   # timing experiments: 3 or more (every repeat stored)
 
-A grid point is a flat dict (experiment, model, policy, its settings, the grid values, the fixed values); its hash
-names its results file `results/<profile>/<experiment>/<hash>.parquet`. A stored point is never recomputed unless
+A grid point is a flat dict (experiment, model, policy, its settings, the grid values, the fixed values); its hash and
+the repeat name its results file `results/<profile>/<experiment>/<hash>-r<repeat>.parquet`. Repeats run interleaved:
+every point once, then every point again, so a slow minute of the machine does not land on one policy's repeats. Each
+unit of work records the machine's load while it ran (kvlib.machine_load); one measured while other processes took
+the CPU is measured once more, and flagged `disturbed` if it still was. A stored unit is never recomputed unless
 forced; files are written to a temporary name and renamed, so an interrupted run leaves nothing half-written.
 Each experiment is a module `kvlib.experiments.<name>` with `run_point(point) -> list[dict]` (tidy rows).
 """
@@ -40,10 +44,12 @@ from tqdm import tqdm
 
 import kvlib
 from kvlib.errors import UserError
+from kvlib.machine_load import measured_load
 
 EXPERIMENTS = ("ttft", "batch_scaling", "decode_length", "accuracy", "retention")
 PROFILE_KEYS = {"model", "device_capacity_gb", "policy_settings", "experiments", "description", "device", "weights"}
-EXPERIMENT_KEYS = {"policies", "grid", "fixed", "model"}
+EXPERIMENT_KEYS = {"policies", "grid", "fixed", "model", "repeats"}
+ATTEMPTS = 2  # a unit measured while other processes took the CPU is measured once more
 
 
 def repo_root() -> Path:
@@ -147,6 +153,9 @@ def validate_profile(name: str, raw: dict) -> Profile:
         for axis, values in (spec.get("grid") or {}).items():
             if not isinstance(values, list) or not values:
                 raise UserError(f"{where}: experiments.{exp}.grid.{axis} must be a non-empty list")
+        repeats = spec.get("repeats", 1)
+        if not isinstance(repeats, int) or repeats < 1:
+            raise UserError(f"{where}: experiments.{exp}.repeats must be an integer >= 1, got {repeats!r}")
     capacity = raw.get("device_capacity_gb")
     if capacity is not None and not (isinstance(capacity, (int, float)) and capacity > 0):
         raise UserError(f"{where}: device_capacity_gb must be a positive number or null, got {capacity!r}")
@@ -198,27 +207,42 @@ def run_experiment(profile: str | Profile, experiment: str, force: bool = False,
         if unknown:
             raise UserError(f"unknown policies {unknown}: choose from {runners()}")
         points = [p for p in points if p["policy"] in policies]
-    todo = [p for p in points if force or not (out_dir / f"{point_hash(p)}.parquet").exists()]
+    repeats = prof.experiments[experiment].get("repeats", 1)
+    units = [(p, r) for r in range(repeats) for p in points]  # interleaved: every point once, then again
+    todo = [(p, r) for p, r in units if force or not _unit_file(out_dir, point_hash(p), r).exists()]
     meta = run_metadata(prof.name)
-    bar = tqdm(total=len(points), initial=len(points) - len(todo), desc=f"{prof.name}/{experiment}",
-               unit="point", disable=not progress)
-    for point in todo:
-        rows = module.run_point(point)
+    bar = tqdm(total=len(units), initial=len(units) - len(todo), desc=f"{prof.name}/{experiment}",
+               unit="run", disable=not progress)
+    for point, repeat in todo:
+        for attempt in range(1, ATTEMPTS + 1):
+            with measured_load() as load:
+                rows = module.run_point(point)
+            if not load.disturbed:
+                break
         key = point_hash(point)
-        frame = pd.DataFrame([{**_flat_point(point), **row, **meta, "point_hash": key} for row in rows])
-        tmp = out_dir / f".{key}.parquet.tmp"
+        frame = pd.DataFrame([{**_flat_point(point), **row, **meta, "point_hash": key, "repeat": repeat,
+                               "attempts": attempt, **load.columns()} for row in rows])
+        path = _unit_file(out_dir, key, repeat)
+        tmp = path.with_name(f".{path.name}.tmp")
         frame.to_parquet(tmp, index=False)
-        os.replace(tmp, out_dir / f"{key}.parquet")
+        os.replace(tmp, path)
         bar.update(1)
     bar.close()
     return load_results(prof.name, experiment, [point_hash(p) for p in points])
 
 
+def _unit_file(out_dir: Path, key: str, repeat: int) -> Path:
+    return out_dir / f"{key}-r{repeat}.parquet"
+
+
 def load_results(profile: str, experiment: str, hashes: list[str] | None = None) -> pd.DataFrame:
     """Stored rows of an experiment (only the given points, when hashes are given)."""
     out_dir = results_dir(profile, experiment)
-    files = sorted(out_dir.glob("*.parquet")) if hashes is None else [out_dir / f"{h}.parquet" for h in hashes]
-    frames = [pd.read_parquet(f) for f in files if f.exists()]
+    files = sorted(out_dir.glob("*.parquet"))
+    if hashes is not None:
+        wanted = set(hashes)
+        files = [f for f in files if f.name.split("-r")[0] in wanted]
+    frames = [pd.read_parquet(f) for f in files]
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
 

@@ -66,3 +66,21 @@ def test_eval_scores_offline_tasks_under_a_budget(smollm):
 def test_eval_of_an_unknown_task_is_one_clear_error(smollm):
     proc = kvlib("eval", "--tasks", "kvlib_recal")
     assert proc.returncode == 2 and "unknown lm-eval task 'kvlib_recal'" in proc.stderr
+
+
+@pytest.mark.parametrize("capacity", ["0", "-1"])
+def test_a_capacity_that_is_not_positive_is_one_clear_error(capacity, tmp_path):
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("Hello")
+    proc = kvlib("run", "--prompt-file", str(prompt), "--device-capacity-gb", capacity, "--json")
+    assert proc.returncode == 2 and "--device-capacity-gb must be positive" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_capacity_below_the_weights_is_a_recorded_oom_point(smollm, tmp_path):
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("Hello there")
+    proc = kvlib("run", "--prompt-file", str(prompt), "--device-capacity-gb", "0.1", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["oom"]["where"] == "model weights" and out["metrics"]["completed"] is False

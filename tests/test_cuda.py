@@ -11,7 +11,9 @@ from kvlib.policies import make_policy
 
 pytestmark = [pytest.mark.model, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-CASES = [("paged", {}, "fused"), ("h2o", {"budget": 1.0}, "chunked"), ("infinigen", {"budget": 1.0}, "fused")]
+# InfiniGen with every candidate and no cap: its speculation and fetches run, and select everything
+CASES = [("paged", {}, "fused"), ("h2o", {"budget": 1.0}, "chunked"),
+         ("infinigen", {"budget": 1.0, "alpha": 1e9}, "fused")]
 
 
 @pytest.fixture(scope="module")
@@ -37,3 +39,31 @@ def test_sparse_policies_under_a_small_budget_run_on_cuda(smollm_cuda, mixed_pro
                                                   stop_at_eos=False)
     assert all(len(o["token_ids"]) == 16 for o in result.outputs)
     assert result.memory["device"]["kv_bytes"] > 0
+
+
+@pytest.mark.parametrize("name", ["full", "paged", "h2o", "infinigen"])
+def test_the_ledger_books_what_cuda_allocated(smollm_cuda, name):
+    """After every pass, the device bytes the ledger books for the policy equal what torch.cuda has allocated beyond
+    the weights (within 2 %: the caching allocator rounds every tensor up to 512 bytes, and the pass's logits are
+    still alive); the census of the policy's tensors agrees with both."""
+    from test_booking import CASES as SETTINGS
+    from test_booking import booked, census
+
+    prompts = [list(range(1000 + 1000 * i, 1000 + 1000 * i + n)) for i, n in enumerate((1024, 700, 900))]
+    policy = make_policy(name, **SETTINGS[name])
+    engine = Engine(smollm_cuda, policy)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    records = []
+    original = policy.after_pass
+
+    def after_pass(step):
+        original(step)
+        torch.cuda.synchronize()
+        records.append((torch.cuda.memory_allocated() - base, booked(engine.ledger)["device"], census(policy)["device"]))
+    policy.after_pass = after_pass
+    mode = "chunked" if "chunked" in policy.supported_prefill else "fused"
+    engine.generate(prompts, 6, prefill_mode=mode, chunk_size=256, stop_at_eos=False)
+    for allocated, ledger, held in records[-4:]:  # the decode passes: the whole cache is in
+        assert ledger == pytest.approx(held, rel=0.01)
+        assert ledger == pytest.approx(allocated, rel=0.02)

@@ -53,10 +53,13 @@ def test_budget_one_scores_as_full_and_small_budgets_change_scores(smollm, tasks
         assert max(changed) > 1e-2
 
 
-def test_offline_tasks_are_deterministic(smollm, tasks):
+def test_offline_tasks_are_deterministic(smollm, tasks, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVLIB_CACHE", str(tmp_path))  # generated afresh, not found in the cache
     again = write_offline_tasks(smollm.tokenizer, recall_lengths=[40, 120], recall_items=2, recall_choices=3,
                                 perplexity_docs_n=2, perplexity_tokens=48, seed=1)
-    assert again == tasks
+    assert again != tasks and again.is_relative_to(tmp_path)
+    for name in ("kvlib_recall.jsonl", "kvlib_pydoc_perplexity.jsonl"):
+        assert (again / name).read_text() == (tasks / name).read_text()
     docs = [json.loads(line) for line in (tasks / "kvlib_recall.jsonl").read_text().splitlines()]
     assert [d["length"] for d in docs] == [40, 40, 120, 120]
     assert len({d["choices"][d["answer"]] for d in docs}) == len(docs)  # several facts, not one lucky string

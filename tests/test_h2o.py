@@ -154,3 +154,39 @@ def test_cross_chunk_accumulation_recovers_full_prefill_kept_set(tiny):
 def test_bad_input(tiny, settings, mode, message):
     with pytest.raises(UserError, match=message):
         Engine(tiny, make_policy("h2o", **settings)).generate([list(range(10, 40))], 2, prefill_mode=mode)
+
+
+def test_flexgen_rule_keeps_heavy_and_recent_of_the_prompt_fixed_during_decode(tiny):
+    """FlexGen's H2O, as the paper ran it: int(ratio x prompt) heavy hitters and as many recent tokens, every step."""
+    torch.manual_seed(6)
+    prompts = [torch.randint(100, 5000, (n,)).tolist() for n in (100, 57)]
+    policy = make_policy("h2o", budget=0.3, budget_rule="flexgen")
+    kept, last = [], {}
+    original = policy.after_pass
+
+    def after_pass(step):
+        original(step)
+        if step.phase == "decode":
+            kept.append(policy.kept.tolist())
+            last.update({row: [policy.kept_positions(layer, row) for layer in range(tiny.spec.num_layers)]
+                         for row in (0, 1)})
+    policy.after_pass = after_pass
+    Engine(tiny, policy).generate(prompts, 12, prefill_mode="chunked", chunk_size=32, stop_at_eos=False)
+    assert len(kept) == 11 and all(k == [2 * int(0.3 * 100), 2 * int(0.3 * 57)] for k in kept)
+    for row, n in enumerate((100, 57)):
+        seen = n + 11  # the prompt and the 11 decoded tokens fed back
+        for heads in last[row]:
+            for kept_positions in heads:
+                assert set(range(seen - int(0.3 * n), seen)) <= kept_positions  # the recent window
+
+
+def test_the_prompt_buffer_is_booked_before_any_attention_is_computed(tiny):
+    prompt = [list(range(100, 400))]
+    policy = make_policy("h2o", budget=0.1)
+    fits = Engine(tiny, make_policy("h2o", budget=0.1)).generate(prompt, 2, prefill_mode="chunked", chunk_size=64)
+    cache = fits.memory["device"]["peak_components"]["kv_reserved"] + fits.memory["device"]["peak_components"]["kv"]
+    capacity = tiny.weights_bytes + cache // 2  # room for the budgeted cache, not for the whole prompt
+    result = Engine(tiny, policy, device_capacity_bytes=capacity).generate(prompt, 2, prefill_mode="chunked",
+                                                                          chunk_size=64)
+    assert result.oom is not None and result.oom["where"] == "h2o prompt buffer" and result.oom["phase"] == "prefill"
+    assert result.memory["device"]["peak_components"]["activations"] == 0  # before any attention matrix was booked

@@ -13,10 +13,19 @@ from kvlib.skewing import capture_qk, compute_skew
 def test_fetching_every_entry_equals_full(smollm, mixed_prompts):
     full = Engine(smollm, make_policy("full")).generate(mixed_prompts, 16)
     for mode in ("full", "fused", "chunked"):
-        # budget 1.0 and an alpha that admits every candidate: each step fetches the whole cache
+        # budget 1.0 and an alpha that admits every candidate: speculation runs, and each step fetches the whole cache
         ig = Engine(smollm, make_policy("infinigen", budget=1.0, alpha=1e9)).generate(
             mixed_prompts, 16, prefill_mode=mode, chunk_size=6)
         assert [o["token_ids"] for o in ig.outputs] == [o["token_ids"] for o in full.outputs]
+        assert ig.stats["bytes_moved_host_to_device"] > 0 and ig.stats["kv_share_attended"] == 1.0
+
+
+def test_budget_one_is_a_cap_not_a_bypass(tiny):
+    """At budget 1.0 InfiniGen still fetches only the candidates speculation finds (the budget caps them)."""
+    prompts = [list(range(300, 400))]
+    capped = Engine(tiny, make_policy("infinigen", budget=1.0, alpha=0.0)).generate(prompts, 6, stop_at_eos=False)
+    dense = 2
+    assert all(share < 1.0 for share in capped.stats["kv_share_attended_per_layer"][dense:])
 
 
 def test_skewing_is_orthogonal_and_leaves_scores_unchanged(tiny):
@@ -37,20 +46,22 @@ def test_skewing_is_orthogonal_and_leaves_scores_unchanged(tiny):
 def test_tiers_and_bytes_moved_match_the_selection(tiny):
     prompts = [list(range(500, 560)), list(range(700, 740))]
     policy = make_policy("infinigen", budget=0.5, alpha=2.0)
-    fetched = []
+    fetched, gathered = [], []
     speculate = policy._speculate_and_fetch
 
     def recording(layer, step):
         speculate(layer, step)
-        _, _, keep = policy.fetched[layer + 1]
+        k, _, keep, _ = policy.fetched[layer + 1]
         fetched.append(int(keep[:, 0].sum()))  # entries per head, summed over rows
+        gathered.append(k.shape[0] * k.shape[2])  # what the gather copied: the longest selection, every row
 
     policy._speculate_and_fetch = recording
     engine = Engine(tiny, policy)
     result = engine.generate(prompts, 5, stop_at_eos=False)
     s = tiny.spec
     entry = s.num_kv_heads * s.head_dim * 2 * 4  # one token's K and V across the heads of one layer, fp32
-    assert result.stats["bytes_moved_host_to_device"] == sum(fetched) * entry
+    assert result.stats["bytes_moved_host_to_device"] == sum(gathered) * entry
+    assert sum(gathered) >= sum(fetched)
     sparse = s.num_layers - 2
     assert len(fetched) == 4 * (sparse)  # four decode steps, one fetch per sparse layer
     cached = sum(len(p) + 4 for p in prompts)
@@ -62,7 +73,11 @@ def test_tiers_and_bytes_moved_match_the_selection(tiny):
 def test_selection_respects_the_budget_cap(tiny):
     prompt = [list(range(500, 600))]
     result = Engine(tiny, make_policy("infinigen", budget=0.1, alpha=1e9)).generate(prompt, 4, stop_at_eos=False)
-    assert result.stats["selected_share"] == pytest.approx(0.1, abs=0.02)
+    dense = 2
+    shares = result.stats["kv_share_attended_per_layer"]
+    assert shares[:dense] == [1.0] * dense
+    # each sparse layer attends round(0.1 x cached) fetched tokens and the current one
+    assert all(share == pytest.approx(0.1, abs=0.02) for share in shares[dense:])
 
 
 @pytest.mark.parametrize("settings, message", [

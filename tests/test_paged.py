@@ -6,7 +6,7 @@ import torch
 from kvlib.engine import Engine
 from kvlib.errors import UserError
 from kvlib.policies import make_policy
-from kvlib.scheduler import Request, serve
+from kvlib.scheduler import Sequence, run
 from kvlib.workloads import mixed_length_prompts, prompt_of_length
 
 
@@ -27,8 +27,9 @@ def test_paged_equals_full_for_a_mixed_batch(smollm, mixed_prompts, mode):
 def test_requests_arriving_at_different_steps(smollm):
     prompts = mixed_length_prompts(smollm.tokenizer, 4, 20, 60, seed=3)
     full = Engine(smollm, make_policy("full")).generate(prompts, 10, stop_at_eos=False)
-    requests = [Request(p, 10, arrival_step=3 * i) for i, p in enumerate(prompts)]
-    served = serve(Engine(smollm, make_policy("paged", block_size=4)), requests, chunk_size=16)
+    requests = [Sequence(p, 10, arrival_step=3 * i) for i, p in enumerate(prompts)]
+    served = run(Engine(smollm, make_policy("paged", block_size=4)), requests, "continuous", "chunked", chunk_size=16,
+                 stop_at_eos=False)
     assert tokens(served) == tokens(full)
     assert served.metrics["preemptions"] == 0
 
@@ -50,8 +51,9 @@ def test_preemption_completes_a_workload_larger_than_the_pool(tiny):
     # the three prompts fit the 30 x 4-token pool (29 blocks); their growing outputs do not
     prompts = [torch.randint(100, 5000, (n,)).tolist() for n in (40, 40, 36)]
     expected = tokens(Engine(tiny, make_policy("full")).generate(prompts, 30, stop_at_eos=False))
-    requests = [Request(p, 30) for p in prompts]
-    served = serve(Engine(tiny, make_policy("paged", block_size=4, num_blocks=30)), requests, chunk_size=16)
+    requests = [Sequence(p, 30) for p in prompts]
+    served = run(Engine(tiny, make_policy("paged", block_size=4, num_blocks=30)), requests, "continuous", "chunked",
+                 chunk_size=16, stop_at_eos=False)
     assert tokens(served) == expected
     assert served.metrics["preemptions"] > 0
 
@@ -60,19 +62,17 @@ def test_fork_diverges_without_corrupting_the_parent(tiny):
     policy = make_policy("paged", block_size=4)
     engine = Engine(tiny, policy)
     prompt = list(range(100, 110))  # 10 tokens: the third block is shared half full after the fork
-    policy.start(2, [10, 10], 4)
-    engine.prefill(0, prompt, "fused", 512)
-    policy.fork(0, 1)
-    parent_block = policy.tables[0].blocks[2]
-    snapshot = policy.keys[:, parent_block].clone()
-    from kvlib.policies.base import Step
-    engine.forward(torch.tensor([[7]]), Step(policy, torch.tensor([1]), torch.tensor([10]), 1, "decode"))
-    assert policy.tables[1].blocks[:2] == policy.tables[0].blocks[:2]
-    assert policy.tables[1].blocks[2] != parent_block
-    assert torch.equal(policy.keys[:, parent_block], snapshot)  # the parent's block is untouched
-    child_block = policy.tables[1].blocks[2]
-    assert torch.equal(policy.keys[:, child_block, :2], snapshot[:, :2])  # shared tokens were copied
-    policy.finish()
+    with engine.session([10, 10], 4) as session:
+        session.prefill(0, prompt, "fused")
+        session.fork(0, 1)
+        parent_block = policy.tables[0].blocks[2]
+        snapshot = policy.keys[:, parent_block].clone()
+        session.decode([1], [7])
+        assert policy.tables[1].blocks[:2] == policy.tables[0].blocks[:2]
+        assert policy.tables[1].blocks[2] != parent_block
+        assert torch.equal(policy.keys[:, parent_block], snapshot)  # the parent's block is untouched
+        child_block = policy.tables[1].blocks[2]
+        assert torch.equal(policy.keys[:, child_block, :2], snapshot[:, :2])  # shared tokens were copied
 
 
 @pytest.mark.parametrize("settings, message", [
@@ -90,4 +90,4 @@ def test_pool_too_small_for_one_request(tiny):
 
 def test_continuous_batching_needs_a_policy_that_releases_rows(tiny):
     with pytest.raises(UserError, match="continuous batching needs"):
-        serve(Engine(tiny, make_policy("full")), [Request(list(range(100, 120)), 2)])
+        run(Engine(tiny, make_policy("full")), [Sequence(list(range(100, 120)), 2)], "continuous", "chunked")

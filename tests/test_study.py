@@ -124,3 +124,58 @@ def test_compute_only_runs_the_named_policies_and_no_notebook(root, monkeypatch)
     assert sorted(set(calls)) == ["full", "h2o"] and len(calls) == 6  # 2 lengths x (full: full, fused; h2o: full)
     assert len(list((root / "results" / "p" / "ttft").glob("*.parquet"))) == 6
     assert cli.main(["study", "--profile", "p", "--compute-only", "--policies", "vlm"]) == 2  # one clear error
+
+
+def test_repeats_run_interleaved_and_every_repeat_is_stored(root, monkeypatch):
+    write_profile(root, "p", {**PROFILE, "experiments": {"ttft": {**PROFILE["experiments"]["ttft"], "repeats": 3}}})
+    calls = []
+    monkeypatch.setattr(ttft, "run_point", lambda point: calls.append(study.point_hash(point)) or [{"ttft_s": 0.1}])
+    frame = study.run_experiment("p", "ttft", progress=False)
+    points = len(set(calls))
+    assert len(calls) == 3 * points and calls[:points] == calls[points:2 * points]  # every point once, then again
+    assert sorted(frame["repeat"].unique()) == [0, 1, 2] and len(frame) == 3 * points
+    assert {"load_avg_1m", "others_cpu_share", "disturbed", "attempts"} <= set(frame.columns)
+
+
+def test_a_unit_measured_under_load_is_measured_again_then_flagged(root, monkeypatch):
+    from kvlib.machine_load import Load
+
+    write_profile(root, "p", {**PROFILE, "experiments": {"ttft": {**PROFILE["experiments"]["ttft"],
+                                                                   "policies": ["full"], "grid": {
+                                                                       "prompt_tokens": [32], "prefill": ["fused"]}}}})
+    busy = iter([True, False])  # the first attempt ran while another process took the CPU; the second did not
+
+    class Probe:
+        def __enter__(self):
+            self.load = Load(wall_s=1.0, others_cpu_s=1.0 if next(busy) else 0.0, load_avg_1m=0.0)
+            self.load.others_cpu_share = self.load.others_cpu_s / 2
+            return self.load
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(study, "measured_load", Probe)
+    calls = []
+    monkeypatch.setattr(ttft, "run_point", lambda point: calls.append(1) or [{"ttft_s": 0.1}])
+    frame = study.run_experiment("p", "ttft", progress=False)
+    assert len(calls) == 2 and frame["attempts"].tolist() == [2] and not frame["disturbed"].any()
+    busy = iter([True, True])
+    frame = study.run_experiment("p", "ttft", progress=False, force=True)
+    assert frame["attempts"].tolist() == [2] and frame["disturbed"].all()
+
+
+def test_the_load_probe_sees_another_process_take_the_cpu():
+    import subprocess
+    import sys
+
+    from kvlib.machine_load import measured_load
+
+    with measured_load() as quiet:
+        sum(range(10**6))
+    burn = "import time\nt = time.time()\nwhile time.time() - t < 1.5: pass"
+    with measured_load() as loaded:
+        subprocess.run([sys.executable, "-c", burn], check=True)
+    if loaded.others_cpu_s is None:
+        pytest.skip("no /proc/stat here")
+    assert loaded.others_cpu_s > 1.0 and loaded.disturbed
+    assert quiet.others_cpu_s < loaded.others_cpu_s

@@ -17,10 +17,10 @@ from dataclasses import asdict, dataclass
 from typing import ClassVar
 
 from kvlib import architectures
-from kvlib.engine import RunResult, decoded_outputs, run_metrics
 from kvlib.errors import UserError
 from kvlib.ledger import MemoryLedger
 from kvlib.models import ModelSpec, resolve_model_path
+from kvlib.run_result import RunResult, build_metrics, decoded_outputs
 
 # what worked on a 2-core AVX2 machine: no engine subprocess (the step loop and the KV gauge stay in this process),
 # every core for attention. The KV space is passed as kv_cache_memory_bytes (see _kv_space), not as
@@ -108,8 +108,10 @@ class VLLMBackend:
         spec = _spec(model)
         block_bytes = spec.kv_bytes(self.block_size)
         blocks = engine.vllm_config.cache_config.num_gpu_blocks or 0
-        ledger = MemoryLedger()  # vLLM keeps within its own pool (sized to the capacity): it queues, never overflows
-        ledger.add("device", "weights", _weights_bytes(model), where="vllm model weights")
+        # vLLM keeps within its own pool (sized to the capacity): it queues, never overflows. Its activations are
+        # inside its own engine: not measured, so None rather than 0.
+        ledger = MemoryLedger(unmeasured=("activations",))
+        ledger.add("device", "weights", _loaded_weights_bytes(llm), where="vllm model weights")
         used = round(peak_usage * blocks) * block_bytes
         ledger.set("device", "vllm KV cache", kv=used, kv_reserved=blocks * block_bytes - used)
         after = _counters(llm)
@@ -117,10 +119,9 @@ class VLLMBackend:
         decode_tokens = sum(map(len, generated)) - after_prefill
         decode_s = end - prefill_end
         ttft = [first.get(str(i), end - t0) for i in range(len(prompts))]
-        # vLLM interleaves its bookkeeping with the forward passes: no separate cache-operations share
-        metrics = run_metrics(ttft=ttft, step_latencies=steps, prefill_s=prefill_end - t0, decode_s=decode_s,
-                              total_s=end - t0, decode_tokens=decode_tokens,
-                              wall_split={"prefill": prefill_end - t0, "cache_ops": 0.0, "decode": decode_s})
+        # vLLM interleaves its bookkeeping with the forward passes: its cache operations are not measured (None)
+        metrics = build_metrics(ttft=ttft, step_latencies=steps, prefill_s=prefill_end - t0, decode_s=decode_s,
+                                total_s=end - t0, decode_tokens=decode_tokens, sections=None)
         hits, queries, preempted = (after[k] - before[k] for k in COUNTERS)
         stats = {"block_size": self.block_size, "num_blocks": blocks, "peak_blocks_used": round(peak_usage * blocks),
                  "prefix_hit_rate": hits / queries if queries else 0.0, "preemptions": int(preempted),
@@ -199,14 +200,21 @@ def _spec_config(model: str):
 
 
 def _weights_bytes(model: str) -> int:
-    from pathlib import Path
+    """The model's parameters, counted on the meta device (no memory, no weights read): any model whose config is
+    reachable, a hub id included, before vLLM has loaded it."""
+    import torch
+    from transformers import AutoModelForCausalLM
 
-    if architectures.is_architecture(model):  # dummy weights: nothing on disk; the parameters at the spec's dtype
-        from kvlib.capacity import parameter_count
+    config = _spec_config(model)
+    with torch.device("meta"):
+        shell = AutoModelForCausalLM.from_config(config, dtype=_spec(model).dtype)
+    return sum(p.numel() * p.element_size() for p in shell.parameters())
 
-        return parameter_count(_spec_config(model)) * _spec(model).dtype_bytes
-    folder = Path(resolve_model_path(model))
-    return sum(f.stat().st_size for f in folder.glob("*.safetensors")) if folder.is_dir() else 0
+
+def _loaded_weights_bytes(llm) -> int:
+    """The bytes of the parameters vLLM actually holds (its fused, possibly padded layout)."""
+    sizes = llm.apply_model(lambda m: sum(p.numel() * p.element_size() for p in m.parameters()))
+    return int(sum(sizes))
 
 
 def _metrics_by_name(llm) -> dict:

@@ -25,8 +25,7 @@ from kvlib.policies import make_policy
 @register_model("kvlib")
 class KVLibLM(TemplateLM):
     def __init__(self, pretrained: str = "smollm2-135m", policy: str = "full", batch_size: int | str = 8,
-                 device: str | None = None, max_length: int | None = None, max_batch_size: int | None = None,
-                 loaded=None, **policy_settings):
+                 device: str | None = None, max_length: int | None = None, loaded=None, **policy_settings):
         super().__init__()
         kv_policy = make_policy(policy, **policy_settings)  # bad settings fail here, before the model is loaded
         self.loaded = loaded or load_model(pretrained, device=device)
@@ -34,6 +33,20 @@ class KVLibLM(TemplateLM):
         self.batch_size = 8 if batch_size in (None, "auto") else int(str(batch_size).split(":")[0])
         self._max_length = max_length or self.loaded.spec.max_context
         self.engine = Engine(self.loaded, kv_policy)
+        self.tokens_attended = self.tokens_seen = 0  # by decode steps, over every request so far
+
+    def _generate(self, prompts, max_new_tokens, **kwargs):
+        result = self.engine.generate(prompts, max_new_tokens, prefill_mode=self.engine.policy.preferred_prefill,
+                                      **kwargs)
+        self.tokens_attended += result.stats.get("kv_tokens_attended_total", 0)
+        self.tokens_seen += result.stats.get("kv_tokens_seen_total", 0)
+        return result
+
+    @property
+    def kv_share_attended(self) -> float | None:
+        """The share of the KV cache decode steps attended, over every request scored so far (what the policy
+        actually used, whatever its budget setting)."""
+        return self.tokens_attended / self.tokens_seen if self.tokens_seen else None
 
     # -- what TemplateLM needs -------------------------------------------------------------------------------------
     @property
@@ -64,8 +77,7 @@ class KVLibLM(TemplateLM):
             batch = order[begin:begin + self.batch_size]
             prompts = [scored[i][0] for i in batch]
             forced = [scored[i][1] for i in batch]
-            result = self.engine.generate(prompts, 0, prefill_mode=self.engine.policy.preferred_prefill,
-                                          forced=forced, share_prompts=True)
+            result = self._generate(prompts, 0, forced=forced, share_prompts=True)
             for i, out in zip(batch, result.outputs):
                 skip = scored[i][2]
                 results[i] = (sum(out["logprobs"][skip:]), all(out["greedy"][skip:]))
@@ -103,7 +115,7 @@ class KVLibLM(TemplateLM):
             until = [until] if isinstance(until, str) else list(until)
             max_new = int(gen_kwargs.get("max_gen_toks", 256))
             prompt = self.tok_encode(context)[-(self.max_length - max_new):]
-            result = self.engine.generate([prompt], max_new, prefill_mode=self.engine.policy.preferred_prefill)
+            result = self._generate([prompt], max_new)
             text = result.outputs[0]["text"]
             for stop in until:
                 text = text.split(stop)[0] if stop else text

@@ -120,7 +120,7 @@ def dataset_conversations(tokenizer, source: dict, buckets: list[list[int]], per
 def run_conversation(engine: Engine, conv: Conversation, query_turns: list[int], prefill_mode: str,
                      chunk_size: int = 512, answer_tokens: int = 16) -> list[dict]:
     """Feed a conversation turn by turn in row 0; at each query turn, ask about the fact in row 1. One row per ask."""
-    tok, policy = engine.model.tokenizer, engine.policy
+    tok = engine.model.tokenizer
     asked = [t for t in query_turns if t <= len(conv.exchanges)]
     pieces = [_extension(tok, [], messages(conv, 0))]
     pieces += [_extension(tok, messages(conv, t - 1), messages(conv, t)) for t in range(1, max(asked, default=0) + 1)]
@@ -132,25 +132,22 @@ def run_conversation(engine: Engine, conv: Conversation, query_turns: list[int],
         raise UserError(f"conversation {conv.id} needs {total} tokens; the model's context is "
                         f"{engine.model.spec.max_context}")
     rows, held = [], 0
-    policy.start(2, [total, total], answer_tokens)
-    try:
+    with engine.session([total, total], answer_tokens) as session:
         for turn, piece in enumerate(pieces):
-            engine.prefill(0, piece, prefill_mode, chunk_size, start=held)
+            session.prefill(0, piece, prefill_mode, chunk_size)
             held += len(piece)
             if turn not in asked:
                 continue
-            policy.fork(0, 1)
+            session.fork(0, 1)
             ask = _extension(tok, messages(conv, turn), messages(conv, turn) + question, ask=True)
-            logits = engine.prefill(1, ask, prefill_mode, chunk_size, start=held)
+            logits = session.prefill(1, ask, prefill_mode, chunk_size)
             answer = [int(logits.argmax())]
             while len(answer) < answer_tokens and answer[-1] != tok.eos_token_id:
-                logits = engine.decode_step([1], [answer[-1]], [held + len(ask) + len(answer) - 1])
-                answer.append(int(logits[0].argmax()))
+                answer.append(int(session.decode([1], [answer[-1]])[0].argmax()))
             text = tok.decode(answer, skip_special_tokens=True)
             rows.append({"conversation": conv.id, "bucket": bucket_label(conv.bucket), "turn": turn,
                          "context_tokens": held, "fact": conv.fact.question,
                          "expected": conv.fact.answer, "answer": text,
-                         "correct": conv.fact.answer.lower() in text.lower()})
-    finally:
-        policy.finish()
+                         "correct": conv.fact.answer.lower() in text.lower(),
+                         **engine.policy.usage.summary()})
     return rows

@@ -12,4 +12,5 @@ def run_point(point: dict) -> list[dict]:
     lm = KVLibLM(policy=point["policy"], loaded=loaded, batch_size=point.get("batch_size", 8), **settings_of(point))
     offline = point.get("offline_tasks")
     folder = write_offline_tasks(loaded.tokenizer, **offline) if offline else None
-    return evaluate(lm, [point["task"]], include_path=folder, limit=point.get("limit"))
+    rows = evaluate(lm, [point["task"]], include_path=folder, limit=point.get("limit"))
+    return [{**row, "kv_share_attended": lm.kv_share_attended} for row in rows]

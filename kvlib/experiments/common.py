@@ -6,11 +6,12 @@ import functools
 
 from kvlib import architectures
 from kvlib.backends import BACKENDS, runner_settings
-from kvlib.engine import Engine, RunResult
+from kvlib.engine import Engine
 from kvlib.errors import UserError
 from kvlib.models import LoadedModel, load_model
 from kvlib.policies import make_policy
 from kvlib.random_weights import CAVEAT
+from kvlib.run_result import RunResult
 
 
 @functools.lru_cache(maxsize=2)
@@ -67,14 +68,19 @@ def run(point: dict, prompts: list[list[int]], max_new_tokens: int, prefill: str
 
 
 def result_row(result: RunResult, point: dict | None = None) -> dict:
-    """The tidy columns every experiment stores: timings, memory by tier and component, OOM, policy stats."""
+    """The tidy columns every experiment stores: timings (every timer section, every decode step), memory by tier and
+    component, OOM, the KV share the policy attended, policy stats."""
     m = result.metrics
     row = {"policy": result.policy["name"]}  # what ran: "vllm (real)" for the outside baseline
     if point is not None and weights_of(point) == "random":
         row["caveat"] = CAVEAT
-    row.update({k: m.get(k) for k in ("ttft_s", "prefill_s", "decode_s", "total_s", "decode_tokens",
-                                 "decode_tokens_per_s", "decode_step_s_mean", "completed")})
+    row.update({k: m.get(k) for k in ("ttft_s", "setup_s", "prefill_s", "decode_s", "total_s", "decode_tokens",
+                                      "decode_tokens_per_s", "decode_tokens_per_s_q1", "decode_tokens_per_s_q3",
+                                      "decode_step_s_mean", "decode_step_s_p50", "decode_steps", "completed",
+                                      "preemptions")})
+    row["step_latencies_s"] = m.get("step_latencies_s")
     row.update({f"split_{k}_s": v for k, v in m.get("wall_split_s", {}).items()})
+    row.update({f"section_{k.replace('.', '_')}_s": v for k, v in (m.get("sections_s") or {}).items()})
     for tier in ("device", "host"):
         mem = result.memory.get(tier, {})
         row[f"{tier}_peak_bytes"] = mem.get("peak_bytes")
@@ -84,6 +90,6 @@ def result_row(result: RunResult, point: dict | None = None) -> dict:
     row["oom"] = result.oom is not None
     row["oom_where"] = result.oom["where"] if result.oom else None
     for key, value in result.stats.items():
-        if isinstance(value, (int, float, str, bool)) or value is None:
+        if isinstance(value, (int, float, str, bool, list)) or value is None:
             row[f"stat_{key}"] = value
     return row

@@ -33,6 +33,33 @@ class Step:
     phase: str  # "prefill" or "decode"
     prefill_mode: str = "fused"
     last_chunk: bool = True  # the pass that ends a row's prompt
+    end: torch.Tensor | None = None  # [B] each row's length once this prefill (all its chunks) is in
+
+
+class KVUsage:
+    """What attention read during decode, per layer: the tokens attended against the tokens the rows had seen. This
+    is the KV share a policy actually used, whatever its budget setting says (a cap for InfiniGen, a target for H2O)."""
+
+    def __init__(self, layers: int):
+        self.attended = [0] * layers
+        self.seen = [0] * layers
+        self.row_steps = 0
+
+    def add(self, layer: int, attended: int, seen: int, rows: int) -> None:
+        """attended, seen: summed over the step's rows (per KV head: the mean over heads)."""
+        self.attended[layer] += attended
+        self.seen[layer] += seen
+        if layer == 0:
+            self.row_steps += rows
+
+    def summary(self) -> dict:
+        totals = {"kv_tokens_attended_total": sum(self.attended), "kv_tokens_seen_total": sum(self.seen)}
+        if not self.row_steps:
+            return {"kv_share_attended": None, "kv_share_attended_per_layer": None,
+                    "kv_tokens_attended_per_step": None, **totals}
+        return {**totals, "kv_share_attended": sum(self.attended) / max(sum(self.seen), 1),
+                "kv_share_attended_per_layer": [a / max(s, 1) for a, s in zip(self.attended, self.seen)],
+                "kv_tokens_attended_per_step": sum(self.attended) / len(self.attended) / self.row_steps}
 
 
 def select_rows(tensor: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -50,12 +77,20 @@ class KVPolicy:
     name: ClassVar[str] = ""
     supported_prefill: ClassVar[tuple[str, ...]] = PREFILL_MODES
     preferred_prefill: ClassVar[str] = "fused"  # what experiments use when they do not vary the prefill mode
+    # attributes whose tensors live in the host tier (on a CPU both tiers are host memory; the census test and the
+    # ledger need to know which is which)
+    host_tensors: ClassVar[tuple[str, ...]] = ()
 
     def bind(self, model: LoadedModel, ledger: MemoryLedger, timers: Timers) -> None:
         """Attach to a model before a run; called once per engine."""
         self.model, self.spec, self.ledger, self.timers = model, model.spec, ledger, timers
         self.device = model.device
         self.scale = self.spec.head_dim ** -0.5
+        self.usage = KVUsage(self.spec.num_layers)
+
+    @property
+    def can_release(self) -> bool:
+        return type(self).release is not KVPolicy.release
 
     def check_prefill(self, mode: str) -> None:
         if mode not in self.supported_prefill:
@@ -93,10 +128,6 @@ class KVPolicy:
     def finish(self) -> None:
         """Free everything the run allocated."""
 
-    def cached_tokens(self) -> list[int]:
-        """Tokens held per row (summed over nothing: one number per row, as if every head kept the same count)."""
-        raise NotImplementedError
-
     def stats(self) -> dict:
         """Policy-specific metrics for the result (hit rates, bytes moved, ...)."""
         return {}
@@ -118,3 +149,9 @@ class BudgetedPolicy(KVPolicy):
             raise UserError(f"budget must be in (0, 1], got {self.budget}")
         if self.budget_tokens is not None and self.budget_tokens < 1:
             raise UserError(f"budget_tokens must be >= 1, got {self.budget_tokens}")
+
+    def tokens_allowed(self, tokens: int) -> int:
+        """The budget in tokens per KV head, for a row of `tokens` tokens: the one rule every sparse policy uses."""
+        if self.budget_tokens is not None:
+            return min(self.budget_tokens, tokens)
+        return min(tokens, max(1, round(self.budget * tokens)))

@@ -34,6 +34,7 @@ class FullPolicy(KVPolicy):
             # synchronous copies a step for a 30-layer model otherwise)
             self.visible, self.kv_len = decode_mask(step.start, self.keys[0].shape[2], self.device)
             self.slots = step.rows.to(self.device), step.start.to(self.device)
+            self.seen = int(step.start.sum()) + len(step.rows)
 
     def attend(self, layer, query, key, value, step: Step):
         kc, vc = self.keys[layer], self.values[layer]
@@ -43,6 +44,7 @@ class FullPolicy(KVPolicy):
             kc[rows, :, pos] = key[:, :, 0]
             vc[rows, :, pos] = value[:, :, 0]
             kv_len = self.kv_len
+            self.usage.add(layer, self.seen, self.seen, len(step.rows))
             return fused_attention(query, select_rows(kc, step.rows)[:, :, :kv_len],
                                    select_rows(vc, step.rows)[:, :, :kv_len], self.visible, self.scale)
         row, begin = int(step.rows[0]), int(step.start[0])
@@ -73,6 +75,3 @@ class FullPolicy(KVPolicy):
     def finish(self):
         self.keys = self.values = []
         self.ledger.set("device", kv=0, kv_reserved=0)
-
-    def cached_tokens(self):
-        return self.lengths.tolist()

@@ -9,8 +9,14 @@ are candidates; their mean count over heads, capped by `budget` x cached tokens,
 best-scored ones). Only those keys and values are copied from the host tier to the device tier for layer i+1; the first
 `dense_layers` layers stay dense on the device.
 
-On CUDA the host cache is pinned and the fetch for layer i+1 runs on a side stream while layer i computes. On a CPU
-both tiers are host memory: the fetch is still a real copy and is counted in bytes, but no bus is crossed.
+On CUDA the host cache is pinned and the copy to the device is issued on a side stream, but the fetch does not
+overlap layer i's compute as the official code's does: the selected indices are needed on the host to gather from the
+host tier, so each sparse layer synchronizes the host once (`chosen.cpu()`) before its gather. On a CPU both tiers are
+host memory: the fetch is still a real copy and is counted in bytes, but no bus is crossed.
+
+The budget is a cap, as in the official code: a head fetches as many tokens as speculation finds candidates (within
+`alpha` of its best approximate score), at most budget x cached tokens. What a run actually attended is reported
+(`kv_share_attended`), and the book places InfiniGen there, next to the configured cap.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from kvlib.workloads import prompt_of_length
 @dataclass
 class InfiniGenPolicy(BudgetedPolicy):
     name = "infinigen"
+    host_tensors = ("host_k", "host_v")
 
     partial_ratio: float = 0.2  # share of each head's dimensions speculation uses (the official default)
     alpha: float = 4.0  # candidates: approximate logit within alpha of the head's max (weight within e^-alpha)
@@ -72,14 +79,14 @@ class InfiniGenPolicy(BudgetedPolicy):
         cuda = self.device.type == "cuda"
         shape = (batch_size, s.num_kv_heads, cap, s.head_dim)
         r = self.columns.shape[-1]
-        self.step_moved = self.bytes_moved = self.decode_steps = 0
-        self.selected = self.candidates_total = 0
+        self.bytes_moved = self.decode_steps = 0
         self.coverage: list[float] = []
         self.selections: dict[int, tuple] = {}  # layer -> (chosen, keep), kept only to measure coverage
+        skew_bytes = self.skew_matrices.nbytes + self.columns.nbytes
         self.ledger.add("device", "kv_reserved", self.dense * 2 * math.prod(shape) * s.dtype_bytes,
                         where="infinigen dense layers")
-        self.ledger.add("device", "overhead", sparse * math.prod(shape[:3]) * r * s.dtype_bytes,
-                        where="infinigen partial key cache")
+        self.ledger.add("device", "overhead", sparse * math.prod(shape[:3]) * r * s.dtype_bytes + skew_bytes,
+                        where="infinigen partial key cache and skewing matrices")
         self.ledger.add("host", "kv_reserved", sparse * 2 * math.prod(shape) * s.dtype_bytes)
         self.dense_k = torch.zeros((self.dense, *shape), dtype=s.dtype, device=self.device)
         self.dense_v = torch.zeros_like(self.dense_k)
@@ -88,11 +95,12 @@ class InfiniGenPolicy(BudgetedPolicy):
         self.host_v = torch.zeros((sparse, *shape), dtype=s.dtype, pin_memory=cuda)
         self.partial_k = torch.zeros((sparse, *shape[:3], r), dtype=s.dtype, device=self.device)
         self.lengths = torch.zeros(batch_size, dtype=torch.long)
-        self.fetched: dict[int, tuple] = {}  # layer -> (keys, values, visible) fetched for this decode step
+        self.fetched: dict[int, tuple] = {}  # layer -> (keys, values, visible, attended) fetched for this step
         self.captured: dict[int, tuple] = {}  # layer -> (attention input, (cos, sin)) of the current pass
         self.stream = torch.cuda.Stream() if cuda else None
-        self.hooks = [m.register_forward_pre_hook(self._capture_input(i), with_kwargs=True)
-                      for i, m in enumerate(self.attn_modules)]
+        # only the layers that speculate for a sparse next layer need their input
+        self.hooks = [self.attn_modules[i].register_forward_pre_hook(self._capture_input(i), with_kwargs=True)
+                      for i in range(max(self.dense - 1, 0), s.num_layers - 1)]
 
     def _capture_input(self, layer: int):
         def hook(module, args, kwargs):
@@ -121,11 +129,14 @@ class InfiniGenPolicy(BudgetedPolicy):
             self.dense_v[layer][r, heads, p] = value
             return
         i = layer - self.dense
-        self.host_k[i][r, heads, p] = key.to("cpu", non_blocking=True)
-        self.host_v[i][r, heads, p] = value.to("cpu", non_blocking=True)
-        skewed = torch.einsum("bhtd,hde->bhte", key, self.skew_matrices[layer])
-        cols = self.columns[layer][None, :, None, :].expand(*skewed.shape[:3], -1)
-        self.partial_k[i][r, heads, p] = skewed.gather(-1, cols)
+        with self.timers.section("offload"):
+            # a blocking copy: a non-blocking one into pageable memory could be read before it lands
+            self.host_k[i][r, heads, p] = key.to("cpu")
+            self.host_v[i][r, heads, p] = value.to("cpu")
+        with self.timers.section("selection"):
+            skewed = torch.einsum("bhtd,hde->bhte", key, self.skew_matrices[layer])
+            cols = self.columns[layer][None, :, None, :].expand(*skewed.shape[:3], -1)
+            self.partial_k[i][r, heads, p] = skewed.gather(-1, cols)
 
     def attend(self, layer, query, key, value, step: Step):
         t = step.q_len
@@ -136,8 +147,14 @@ class InfiniGenPolicy(BudgetedPolicy):
             if layer < self.dense:
                 k, v = self.dense_k[layer, row:row + 1, :, :end], self.dense_v[layer, row:row + 1, :, :end]
             else:
-                k = self.host_k[layer - self.dense, row:row + 1, :, :end].to(self.device)
-                v = self.host_v[layer - self.dense, row:row + 1, :, :end].to(self.device)
+                k = self.host_k[layer - self.dense, row:row + 1, :, :end]
+                v = self.host_v[layer - self.dense, row:row + 1, :, :end]
+                if k.device != self.device:  # a copy of the row's keys and values, for this layer's attention
+                    with self.ledger.transient("device", "activations", 2 * k.nbytes, f"infinigen prefill, layer "
+                                               f"{layer}"):
+                        k, v = k.to(self.device), v.to(self.device)
+                        return prefill_attention(query, k, v, int(step.start[0]), step.prefill_mode, self.scale,
+                                                 self.ledger, layer)
             return prefill_attention(query, k, v, int(step.start[0]), step.prefill_mode, self.scale, self.ledger,
                                      layer)
         out = self._decode_attention(layer, query, key, value, step)
@@ -150,17 +167,20 @@ class InfiniGenPolicy(BudgetedPolicy):
         rows = step.rows
         if layer < self.dense:
             visible, kv_len = decode_mask(step.start, self.dense_k.shape[3], self.device)
+            seen = int(step.start.sum()) + len(rows)
+            self.usage.add(layer, seen, seen, len(rows))
             return fused_attention(query, select_rows(self.dense_k[layer], rows)[:, :, :kv_len],
                                    select_rows(self.dense_v[layer], rows)[:, :, :kv_len], visible, self.scale)
         if self.stream is not None:
             torch.cuda.current_stream().wait_stream(self.stream)
-        k_sel, v_sel, visible = self.fetched.pop(layer)
+        k_sel, v_sel, visible, attended = self.fetched.pop(layer)
         # the current token's own key/value was computed just now: it is always attended
         k_all = torch.cat([k_sel, key], dim=2)
         v_all = torch.cat([v_sel, value], dim=2)
         mask = torch.cat([visible, visible.new_ones(*visible.shape[:2], 1)], dim=2)
-        with self.timers.section("attention"):
-            out, _ = matrix_attention(query, k_all, v_all, mask[:, :, None, None, :], self.scale)
+        out, _ = matrix_attention(query, k_all, v_all, mask[:, :, None, None, :], self.scale)
+        self.ledger.add("device", "kv", -(k_sel.nbytes + v_sel.nbytes))  # the fetched entries are dropped now
+        self.usage.add(layer, attended + len(rows), int(step.start.sum()) + len(rows), len(rows))
         if self.measure_coverage:
             self._record_coverage(layer, query, key, step, self.selections.pop(layer))
         return out
@@ -170,7 +190,7 @@ class InfiniGenPolicy(BudgetedPolicy):
         nxt = layer + 1
         rows, s = step.rows, self.spec
         group = s.num_attention_heads // s.num_kv_heads
-        with self.timers.section("speculation"):
+        with self.timers.section("selection"):
             hidden, (cos, sin) = self.captured.pop(layer)
             q = self.attn_modules[nxt].q_proj(hidden).view(len(rows), 1, s.num_attention_heads, s.head_dim)
             q = self.rope(q.transpose(1, 2), q.transpose(1, 2), cos, sin)[0][:, :, 0]  # [B, Hq, D]
@@ -185,27 +205,23 @@ class InfiniGenPolicy(BudgetedPolicy):
             approx = approx.masked_fill(~valid[:, None, None, :], float("-inf")).amax(dim=2)  # [B, Hkv, L]
             peak = approx.amax(dim=-1, keepdim=True)
             candidates = (approx > peak - self.alpha).sum(dim=-1).float().mean(dim=-1).cpu()  # [B]
-            cap = (torch.full_like(cached, self.budget_tokens).float() if self.budget_tokens is not None
-                   else torch.ceil(self.budget * cached.float()))
-            count = torch.minimum(candidates.round(), cap).clamp(min=1).long()
-            if self.budget_tokens is None and self.budget >= 1:
-                count = cached.clamp(min=1)  # budget 1.0 keeps everything, as for every policy: no speculation loss
+            cap = torch.tensor([self.tokens_allowed(int(n)) for n in cached])
+            count = torch.minimum(candidates.round().long(), cap).clamp(min=1)
             chosen = approx.topk(int(count.max()), dim=-1).indices  # [B, Hkv, n]
             keep = (torch.arange(chosen.shape[-1])[None, None, :] < count[:, None, None]).to(self.device)
         with self.timers.section("fetch"):
             i = nxt - self.dense
             r, heads = rows[:, None, None], torch.arange(s.num_kv_heads)[None, :, None]
             idx = chosen.cpu()
+            # every row gathers count.max() entries per head (the rest masked): that is what crosses to the device
+            moved = 2 * math.prod(idx.shape) * s.head_dim * s.dtype_bytes
+            self.ledger.add("device", "kv", moved, where=f"infinigen fetch, layer {nxt}")
             stream = torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
             with stream:
                 k_sel = self.host_k[i][r, heads, idx].to(self.device, non_blocking=True)
                 v_sel = self.host_v[i][r, heads, idx].to(self.device, non_blocking=True)
-            self.fetched[nxt] = (k_sel, v_sel, keep)
-        moved = int(count.sum()) * s.num_kv_heads * s.head_dim * 2 * s.dtype_bytes
-        self.step_moved += moved
+            self.fetched[nxt] = (k_sel, v_sel, keep, int(count.sum()))
         self.bytes_moved += moved
-        self.selected += int(count.sum()) * s.num_kv_heads
-        self.candidates_total += int(cached.sum()) * s.num_kv_heads
         if self.measure_coverage:
             self.selections[nxt] = (chosen, keep)
 
@@ -237,26 +253,19 @@ class InfiniGenPolicy(BudgetedPolicy):
         self._book()
         if step.phase == "decode":
             self.decode_steps += 1
-            self.last_step_moved, self.step_moved = self.step_moved, 0
 
     def _book(self):
         s = self.spec
         tokens = int(self.lengths.sum())
         per_layer = s.num_kv_heads * s.head_dim * s.dtype_bytes * 2
         sparse = s.num_layers - self.dense
-        partial = tokens * sparse * s.num_kv_heads * self.columns.shape[-1] * s.dtype_bytes
         self.ledger.set("host", kv=tokens * sparse * per_layer,
-                        kv_reserved=self.host_k.numel() * 2 * s.dtype_bytes - tokens * sparse * per_layer)
-        self.ledger.set("device", "infinigen fetched entries",
-                        kv=tokens * self.dense * per_layer + partial + self.step_moved,
-                        kv_reserved=self.dense_k.numel() * 2 * s.dtype_bytes - tokens * self.dense * per_layer)
-
-    def cached_tokens(self):
-        return self.lengths.tolist()
+                        kv_reserved=self.host_k.nbytes + self.host_v.nbytes - tokens * sparse * per_layer)
+        self.ledger.set("device", "infinigen dense layers", kv=tokens * self.dense * per_layer,
+                        kv_reserved=self.dense_k.nbytes + self.dense_v.nbytes - tokens * self.dense * per_layer)
 
     def stats(self):
         return {"bytes_moved_host_to_device": self.bytes_moved,
                 "bytes_moved_per_step": self.bytes_moved / max(self.decode_steps, 1),
-                "selected_share": self.selected / max(self.candidates_total, 1),
                 "speculation_coverage": sum(self.coverage) / len(self.coverage) if self.coverage else None,
                 "transfer": "pcie" if self.device.type == "cuda" else "host memory copy (no bus crossed)"}

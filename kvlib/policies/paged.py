@@ -37,15 +37,15 @@ class PagedPolicy(KVPolicy):
 
     def start(self, batch_size, prompt_lens, max_new_tokens):
         s, bs = self.spec, self.block_size
+        self.tables: dict[int, BlockTable] = {}
+        self.prompts: dict[int, list[int]] = {}
         blocks = self.num_blocks or sum(-(-(n + max_new_tokens) // bs) for n in prompt_lens)
         smallest = -(-(min(prompt_lens) + 1) // bs)
         if blocks < smallest:
             raise UserError(f"a pool of {blocks} blocks of {bs} tokens cannot hold even one request "
                             f"({min(prompt_lens)} prompt tokens need {smallest} blocks)")
         block_bytes = s.kv_bytes(bs)
-        self.tables: dict[int, BlockTable] = {}
-        self.prompts: dict[int, list[int]] = {}
-        self.prompt_tokens = self.hit_tokens = self.preemptions = self.peak_blocks = 0
+        self.prompt_tokens = self.hit_tokens = self.peak_blocks = 0
         if getattr(self, "pool", None) is None or self.pool.num_blocks != blocks:
             # token-major blocks: gathering a row's blocks is one copy that is already [tokens, heads, dim]
             shape = (s.num_layers, blocks, bs, s.num_kv_heads, s.head_dim)
@@ -68,6 +68,10 @@ class PagedPolicy(KVPolicy):
         return self.tables[row].tokens
 
     def prepare(self, step: Step):
+        with self.timers.section("block_management"):
+            self._prepare(step)
+
+    def _prepare(self, step: Step):
         bs = self.block_size
         for row, start in zip(step.rows.tolist(), step.start.tolist()):
             self.pool.reserve(self.tables.setdefault(row, BlockTable()), start + step.q_len)
@@ -85,6 +89,7 @@ class PagedPolicy(KVPolicy):
         self.table = self.table.to(self.device)
         if step.phase == "decode":  # each row sees its own length of the padded gather
             self.visible, self.kv_len = decode_mask(step.start, width * bs, self.device)
+            self.seen = int(step.start.sum()) + len(step.rows)
         self.peak_blocks = max(self.peak_blocks, self.pool.used)
 
     def release(self, row):
@@ -115,12 +120,14 @@ class PagedPolicy(KVPolicy):
             return prefill_attention(query, k[:, :, :n], v[:, :, :n], int(step.start[0]), step.prefill_mode,
                                      self.scale, self.ledger, layer)
         n = self.kv_len
+        self.usage.add(layer, self.seen, self.seen, b)
         return fused_attention(query, k[:, :, :n], v[:, :, :n], self.visible, self.scale)
 
     def after_pass(self, step: Step):
-        for row, start in zip(step.rows.tolist(), step.start.tolist()):
-            self.pool.commit(self.tables[row], self.prompts.get(row, []), start + step.q_len)
-        self._book()
+        with self.timers.section("block_management"):
+            for row, start in zip(step.rows.tolist(), step.start.tolist()):
+                self.pool.commit(self.tables[row], self.prompts.get(row, []), start + step.q_len)
+            self._book()
 
     def _book(self):
         used = self.pool.used * self.pool.block_bytes
@@ -133,11 +140,7 @@ class PagedPolicy(KVPolicy):
             self.release(row)
         self.ledger.set("device", kv=0, kv_reserved=0, overhead=0)
 
-    def cached_tokens(self):
-        return [t.tokens for _, t in sorted(self.tables.items())]
-
     def stats(self):
         return {"block_size": self.block_size, "num_blocks": self.pool.num_blocks if self.pool else 0,
                 "peak_blocks_used": self.peak_blocks,
-                "prefix_hit_rate": self.hit_tokens / max(self.prompt_tokens, 1), "prefix_hit_tokens": self.hit_tokens,
-                "preemptions": self.preemptions}
+                "prefix_hit_rate": self.hit_tokens / max(self.prompt_tokens, 1), "prefix_hit_tokens": self.hit_tokens}

@@ -1,0 +1,65 @@
+"""How busy the machine was while a point was measured: other processes' CPU time, time stolen by a hypervisor, and
+the load average. A timing taken while other work ran is not the engine's own (on a 2-core laptop one busy process
+halves a decode step's speed), so each timing point carries these figures and is re-measured or flagged.
+
+Linux reports them in /proc/stat; elsewhere only the load average is known and the rest is None.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+# other processes' share of the machine's CPU time above which a timing is called disturbed (a quiet machine shows
+# 0-2 %: the shell, the kernel's own threads); below DISTURBED_FLOOR_S of their CPU time in all, /proc/stat's 10 ms
+# ticks are too coarse to tell, so a short point is never called disturbed
+DISTURBED_SHARE = 0.10
+DISTURBED_FLOOR_S = 0.2
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+@dataclass
+class Load:
+    wall_s: float = 0.0
+    others_cpu_s: float | None = None  # CPU time of every other process while this one was measured
+    others_cpu_share: float | None = None  # the same / (wall time x cores)
+    steal_s: float | None = None
+    load_avg_1m: float | None = None
+
+    @property
+    def disturbed(self) -> bool:
+        return (self.others_cpu_share is not None and self.others_cpu_share > DISTURBED_SHARE
+                and self.others_cpu_s > DISTURBED_FLOOR_S)
+
+    def columns(self) -> dict:
+        return {"load_avg_1m": self.load_avg_1m, "others_cpu_s": self.others_cpu_s,
+                "others_cpu_share": self.others_cpu_share,
+                "steal_s": self.steal_s, "disturbed": self.disturbed}
+
+
+def _cpu_ticks() -> tuple[int, int] | None:
+    """(busy ticks of all CPUs, stolen ticks) since boot."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+    return user + nice + system + irq + softirq, steal
+
+
+@contextmanager
+def measured_load():
+    """Context manager yielding a Load filled in on exit."""
+    load = Load(load_avg_1m=os.getloadavg()[0] if hasattr(os, "getloadavg") else None)
+    before, own_before, t0 = _cpu_ticks(), time.process_time(), time.perf_counter()
+    yield load
+    after, own_after = _cpu_ticks(), time.process_time()
+    load.wall_s = time.perf_counter() - t0
+    if before is not None and after is not None and load.wall_s > 0:
+        busy_s = (after[0] - before[0]) / CLOCK_TICKS
+        load.others_cpu_s = max(busy_s - (own_after - own_before), 0.0)
+        load.others_cpu_share = load.others_cpu_s / (load.wall_s * (os.cpu_count() or 1))
+        load.steal_s = (after[1] - before[1]) / CLOCK_TICKS
