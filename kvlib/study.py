@@ -2,6 +2,7 @@
 
 params/<profile>.yaml:
     model: smollm2-135m              # default model of every experiment
+    weights: random                  # optional: seeded random weights (systems experiments only; kvlib.models)
     device_capacity_gb: 1.0          # configured device memory (OOM boundaries); null = unlimited
     policy_settings: {h2o: {budget: 0.3}}   # per-policy settings used wherever the policy runs
     experiments:
@@ -46,7 +47,7 @@ from kvlib.errors import UserError
 from kvlib.machine_load import measured_load
 
 EXPERIMENTS = ("ttft", "batch_scaling", "decode_length", "accuracy", "retention")
-PROFILE_KEYS = {"model", "device_capacity_gb", "policy_settings", "experiments", "description", "device"}
+PROFILE_KEYS = {"model", "device_capacity_gb", "policy_settings", "experiments", "description", "device", "weights"}
 EXPERIMENT_KEYS = {"policies", "grid", "fixed", "model", "repeats"}
 ATTEMPTS = 2  # a unit measured while other processes took the CPU is measured once more
 
@@ -66,6 +67,7 @@ class Profile:
     policy_settings: dict
     experiments: dict
     device: str | None = None
+    weights: str = "pretrained"
 
     def points(self, experiment: str) -> list[dict]:
         """Every grid point of one experiment, in a stable order."""
@@ -85,6 +87,8 @@ class Profile:
                          "policy_settings": settings, "device": self.device,
                          "device_capacity_gb": self.device_capacity_gb,
                          **spec.get("fixed", {}), **dict(zip(axes, values))}
+                if self.weights != "pretrained":  # only then: points of other profiles keep their hashes
+                    point["weights"] = self.weights
                 prefill = point.get("prefill")
                 cls = runner_class(policy)
                 if prefill and cls is not None and prefill not in cls.supported_prefill:
@@ -114,11 +118,16 @@ def load_profile(name: str) -> Profile:
 
 def validate_profile(name: str, raw: dict) -> Profile:
     from kvlib.backends import runner_class, runner_settings, runners
+    from kvlib.models import WEIGHTS
+    from kvlib.random_weights import check_experiment
 
     where = f"params/{name}.yaml"
     _no_unknown(raw, PROFILE_KEYS, where)
     if "model" not in raw:
         raise UserError(f"{where}: `model` is required")
+    weights = raw.get("weights", "pretrained")
+    if weights not in WEIGHTS:
+        raise UserError(f"{where}: weights must be one of {list(WEIGHTS)}, got {weights!r}")
     settings = raw.get("policy_settings") or {}
     for policy, values in settings.items():
         if runner_class(policy) is None:
@@ -128,6 +137,10 @@ def validate_profile(name: str, raw: dict) -> Profile:
     for exp, spec in experiments.items():
         if exp not in EXPERIMENTS:
             raise UserError(f"{where}: unknown experiment {exp!r}; experiments: {list(EXPERIMENTS)}")
+        try:
+            check_experiment(exp, weights)
+        except UserError as exc:
+            raise UserError(f"{where}: {exc}") from None
         _no_unknown(spec, EXPERIMENT_KEYS, f"{where}: experiments.{exp}")
         policies = spec.get("policies", "all")
         spec["policies"] = policies
@@ -146,7 +159,7 @@ def validate_profile(name: str, raw: dict) -> Profile:
     capacity = raw.get("device_capacity_gb")
     if capacity is not None and not (isinstance(capacity, (int, float)) and capacity > 0):
         raise UserError(f"{where}: device_capacity_gb must be a positive number or null, got {capacity!r}")
-    return Profile(name, raw["model"], capacity, settings, experiments, raw.get("device"))
+    return Profile(name, raw["model"], capacity, settings, experiments, raw.get("device"), weights)
 
 
 def _no_unknown(mapping, allowed: set, where: str) -> None:

@@ -2,7 +2,9 @@
 
 Offline profiles use the CPython documentation that ships with every Python (`pydoc_data.topics`); the paper profile
 streams English Wikipedia (20220301.en) or LMSYS-Chat-1M through `datasets`. Any Hugging Face dataset spec works the
-same way, which is how the hub path is tested on a local stand-in (`{"path": "json", "data_files": ...}`).
+same way, which is how the hub path is tested on a local stand-in (`{"path": "json", "data_files": ...}`). A model
+with random weights has no tokenizer: its prompts are seeded random token ids (`{"kind": "random_ids"}`, the default
+for it; kvlib.random_tokens).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import functools
 import random
 
 from kvlib.errors import UserError
+from kvlib.random_tokens import RANDOM_IDS, NoTextTokenizer, random_token_ids
 
 PYDOC = {"kind": "pydoc"}
 
@@ -68,8 +71,16 @@ def corpus_ids(tokenizer, min_tokens: int, source: dict | None = None) -> tuple[
     return ids
 
 
+def default_source(tokenizer) -> dict:
+    return RANDOM_IDS if isinstance(tokenizer, NoTextTokenizer) else PYDOC
+
+
 def prompt_of_length(tokenizer, tokens: int, offset: int = 0, source: dict | None = None) -> list[int]:
-    """`tokens` consecutive token ids of real text, starting `offset` tokens in (wrapping around the corpus)."""
+    """`tokens` consecutive token ids of real text, starting `offset` tokens in (wrapping around the corpus); for
+    the random_ids source, as many seeded random ids in the tokenizer's vocabulary."""
+    source = source or default_source(tokenizer)
+    if source.get("kind") == "random_ids":
+        return random_token_ids(len(tokenizer), tokens, offset, seed=source.get("seed", 0))
     ids = corpus_ids(tokenizer, tokens, source)
     start = offset % (len(ids) - tokens + 1)
     return list(ids[start:start + tokens])

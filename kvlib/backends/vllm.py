@@ -16,6 +16,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import ClassVar
 
+from kvlib import architectures
 from kvlib.errors import UserError
 from kvlib.ledger import MemoryLedger
 from kvlib.models import ModelSpec, resolve_model_path
@@ -126,7 +127,7 @@ class VLLMBackend:
                  "prefix_hit_rate": hits / queries if queries else 0.0, "preemptions": int(preempted),
                  "vllm_version": vllm.__version__}
         return RunResult(
-            outputs=decoded_outputs(llm.get_tokenizer(), generated, prompts),
+            outputs=decoded_outputs(_tokenizer(llm, model), generated, prompts),
             metrics=metrics, memory=ledger.snapshot(), policy={"name": self.label, **asdict(self)}, stats=stats)
 
 
@@ -156,9 +157,9 @@ def _llm(model: str, block_size: int, prefix_caching: bool, enforce_eager: bool,
     # On a GPU vLLM claims a fraction of the whole memory and refuses to start if that much is not free; kvlib's own
     # copy of the model (the other policies, the tokenizer) stays loaded, so vLLM gets 90 % of what is free.
     share = {"gpu_memory_utilization": 0.9 * torch.cuda.mem_get_info()[0] / torch.cuda.mem_get_info()[1]} if cuda else {}
-    llm = vllm.LLM(model=resolve_model_path(model), dtype="auto" if cuda else "float32", block_size=block_size,
+    llm = vllm.LLM(model=_model_path(model), dtype="auto" if cuda else "float32", block_size=block_size,
                    enable_prefix_caching=prefix_caching, enforce_eager=enforce_eager, kv_cache_memory_bytes=kv_space,
-                   disable_log_stats=False, seed=0, **share)
+                   disable_log_stats=False, seed=0, **share, **_random_weights(model))
     # vLLM warms its model up at start, except on a CPU in eager mode with an explicit KV size (ours): without this,
     # the first measured run would pay for the first calls of every kernel (a TTFT several times too long).
     llm.generate([{"prompt_token_ids": list(range(100, 164))}], vllm.SamplingParams(max_tokens=4), use_tqdm=False)
@@ -168,19 +169,43 @@ def _llm(model: str, block_size: int, prefix_caching: bool, enforce_eager: bool,
 @functools.lru_cache(maxsize=4)
 def _spec(model: str) -> ModelSpec:
     import torch
-    from transformers import AutoConfig
 
     dtype = torch.float32 if not torch.cuda.is_available() else torch.bfloat16
-    return ModelSpec.from_config(model, AutoConfig.from_pretrained(resolve_model_path(model)), dtype)
+    return ModelSpec.from_config(model, _spec_config(model), dtype)
+
+
+# A named architecture (kvlib.architectures) runs with vLLM's own random weights: a folder holding only its
+# config.json, load_format="dummy", token ids in and out (no tokenizer). Untested here: no vLLM on the machines that
+# wrote it.
+def _model_path(model: str) -> str:
+    return str(architectures.config_folder(model)) if architectures.is_architecture(model) else resolve_model_path(model)
+
+
+def _random_weights(model: str) -> dict:
+    return {"load_format": "dummy", "skip_tokenizer_init": True} if architectures.is_architecture(model) else {}
+
+
+def _tokenizer(llm, model: str):
+    from kvlib.random_tokens import NoTextTokenizer
+
+    if architectures.is_architecture(model):
+        return NoTextTokenizer(model, _spec_config(model).vocab_size)
+    return llm.get_tokenizer()
+
+
+def _spec_config(model: str):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(_model_path(model))
 
 
 def _weights_bytes(model: str) -> int:
     """The model's parameters, counted on the meta device (no memory, no weights read): any model whose config is
     reachable, a hub id included, before vLLM has loaded it."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(resolve_model_path(model))
+    config = _spec_config(model)
     with torch.device("meta"):
         shell = AutoModelForCausalLM.from_config(config, dtype=_spec(model).dtype)
     return sum(p.numel() * p.element_size() for p in shell.parameters())

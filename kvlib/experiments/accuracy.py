@@ -2,11 +2,13 @@
 
 from kvlib.evaluation import KVLibLM
 from kvlib.evaluation.tasks import evaluate, write_offline_tasks
-from kvlib.experiments.common import model, settings_of
+from kvlib.experiments.common import model_of, settings_of, weights_of
+from kvlib.random_weights import check_experiment
 
 
 def run_point(point: dict) -> list[dict]:
-    loaded = model(point["model"], point.get("device"))
+    check_experiment("accuracy", weights_of(point))
+    loaded = model_of(point)
     lm = KVLibLM(policy=point["policy"], loaded=loaded, batch_size=point.get("batch_size", 8), **settings_of(point))
     offline = point.get("offline_tasks")
     folder = write_offline_tasks(loaded.tokenizer, **offline) if offline else None

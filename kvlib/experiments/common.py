@@ -4,16 +4,27 @@ from __future__ import annotations
 
 import functools
 
+from kvlib import architectures
 from kvlib.backends import BACKENDS, runner_settings
 from kvlib.engine import Engine
+from kvlib.errors import UserError
 from kvlib.models import LoadedModel, load_model
 from kvlib.policies import make_policy
+from kvlib.random_weights import CAVEAT
 from kvlib.run_result import RunResult
 
 
 @functools.lru_cache(maxsize=2)
-def model(name: str, device: str | None = None) -> LoadedModel:
-    return load_model(name, device=device)
+def model(name: str, device: str | None = None, weights: str = "pretrained") -> LoadedModel:
+    return load_model(name, device=device, weights=weights)
+
+
+def weights_of(point: dict) -> str:
+    return point.get("weights", "pretrained")
+
+
+def model_of(point: dict) -> LoadedModel:
+    return model(point["model"], point.get("device"), weights_of(point))
 
 
 def settings_of(point: dict) -> dict:
@@ -28,7 +39,7 @@ def capacity_bytes(point: dict) -> int | None:
 
 
 def make_engine(point: dict) -> Engine:
-    loaded = model(point["model"], point.get("device"))
+    loaded = model_of(point)
     policy = make_policy(point["policy"], **settings_of(point))
     return Engine(loaded, policy, device_capacity_bytes=capacity_bytes(point))
 
@@ -40,6 +51,9 @@ def run(point: dict, prompts: list[list[int]], max_new_tokens: int, prefill: str
     Without a prefill mode, the policy's preferred one (fused, or chunked for H2O, which needs scores). An outside
     backend (the real vLLM) runs the same prompts its own way."""
     if point["policy"] in BACKENDS:
+        if weights_of(point) == "random" and not architectures.is_architecture(point["model"]):
+            raise UserError(f"the real vLLM runs random weights for named architectures only "
+                            f"({', '.join(architectures.names())}), not {point['model']!r}")
         backend = BACKENDS[point["policy"]](**settings_of(point))
         return backend.generate(point["model"], prompts, max_new_tokens, stop_at_eos=False,
                                 device_capacity_bytes=capacity_bytes(point))
@@ -53,11 +67,13 @@ def run(point: dict, prompts: list[list[int]], max_new_tokens: int, prefill: str
     return engine.generate(prompts, max_new_tokens, prefill_mode=mode, chunk_size=chunk_size, stop_at_eos=False)
 
 
-def result_row(result: RunResult) -> dict:
+def result_row(result: RunResult, point: dict | None = None) -> dict:
     """The tidy columns every experiment stores: timings (every timer section, every decode step), memory by tier and
     component, OOM, the KV share the policy attended, policy stats."""
     m = result.metrics
     row = {"policy": result.policy["name"]}  # what ran: "vllm (real)" for the outside baseline
+    if point is not None and weights_of(point) == "random":
+        row["caveat"] = CAVEAT
     row.update({k: m.get(k) for k in ("ttft_s", "setup_s", "prefill_s", "decode_s", "total_s", "decode_tokens",
                                       "decode_tokens_per_s", "decode_tokens_per_s_q1", "decode_tokens_per_s_q3",
                                       "decode_step_s_mean", "decode_step_s_p50", "decode_steps", "completed",

@@ -1,10 +1,12 @@
 """Retention of an early fact across context-length buckets and turns (paper Fig. 8): one row per question."""
 
 from kvlib.evaluation.retention import dataset_conversations, offline_conversations, run_conversation
-from kvlib.experiments.common import make_engine
+from kvlib.experiments.common import make_engine, weights_of
+from kvlib.random_weights import check_experiment
 
 
 def run_point(point: dict) -> list[dict]:
+    check_experiment("retention", weights_of(point))
     engine = make_engine(point)
     tokenizer = engine.model.tokenizer
     turns = point["query_turns"]
