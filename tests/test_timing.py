@@ -1,0 +1,46 @@
+"""One timing rule: exclusive sections, one definition of cache operations, a wall split that adds up."""
+
+import time
+
+import pytest
+import torch
+
+from kvlib.engine import Engine
+from kvlib.policies import available, make_policy
+from kvlib.run_result import CACHE_OPS, wall_split
+from kvlib.timing import Timers
+
+
+def test_nested_sections_count_once():
+    timers = Timers(torch.device("cpu"))
+    timers.phase = "decode"
+    with timers.section("compute"):
+        time.sleep(0.02)
+        with timers.section("fetch"):
+            time.sleep(0.03)
+    assert timers.seconds["decode.fetch"] == pytest.approx(0.03, abs=0.01)
+    assert timers.seconds["decode.compute"] == pytest.approx(0.02, abs=0.01)  # the fetch is not counted twice
+
+
+def test_the_split_adds_up_and_cache_ops_are_the_named_sections():
+    sections = {"setup.allocate": 9.0, "prefill.compute": 1.0, "prefill.eviction": 0.5, "decode.compute": 2.0,
+                "decode.fetch": 0.25, "decode.selection": 0.25}
+    split = wall_split(sections, prefill_s=1.6, decode_s=2.6, total_s=4.5)
+    assert split == {"prefill": 1.0, "decode": 2.0, "cache_ops": 1.0, "other": 0.5}  # setup is outside total_s
+    assert wall_split(None, 1.0, 2.0, 3.0) == {"prefill": 1.0, "decode": 2.0, "cache_ops": None, "other": None}
+
+
+@pytest.mark.parametrize("name", available())
+def test_every_policy_reports_sections_that_add_up_to_its_run(tiny, name):
+    policy = make_policy(name)
+    result = Engine(tiny, policy).generate([list(range(100, 160)), list(range(200, 230))], 6,
+                                           prefill_mode=policy.preferred_prefill, stop_at_eos=False)
+    m = result.metrics
+    assert sum(m["wall_split_s"].values()) == pytest.approx(m["total_s"])
+    assert m["wall_split_s"]["other"] >= -1e-6
+    assert all(key.partition(".")[0] in ("setup", "prefill", "decode") for key in m["sections_s"])
+    names = {key.partition(".")[2] for key in m["sections_s"]}
+    assert names <= {"allocate", "compute", *CACHE_OPS}, names  # sections are named by what they are
+    assert m["setup_s"] > 0 and m["ttft_s"] < m["total_s"]
+    if name != "full":
+        assert m["wall_split_s"]["cache_ops"] > 0
