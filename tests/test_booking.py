@@ -101,7 +101,7 @@ def test_infinigen_books_one_live_fetch_and_what_the_gather_moved(tiny):
 
     def add(tier, component, nbytes, where=""):
         original(tier, component, nbytes, where)
-        if "infinigen fetch" in where or (component == "kv" and nbytes < 0):
+        if component == "kv" and ("infinigen fetch" in where or nbytes < 0):
             live.append(nbytes)
     engine.ledger.add = add
     result = engine.generate(prompts, 5, prefill_mode="fused", stop_at_eos=False)

@@ -8,6 +8,7 @@ and returns the attention output. Everything the policy holds is booked in the l
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -62,13 +63,6 @@ class KVUsage:
                 "kv_tokens_attended_per_step": sum(self.attended) / len(self.attended) / self.row_steps}
 
 
-def select_rows(tensor: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """tensor[rows] along dim 0: a view when rows are every row in order (the usual decode batch), since indexing by
-    a row tensor copies, and on a CPU that copy of the whole cache per layer costs as much as the attention."""
-    if len(rows) == tensor.shape[0] and bool((rows == torch.arange(len(rows))).all()):
-        return tensor
-    return tensor[rows]
-
 
 @dataclass
 class KVPolicy:
@@ -91,6 +85,18 @@ class KVPolicy:
     @property
     def can_release(self) -> bool:
         return type(self).release is not KVPolicy.release
+
+    @contextmanager
+    def rows_of(self, rows: torch.Tensor, *caches: torch.Tensor, where: str):
+        """cache[rows] along dim 0 of each cache, for the duration of a block: views when rows are every row in order
+        (the usual decode batch; indexing by a row tensor copies, and on a CPU that copy of the whole cache per layer
+        costs as much as the attention), else copies, booked as activations while they live."""
+        if len(rows) == caches[0].shape[0] and bool((rows == torch.arange(len(rows))).all()):
+            yield caches
+            return
+        nbytes = sum(c[0].nbytes for c in caches) * len(rows)
+        with self.ledger.transient("device", "activations", nbytes, where):
+            yield tuple(c[rows] for c in caches)
 
     def check_prefill(self, mode: str) -> None:
         if mode not in self.supported_prefill:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlib.attention import decode_mask, fused_attention, prefill_attention
-from kvlib.policies.base import KVPolicy, Step, select_rows
+from kvlib.policies.base import KVPolicy, Step
 
 
 @dataclass
@@ -45,8 +45,8 @@ class FullPolicy(KVPolicy):
             vc[rows, :, pos] = value[:, :, 0]
             kv_len = self.kv_len
             self.usage.add(layer, self.seen, self.seen, len(step.rows))
-            return fused_attention(query, select_rows(kc, step.rows)[:, :, :kv_len],
-                                   select_rows(vc, step.rows)[:, :, :kv_len], self.visible, self.scale)
+            with self.rows_of(step.rows, kc, vc, where=f"full decode rows, layer {layer}") as (k, v):
+                return fused_attention(query, k[:, :, :kv_len], v[:, :, :kv_len], self.visible, self.scale)
         row, begin = int(step.rows[0]), int(step.start[0])
         end = begin + t
         kc[row, :, begin:end] = key[0]

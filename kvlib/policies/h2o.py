@@ -26,7 +26,7 @@ import torch
 
 from kvlib.attention import causal_mask, matrix_attention, matrix_bytes
 from kvlib.errors import UserError
-from kvlib.policies.base import BudgetedPolicy, Step, select_rows
+from kvlib.policies.base import BudgetedPolicy, Step
 
 CHUNK_SCORING = ("accumulate", "per_chunk")
 BUDGET_RULES = ("seen", "flexgen")
@@ -187,9 +187,10 @@ class HeavyHitterPolicy(BudgetedPolicy):
         self.scores[layer, r, heads, slot] = 0.0
         self.positions[layer, r, heads, slot] = step.start[:, None].to(self.device)
         used = int(self.region[rows].max()) + 1
-        visible = select_rows(self.positions[layer], rows)[:, :, :used] >= 0  # [B, Hkv, used]: per-head kept sets
-        out, probs = matrix_attention(query, select_rows(kc, rows)[:, :, :used], select_rows(vc, rows)[:, :, :used],
-                                      visible[:, :, None, None, :], self.scale)
+        with self.rows_of(rows, kc, vc, self.positions[layer], where=f"h2o decode rows, layer {layer}") as (k, v, pos):
+            visible = pos[:, :, :used] >= 0  # [B, Hkv, used]: per-head kept sets
+            out, probs = matrix_attention(query, k[:, :, :used], v[:, :, :used], visible[:, :, None, None, :],
+                                          self.scale)
         with self.timers.section("eviction"):
             self.scores[layer, rows, :, :used] += probs.sum(dim=(2, 3))  # no head_dim axis: a cheap copy
         self.usage.add(layer, self.attended, self.seen_now, len(rows))

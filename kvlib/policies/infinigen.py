@@ -30,7 +30,7 @@ import torch
 
 from kvlib.attention import decode_mask, fused_attention, matrix_attention, prefill_attention
 from kvlib.errors import UserError
-from kvlib.policies.base import BudgetedPolicy, Step, select_rows
+from kvlib.policies.base import BudgetedPolicy, Step
 from kvlib.skewing import load_or_compute_skew
 from kvlib.workloads import prompt_of_length
 
@@ -169,16 +169,19 @@ class InfiniGenPolicy(BudgetedPolicy):
             visible, kv_len = decode_mask(step.start, self.dense_k.shape[3], self.device)
             seen = int(step.start.sum()) + len(rows)
             self.usage.add(layer, seen, seen, len(rows))
-            return fused_attention(query, select_rows(self.dense_k[layer], rows)[:, :, :kv_len],
-                                   select_rows(self.dense_v[layer], rows)[:, :, :kv_len], visible, self.scale)
+            with self.rows_of(rows, self.dense_k[layer], self.dense_v[layer],
+                              where=f"infinigen decode rows, layer {layer}") as (k, v):
+                return fused_attention(query, k[:, :, :kv_len], v[:, :, :kv_len], visible, self.scale)
         if self.stream is not None:
             torch.cuda.current_stream().wait_stream(self.stream)
         k_sel, v_sel, visible, attended = self.fetched.pop(layer)
         # the current token's own key/value was computed just now: it is always attended
-        k_all = torch.cat([k_sel, key], dim=2)
-        v_all = torch.cat([v_sel, value], dim=2)
-        mask = torch.cat([visible, visible.new_ones(*visible.shape[:2], 1)], dim=2)
-        out, _ = matrix_attention(query, k_all, v_all, mask[:, :, None, None, :], self.scale)
+        with self.ledger.transient("device", "activations", k_sel.nbytes + v_sel.nbytes + key.nbytes + value.nbytes,
+                                   f"infinigen fetched and new entries, layer {layer}"):
+            k_all = torch.cat([k_sel, key], dim=2)
+            v_all = torch.cat([v_sel, value], dim=2)
+            mask = torch.cat([visible, visible.new_ones(*visible.shape[:2], 1)], dim=2)
+            out, _ = matrix_attention(query, k_all, v_all, mask[:, :, None, None, :], self.scale)
         self.ledger.add("device", "kv", -(k_sel.nbytes + v_sel.nbytes))  # the fetched entries are dropped now
         self.usage.add(layer, attended + len(rows), int(step.start.sum()) + len(rows), len(rows))
         if self.measure_coverage:

@@ -110,18 +110,21 @@ class PagedPolicy(KVPolicy):
         kc[self.slot_block, self.slot_offset] = key.transpose(1, 2)
         vc[self.slot_block, self.slot_offset] = value.transpose(1, 2)
         b, s = len(step.rows), self.spec
-        # index_select copies whole blocks; advanced indexing (kc[table]) took 6x as long on this CPU for the same
-        # copy (0.40 vs 0.07 ms for a 2,048-token row), a fifth of a paged decode step at batch 1
         blocks = self.table.flatten()
-        k = kc.index_select(0, blocks).view(b, -1, s.num_kv_heads, s.head_dim).transpose(1, 2)
-        v = vc.index_select(0, blocks).view(b, -1, s.num_kv_heads, s.head_dim).transpose(1, 2)
-        if step.phase == "prefill":
-            n = int(step.start[0]) + step.q_len
-            return prefill_attention(query, k[:, :, :n], v[:, :, :n], int(step.start[0]), step.prefill_mode,
-                                     self.scale, self.ledger, layer)
-        n = self.kv_len
-        self.usage.add(layer, self.seen, self.seen, b)
-        return fused_attention(query, k[:, :, :n], v[:, :, :n], self.visible, self.scale)
+        # the rows' blocks copied out of the pool (vLLM's kernel reads them in place): live while attention runs
+        with self.ledger.transient("device", "activations", 2 * len(blocks) * kc[0].nbytes, f"paged gather, layer "
+                                   f"{layer}"):
+            # index_select copies whole blocks; advanced indexing (kc[table]) took 6x as long on this CPU for the same
+            # copy (0.40 vs 0.07 ms for a 2,048-token row), a fifth of a paged decode step at batch 1
+            k = kc.index_select(0, blocks).view(b, -1, s.num_kv_heads, s.head_dim).transpose(1, 2)
+            v = vc.index_select(0, blocks).view(b, -1, s.num_kv_heads, s.head_dim).transpose(1, 2)
+            if step.phase == "prefill":
+                n = int(step.start[0]) + step.q_len
+                return prefill_attention(query, k[:, :, :n], v[:, :, :n], int(step.start[0]), step.prefill_mode,
+                                         self.scale, self.ledger, layer)
+            n = self.kv_len
+            self.usage.add(layer, self.seen, self.seen, b)
+            return fused_attention(query, k[:, :, :n], v[:, :, :n], self.visible, self.scale)
 
     def after_pass(self, step: Step):
         with self.timers.section("block_management"):
