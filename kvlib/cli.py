@@ -131,20 +131,17 @@ def run_backend(args, backend_class):
     """`--policy vllm`: the same prompts through the real vLLM (its own scheduling and prefill)."""
     from transformers import AutoTokenizer
 
-    from kvlib.models import resolve_model_path
+    from kvlib.backends.vllm import check_weights
+    from kvlib.models import model_config, resolve_model_path
+    from kvlib.random_tokens import NoTextTokenizer
 
     settings = settings_from_args(args)
     unknown = sorted(set(settings) - {f.name for f in dataclasses.fields(backend_class)})
     if unknown:
         raise UserError(f"backend {args.policy!r} has no setting {unknown[0]!r}")
-    from kvlib import architectures
-    from kvlib.models import model_config
-    from kvlib.random_tokens import NoTextTokenizer
 
     random = args.weights == "random"
-    if random and not architectures.is_architecture(args.model):
-        raise UserError(f"the real vLLM runs random weights for named architectures only "
-                        f"({', '.join(architectures.names())}), not {args.model!r}")
+    check_weights(args.model, args.weights)
     if random:
         tokenizer = NoTextTokenizer(args.model, model_config(args.model).vocab_size)
     else:

@@ -203,13 +203,16 @@ def _weights_bytes(model: str) -> int:
     """The model's parameters, counted on the meta device (no memory, no weights read): any model whose config is
     reachable, a hub id included. Not vLLM's own modules: on a CPU they hold prepacked oneDNN weights outside
     `parameters()` (counting those gave 113 MB for SmolLM2-135M's 538 MB)."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    from kvlib.capacity import parameter_count
 
-    config = _spec_config(model)
-    with torch.device("meta"):
-        shell = AutoModelForCausalLM.from_config(config, dtype=_spec(model).dtype)
-    return sum(p.numel() * p.element_size() for p in shell.parameters())
+    return parameter_count(_spec_config(model)) * _spec(model).dtype_bytes
+
+
+def check_weights(model: str, weights: str) -> None:
+    """vLLM draws random weights itself (load_format="dummy") for a named architecture's config, nothing else."""
+    if weights == "random" and not architectures.is_architecture(model):
+        raise UserError(f"the real vLLM runs random weights for named architectures only "
+                        f"({', '.join(architectures.names())}), not {model!r}")
 
 
 def _metrics_by_name(llm) -> dict:

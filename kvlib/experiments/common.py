@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import functools
 
-from kvlib import architectures
 from kvlib.backends import BACKENDS, runner_settings
+from kvlib.backends.vllm import check_weights
 from kvlib.engine import Engine
-from kvlib.errors import UserError
 from kvlib.models import LoadedModel, load_model
 from kvlib.policies import make_policy
 from kvlib.random_weights import CAVEAT
@@ -51,9 +50,7 @@ def run(point: dict, prompts: list[list[int]], max_new_tokens: int, prefill: str
     Without a prefill mode, the policy's preferred one (fused, or chunked for H2O, which needs scores). An outside
     backend (the real vLLM) runs the same prompts its own way."""
     if point["policy"] in BACKENDS:
-        if weights_of(point) == "random" and not architectures.is_architecture(point["model"]):
-            raise UserError(f"the real vLLM runs random weights for named architectures only "
-                            f"({', '.join(architectures.names())}), not {point['model']!r}")
+        check_weights(point["model"], weights_of(point))
         backend = BACKENDS[point["policy"]](**settings_of(point))
         return backend.generate(point["model"], prompts, max_new_tokens, stop_at_eos=False,
                                 device_capacity_bytes=capacity_bytes(point))

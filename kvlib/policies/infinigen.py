@@ -11,8 +11,9 @@ best-scored ones). Only those keys and values are copied from the host tier to t
 
 On CUDA the host cache is pinned and the copy to the device is issued on a side stream, but the fetch does not
 overlap layer i's compute as the official code's does: the selected indices are needed on the host to gather from the
-host tier, so each sparse layer synchronizes the host once (`chosen.cpu()`) before its gather. On a CPU both tiers are
-host memory: the fetch is still a real copy and is counted in bytes, but no bus is crossed.
+host tier, so each sparse layer synchronizes the host once (`chosen.cpu()`) before its gather. The `fetch` timer section
+then holds the host-side gather; the copy on the side stream is waited for, and counted, in the next layer's compute.
+On a CPU both tiers are host memory: the fetch is still a real copy and is counted in bytes, but no bus is crossed.
 
 The budget is a cap, as in the official code: a head fetches as many tokens as speculation finds candidates (within
 `alpha` of its best approximate score), at most budget x cached tokens. What a run actually attended is reported
