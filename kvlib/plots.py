@@ -14,6 +14,11 @@ def _style():
     sns.set_theme(context="notebook", style="whitegrid", palette="colorblind")
 
 
+def _palette(policies) -> dict:
+    """One colour per policy, the same in every panel of a figure."""
+    return dict(zip(sorted(set(policies)), sns.color_palette("colorblind")))
+
+
 def ttft(df: pd.DataFrame):
     """TTFT vs prompt length, one line per policy and prefill mode (median of the repeats, the band their range); OOM
     points marked on the top edge."""
@@ -72,23 +77,24 @@ def batch_scaling(df: pd.DataFrame):
         if col == "decode_tokens_per_s":
             throughput(d, "batch_size", ax)
         else:
-            sns.lineplot(d, x="batch_size", y=col, hue="policy", marker="o", estimator="median", errorbar=None,
-                         ax=ax, legend=False)
+            sns.lineplot(d, x="batch_size", y=col, hue="policy", palette=_palette(d["policy"]), marker="o",
+                         estimator="median", errorbar=None, ax=ax, legend=False)
         ax.set(xlabel="batch size", ylabel=label)
-    fig.suptitle("Batch scaling (mixed-length prompts; bars: interquartile range of the decode steps)")
+    fig.suptitle("Batch scaling (mixed-length prompts; median of repeats, bars: range of repeats and their steps)")
     fig.tight_layout()
     return fig
 
 
 def throughput(d: pd.DataFrame, by: str, ax) -> None:
-    """Decode throughput vs `by`, one line per policy: the median over repeats, error bars from the interquartile
-    range of the decode steps' throughput."""
-    palette = dict(zip(sorted(d["policy"].unique()), sns.color_palette("colorblind")))
+    """Decode throughput vs `by`, one line per policy: the median over repeats, error bars spanning the repeats and
+    each repeat's interquartile range of per-step throughput (as kvlib.findings.decode_spread)."""
+    palette = _palette(d["policy"])
     for policy, g in d.groupby("policy"):
-        agg = g.groupby(by).agg(tps=("decode_tokens_per_s", "median"), q1=("decode_tokens_per_s_q1", "min"),
+        agg = g.groupby(by).agg(tps=("decode_tokens_per_s", "median"), lo=("decode_tokens_per_s", "min"),
+                                hi=("decode_tokens_per_s", "max"), q1=("decode_tokens_per_s_q1", "min"),
                                 q3=("decode_tokens_per_s_q3", "max")).reset_index()
-        low = (agg["tps"] - agg["q1"]).clip(lower=0).fillna(0)
-        high = (agg["q3"] - agg["tps"]).clip(lower=0).fillna(0)
+        low = (agg["tps"] - agg[["lo", "q1"]].min(axis=1)).clip(lower=0).fillna(0)
+        high = (agg[["hi", "q3"]].max(axis=1) - agg["tps"]).clip(lower=0).fillna(0)
         ax.errorbar(agg[by], agg["tps"], yerr=[low, high], marker="o", capsize=3, label=policy, color=palette[policy])
     ax.legend(fontsize="small")
 
@@ -116,7 +122,7 @@ def decode_length(df: pd.DataFrame):
     fig, ax = plt.subplots(figsize=(7, 4))
     throughput(df[~df["oom"]], "output_tokens", ax)
     ax.set(xlabel="output length (tokens)", ylabel="decode throughput (tokens/s)",
-           title="Decode throughput vs output length (bars: interquartile range of the steps)")
+           title="Decode throughput vs output length (median, bars: range of repeats and their steps)")
     return fig
 
 
@@ -126,7 +132,7 @@ def accuracy(table: pd.DataFrame):
     _style()
     tasks = sorted(table["task"].unique())
     fig, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 4), squeeze=False)
-    palette = dict(zip(sorted(table["policy"].unique()), sns.color_palette("colorblind")))
+    palette = _palette(table["policy"])
     for ax, task in zip(axes.flat, tasks):
         t = table[table["task"] == task]
         for policy, g in t[t["policy"] != "full"].groupby("policy"):
@@ -139,8 +145,9 @@ def accuracy(table: pd.DataFrame):
         for _, row in t[t["policy"] == "full"].iterrows():
             ax.axhline(row["score"], color="black", ls="--", lw=1, label="full cache")
             ax.axhspan(row["low"], row["high"], color="black", alpha=0.08)
-        ax.set(xscale="log", xlabel="KV share attended during decode (configured budget: cap)",
-               ylabel=t["metric"].iloc[0], title=task)
+        ax.set(xscale="log", yscale="log" if t["metric"].iloc[0] == "word perplexity" else "linear",
+               xlabel="KV share attended during decode (configured budget: cap)", ylabel=t["metric"].iloc[0],
+               title=task)
         ax.legend(fontsize="small")
     fig.tight_layout()
     return fig
@@ -155,7 +162,8 @@ def recall_by_length(df: pd.DataFrame):
     fig, axes = plt.subplots(1, len(budgets), figsize=(4 * len(budgets), 3.6), sharey=True, squeeze=False)
     for ax, budget in zip(axes.flat, budgets):
         panel = pd.concat([full, d[d["budget"] == budget]])
-        sns.lineplot(panel, x="length", y="correct", hue="policy", marker="o", errorbar=None, ax=ax,
+        sns.lineplot(panel, x="length", y="correct", hue="policy", palette=_palette(d["policy"]), marker="o",
+                     errorbar=None, ax=ax,
                      legend=ax is axes.flat[-1])
         ax.set(xscale="log", xlabel="context length (tokens)", ylabel="recall accuracy", title=f"budget {budget:g}")
     fig.tight_layout()
@@ -167,11 +175,14 @@ def retention(df: pd.DataFrame):
     _style()
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     order = sorted(df["bucket"].unique(), key=lambda label: df.loc[df["bucket"] == label, "context_tokens"].min())
-    sns.barplot(df, x="bucket", y="correct", hue="policy", order=order, errorbar=("ci", 95), seed=0, ax=a)
+    palette = _palette(df["policy"])
+    sns.barplot(df, x="bucket", y="correct", hue="policy", palette=palette, order=order, errorbar=("ci", 95), seed=0,
+                ax=a)
     a.set(xlabel="conversation length bucket (tokens)", ylabel="retention accuracy",
           title="(a) by context length (bars: 95 % bootstrap interval)")
     per_bucket = df.groupby(["policy", "bucket", "turn"], as_index=False)["correct"].mean()
-    sns.lineplot(per_bucket, x="turn", y="correct", hue="policy", marker="o", errorbar=("pi", 100), ax=b)
+    sns.lineplot(per_bucket, x="turn", y="correct", hue="policy", palette=palette, marker="o", errorbar=("pi", 100),
+                 ax=b)
     b.set(xlabel="turn at which the question is asked", ylabel="retention accuracy",
           title="(b) by turn (band: range over buckets)")
     fig.tight_layout()
