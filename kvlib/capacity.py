@@ -25,13 +25,17 @@ def parameter_count(config) -> int:
 
 def full_matrix_prefill_bytes(config, dtype: torch.dtype, prompt_tokens: int, max_new_tokens: int = 1) -> dict:
     """Peak device bytes by component while the `full` policy prefills one prompt with the attention matrix."""
+    weights = parameter_count(config) * torch.empty((), dtype=dtype).element_size()
+    return {"weights": weights, **_beyond_weights(config, dtype, prompt_tokens, max_new_tokens)}
+
+
+def _beyond_weights(config, dtype: torch.dtype, prompt_tokens: int, max_new_tokens: int) -> dict:
     from kvlib.engine import activation_bytes
 
     spec = ModelSpec.from_config("", config, dtype)
     # activation_bytes reads only the model's config and spec: a shape stands in for the loaded model
     shape = LoadedModel("", SimpleNamespace(config=config), None, spec, torch.device("meta"))
     return {
-        "weights": parameter_count(config) * spec.dtype_bytes,
         "kv_reserved": spec.kv_bytes(prompt_tokens + max_new_tokens),
         "activations": activation_bytes(shape, 1, prompt_tokens),
         "attention_matrix": matrix_bytes(1, spec.num_attention_heads, prompt_tokens, prompt_tokens, spec.dtype_bytes),
@@ -46,8 +50,8 @@ def full_matrix_oom_boundary(model: str, capacity_bytes: int, dtype: torch.dtype
     if weights > capacity_bytes:
         return 0
 
-    def fits(tokens: int) -> bool:
-        return sum(full_matrix_prefill_bytes(config, dtype, tokens).values()) <= capacity_bytes
+    def fits(tokens: int) -> bool:  # the weights counted once, not at every step of the search
+        return weights + sum(_beyond_weights(config, dtype, tokens, 1).values()) <= capacity_bytes
 
     low, high = 0, config.max_position_embeddings - 1  # a prompt leaves room for its one new token
     if fits(high):

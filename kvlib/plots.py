@@ -87,15 +87,15 @@ def batch_scaling(df: pd.DataFrame):
 
 def throughput(d: pd.DataFrame, by: str, ax) -> None:
     """Decode throughput vs `by`, one line per policy: the median over repeats, error bars spanning the repeats and
-    each repeat's interquartile range of per-step throughput (as kvlib.findings.decode_spread)."""
+    each repeat's interquartile range of per-step throughput (kvlib.findings.decode_spread, as the findings read it)."""
+    from kvlib.findings import decode_spread
+
     palette = _palette(d["policy"])
     for policy, g in d.groupby("policy"):
-        agg = g.groupby(by).agg(tps=("decode_tokens_per_s", "median"), lo=("decode_tokens_per_s", "min"),
-                                hi=("decode_tokens_per_s", "max"), q1=("decode_tokens_per_s_q1", "min"),
-                                q3=("decode_tokens_per_s_q3", "max")).reset_index()
-        low = (agg["tps"] - agg[["lo", "q1"]].min(axis=1)).clip(lower=0).fillna(0)
-        high = (agg[["hi", "q3"]].max(axis=1) - agg["tps"]).clip(lower=0).fillna(0)
-        ax.errorbar(agg[by], agg["tps"], yerr=[low, high], marker="o", capsize=3, label=policy, color=palette[policy])
+        spreads = [(x, decode_spread(point)) for x, point in g.groupby(by)]
+        xs, medians = [x for x, _ in spreads], [s.median for _, s in spreads]
+        yerr = [[s.median - s.low for _, s in spreads], [s.high - s.median for _, s in spreads]]
+        ax.errorbar(xs, medians, yerr=yerr, marker="o", capsize=3, label=policy, color=palette[policy])
     ax.legend(fontsize="small")
 
 

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 # The timer sections that are cache operations (book/methods.md): work a policy does to manage its cache, as opposed
 # to computing the model. Attention over what a policy keeps is compute, whoever computes it.
 CACHE_OPS = ("block_management", "fork", "eviction", "selection", "fetch", "offload")
-PHASES = ("setup", "prefill", "decode")
 
 
 @dataclass
@@ -45,10 +44,6 @@ def wall_split(sections: dict[str, float] | None, prefill_s: float, decode_s: fl
         split["cache_ops" if name in CACHE_OPS else phase] += seconds
     split["other"] = total_s - sum(split.values())
     return split
-
-
-def cache_ops_seconds(sections: dict[str, float]) -> float:
-    return sum(s for key, s in sections.items() if key.partition(".")[2] in CACHE_OPS)
 
 
 def build_metrics(*, ttft: list[float], step_latencies: list[float], prefill_s: float, decode_s: float,

@@ -193,12 +193,14 @@ def _tokenizer(llm, model: str):
     return llm.get_tokenizer()
 
 
+@functools.lru_cache(maxsize=4)
 def _spec_config(model: str):
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(_model_path(model))
 
 
+@functools.lru_cache(maxsize=4)
 def _weights_bytes(model: str) -> int:
     """The model's parameters, counted on the meta device (no memory, no weights read): any model whose config is
     reachable, a hub id included. Not vLLM's own modules: on a CPU they hold prepacked oneDNN weights outside

@@ -8,6 +8,7 @@ and returns the attention output. Everything the policy holds is booked in the l
 
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import ClassVar
@@ -35,6 +36,11 @@ class Step:
     prefill_mode: str = "fused"
     last_chunk: bool = True  # the pass that ends a row's prompt
     end: torch.Tensor | None = None  # [B] each row's length once this prefill (all its chunks) is in
+
+    @functools.cached_property
+    def tokens_seen(self) -> int:
+        """Tokens the step's rows hold once this pass is in, summed over the rows: what a full cache attends."""
+        return int(self.start.sum()) + len(self.rows) * self.q_len
 
 
 class KVUsage:

@@ -34,7 +34,6 @@ class FullPolicy(KVPolicy):
             # synchronous copies a step for a 30-layer model otherwise)
             self.visible, self.kv_len = decode_mask(step.start, self.keys[0].shape[2], self.device)
             self.slots = step.rows.to(self.device), step.start.to(self.device)
-            self.seen = int(step.start.sum()) + len(step.rows)
 
     def attend(self, layer, query, key, value, step: Step):
         kc, vc = self.keys[layer], self.values[layer]
@@ -44,7 +43,7 @@ class FullPolicy(KVPolicy):
             kc[rows, :, pos] = key[:, :, 0]
             vc[rows, :, pos] = value[:, :, 0]
             kv_len = self.kv_len
-            self.usage.add(layer, self.seen, self.seen, len(step.rows))
+            self.usage.add(layer, step.tokens_seen, step.tokens_seen, len(step.rows))
             with self.rows_of(step.rows, kc, vc, where=f"full decode rows, layer {layer}") as (k, v):
                 return fused_attention(query, k[:, :, :kv_len], v[:, :, :kv_len], self.visible, self.scale)
         row, begin = int(step.rows[0]), int(step.start[0])

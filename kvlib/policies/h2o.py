@@ -178,7 +178,6 @@ class HeavyHitterPolicy(BudgetedPolicy):
         rows = step.rows
         if layer == 0:  # what every layer's heads attend this step: the kept tokens and the new one
             self.attended = int(self.kept[rows].sum()) + len(rows)
-            self.seen_now = int(self.seen[rows].sum()) + len(rows)
         r, heads = rows[:, None], torch.arange(self.spec.num_kv_heads)
         slot = self.write_slot[layer, rows]  # [B, Hkv]
         kc, vc = self.keys[layer], self.values[layer]
@@ -193,7 +192,7 @@ class HeavyHitterPolicy(BudgetedPolicy):
                                           self.scale)
         with self.timers.section("eviction"):
             self.scores[layer, rows, :, :used] += probs.sum(dim=(2, 3))  # no head_dim axis: a cheap copy
-        self.usage.add(layer, self.attended, self.seen_now, len(rows))
+        self.usage.add(layer, self.attended, step.tokens_seen, len(rows))
         return out
 
     def after_pass(self, step: Step):

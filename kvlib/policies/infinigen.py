@@ -150,14 +150,11 @@ class InfiniGenPolicy(BudgetedPolicy):
             else:
                 k = self.host_k[layer - self.dense, row:row + 1, :, :end]
                 v = self.host_v[layer - self.dense, row:row + 1, :, :end]
-                if k.device != self.device:  # a copy of the row's keys and values, for this layer's attention
-                    with self.ledger.transient("device", "activations", 2 * k.nbytes, f"infinigen prefill, layer "
-                                               f"{layer}"):
-                        k, v = k.to(self.device), v.to(self.device)
-                        return prefill_attention(query, k, v, int(step.start[0]), step.prefill_mode, self.scale,
-                                                 self.ledger, layer)
-            return prefill_attention(query, k, v, int(step.start[0]), step.prefill_mode, self.scale, self.ledger,
-                                     layer)
+            # on CUDA the row's keys and values are copied to the device for this layer's attention: booked while live
+            copied = 2 * k.nbytes if k.device.type != self.device.type else 0
+            with self.ledger.transient("device", "activations", copied, f"infinigen prefill, layer {layer}"):
+                return prefill_attention(query, k.to(self.device), v.to(self.device), int(step.start[0]),
+                                         step.prefill_mode, self.scale, self.ledger, layer)
         out = self._decode_attention(layer, query, key, value, step)
         if self.dense <= layer + 1 < self.spec.num_layers:
             self._speculate_and_fetch(layer, step)
@@ -168,8 +165,7 @@ class InfiniGenPolicy(BudgetedPolicy):
         rows = step.rows
         if layer < self.dense:
             visible, kv_len = decode_mask(step.start, self.dense_k.shape[3], self.device)
-            seen = int(step.start.sum()) + len(rows)
-            self.usage.add(layer, seen, seen, len(rows))
+            self.usage.add(layer, step.tokens_seen, step.tokens_seen, len(rows))
             with self.rows_of(rows, self.dense_k[layer], self.dense_v[layer],
                               where=f"infinigen decode rows, layer {layer}") as (k, v):
                 return fused_attention(query, k[:, :, :kv_len], v[:, :, :kv_len], visible, self.scale)
@@ -184,7 +180,7 @@ class InfiniGenPolicy(BudgetedPolicy):
             mask = torch.cat([visible, visible.new_ones(*visible.shape[:2], 1)], dim=2)
             out, _ = matrix_attention(query, k_all, v_all, mask[:, :, None, None, :], self.scale)
         self.ledger.add("device", "kv", -(k_sel.nbytes + v_sel.nbytes))  # the fetched entries are dropped now
-        self.usage.add(layer, attended + len(rows), int(step.start.sum()) + len(rows), len(rows))
+        self.usage.add(layer, attended + len(rows), step.tokens_seen, len(rows))
         if self.measure_coverage:
             self._record_coverage(layer, query, key, step, self.selections.pop(layer))
         return out

@@ -89,7 +89,6 @@ class PagedPolicy(KVPolicy):
         self.table = self.table.to(self.device)
         if step.phase == "decode":  # each row sees its own length of the padded gather
             self.visible, self.kv_len = decode_mask(step.start, width * bs, self.device)
-            self.seen = int(step.start.sum()) + len(step.rows)
         self.peak_blocks = max(self.peak_blocks, self.pool.used)
 
     def release(self, row):
@@ -123,7 +122,7 @@ class PagedPolicy(KVPolicy):
                 return prefill_attention(query, k[:, :, :n], v[:, :, :n], int(step.start[0]), step.prefill_mode,
                                          self.scale, self.ledger, layer)
             n = self.kv_len
-            self.usage.add(layer, self.seen, self.seen, b)
+            self.usage.add(layer, step.tokens_seen, step.tokens_seen, b)
             return fused_attention(query, k[:, :, :n], v[:, :, :n], self.visible, self.scale)
 
     def after_pass(self, step: Step):
