@@ -11,9 +11,11 @@ from dataclasses import dataclass
 import torch
 
 from kvlib.attention import decode_mask, fused_attention, prefill_attention
+from kvlib.policies.registry import register
 from kvlib.policies.base import KVPolicy, Step
 
 
+@register
 @dataclass
 class FullPolicy(KVPolicy):
     name = "full"

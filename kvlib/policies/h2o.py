@@ -26,12 +26,14 @@ import torch
 
 from kvlib.attention import causal_mask, matrix_attention, matrix_bytes
 from kvlib.errors import UserError
+from kvlib.policies.registry import register
 from kvlib.policies.base import BudgetedPolicy, Step
 
 CHUNK_SCORING = ("accumulate", "per_chunk")
 BUDGET_RULES = ("seen", "flexgen")
 
 
+@register
 @dataclass
 class HeavyHitterPolicy(BudgetedPolicy):
     name = "h2o"

@@ -18,9 +18,11 @@ import torch
 from kvlib.attention import decode_mask, fused_attention, prefill_attention
 from kvlib.block_pool import BlockPool, BlockTable
 from kvlib.errors import UserError
+from kvlib.policies.registry import register
 from kvlib.policies.base import KVPolicy, Step
 
 
+@register
 @dataclass
 class PagedPolicy(KVPolicy):
     name = "paged"
