@@ -26,8 +26,8 @@ import torch
 
 from kvlib.attention import causal_mask, matrix_attention, matrix_bytes
 from kvlib.errors import UserError
-from kvlib.policies.registry import register
 from kvlib.policies.base import BudgetedPolicy, Step
+from kvlib.policies.registry import register
 
 CHUNK_SCORING = ("accumulate", "per_chunk")
 BUDGET_RULES = ("seen", "flexgen")

@@ -31,8 +31,8 @@ import torch
 
 from kvlib.attention import decode_mask, fused_attention, matrix_attention, prefill_attention
 from kvlib.errors import UserError
-from kvlib.policies.registry import register
 from kvlib.policies.base import BudgetedPolicy, Step
+from kvlib.policies.registry import register
 from kvlib.skewing import load_or_compute_skew
 from kvlib.workloads import prompt_of_length
 

@@ -18,8 +18,8 @@ import torch
 from kvlib.attention import decode_mask, fused_attention, prefill_attention
 from kvlib.block_pool import BlockPool, BlockTable
 from kvlib.errors import UserError
-from kvlib.policies.registry import register
 from kvlib.policies.base import KVPolicy, Step
+from kvlib.policies.registry import register
 
 
 @register
