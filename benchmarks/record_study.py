@@ -13,7 +13,7 @@ import argparse
 import json
 from pathlib import Path
 
-from kvlib import study
+from kvlib import results
 
 MEASURED = ["repeat", "ttft_s", "decode_tokens_per_s", "decode_tokens_per_s_q1", "decode_tokens_per_s_q3",
             "decode_step_s_mean", "device_peak_bytes", "device_kv_bytes", "host_peak_bytes", "oom",
@@ -28,19 +28,19 @@ KEEP = {
 def record(profile: str) -> dict:
     out: dict = {}
     for experiment, columns in KEEP.items():
-        df = study.load_results(profile, experiment)
+        df = results.load(profile, experiment)
         if df.empty:
             continue
         out["run"] = {k: df[k].iloc[0] for k in ("device_name", "torch_version", "transformers_version", "git_sha")}
         cols = [c for c in columns if c in df.columns]
         df = df[cols].sort_values(cols[:3 if experiment == "ttft" else 2])
         out[experiment] = json.loads(df.to_json(orient="records", double_precision=6))
-    accuracy = study.load_results(profile, "accuracy")
+    accuracy = results.load(profile, "accuracy")
     if not accuracy.empty:
-        from kvlib.findings import accuracy_table
+        from kvlib.tables import accuracy_table
 
         out["accuracy"] = json.loads(accuracy_table(accuracy).to_json(orient="records", double_precision=6))
-    retention = study.load_results(profile, "retention")
+    retention = results.load(profile, "retention")
     if not retention.empty:
         table = retention.groupby(["policy", "bucket", "turn"])["correct"].mean().reset_index()
         out["retention"] = json.loads(table.to_json(orient="records", double_precision=6))

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
 from pathlib import Path
 
 from kvlib.errors import UserError
+from kvlib.settings import capacity_bytes
 
 
 def _setting_value(text: str):
@@ -70,13 +70,15 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--device", default=None)
     sub.add_parser("policies", help="list the registered policies and their settings")
     study = sub.add_parser("study", help="run a profile's experiments (resumable) and execute the notebooks")
-    study.add_argument("--profile", default="embedded", help="params/<profile>.yaml")
+    study.add_argument("--profile", default="embedded",
+                       help="a profile's name (params/<name>.yaml) or a path to your own YAML file (its results go "
+                            "to results/<file name without .yaml>/)")
     study.add_argument("--experiments", nargs="+", default=None, help="a subset of the profile's experiments")
     study.add_argument("--force", action="store_true", help="recompute points already in results/")
     study.add_argument("--build", action="store_true", help="then build the HTML book (book/_build/html)")
     study.add_argument("--policies", nargs="+", default=None,
                        help="only these policies / backends (e.g. every kvlib policy where vLLM is not installed); "
-                            "without --compute-only, a notebook then computes any point still missing")
+                            "the book then shows what is stored and says what is missing")
     study.add_argument("--compute-only", action="store_true",
                        help="store the results only, no notebooks (a GPU machine without the book's packages)")
     return parser
@@ -121,13 +123,7 @@ def settings_from_args(args) -> dict:
     return settings
 
 
-def policy_from_args(args):
-    from kvlib.policies import make_policy
-
-    return make_policy(args.policy, **settings_from_args(args))
-
-
-def run_backend(args, backend_class):
+def run_backend(args, backend):
     """`--policy vllm`: the same prompts through the real vLLM (its own scheduling and prefill)."""
     from transformers import AutoTokenizer
 
@@ -135,45 +131,33 @@ def run_backend(args, backend_class):
     from kvlib.models import model_config, resolve_model_path
     from kvlib.random_tokens import NoTextTokenizer
 
-    settings = settings_from_args(args)
-    unknown = sorted(set(settings) - {f.name for f in dataclasses.fields(backend_class)})
-    if unknown:
-        raise UserError(f"backend {args.policy!r} has no setting {unknown[0]!r}")
-
     random = args.weights == "random"
-    check_weights(args.model, args.weights)
+    check_weights(args.model, args.weights)  # before a tokenizer is looked for
     if random:
         tokenizer = NoTextTokenizer(args.model, model_config(args.model).vocab_size)
     else:
         tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.model))
     # random weights may emit an end-of-sequence id at any step: lengths stay fixed, as in kvlib's engine
-    return backend_class(**settings).generate(args.model, read_prompts(args, tokenizer), args.max_new_tokens,
-                                              stop_at_eos=not (args.ignore_eos or random),
-                                              device_capacity_bytes=capacity_from_args(args))
-
-
-def capacity_from_args(args) -> int | None:
-    if args.device_capacity_gb is None:
-        return None
-    if args.device_capacity_gb <= 0:
-        raise UserError(f"--device-capacity-gb must be positive, got {args.device_capacity_gb:g}")
-    return int(args.device_capacity_gb * 2**30)
+    return backend.generate(args.model, read_prompts(args, tokenizer), args.max_new_tokens,
+                            stop_at_eos=not (args.ignore_eos or random),
+                            device_capacity_bytes=capacity_bytes(args.device_capacity_gb, "--device-capacity-gb"),
+                            weights=args.weights)
 
 
 def cmd_run(args) -> int:
-    from kvlib.backends import BACKENDS
     from kvlib.engine import Engine
     from kvlib.models import load_model
+    from kvlib.runners import make_runner
 
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    capacity_from_args(args)  # a bad capacity fails before any model loads
-    if args.policy in BACKENDS:
-        return print_result(args, run_backend(args, BACKENDS[args.policy]))
-    policy = policy_from_args(args)  # validate settings before the model loads
+    capacity = capacity_bytes(args.device_capacity_gb, "--device-capacity-gb")  # before any model loads
+    runner = make_runner(args.policy, **settings_from_args(args))  # bad settings fail before the model loads, too
+    if runner.outside:
+        return print_result(args, run_backend(args, runner))
     model = load_model(args.model, device=args.device, weights=args.weights, num_layers=args.num_layers)
     prompts = read_prompts(args, model.tokenizer)
-    engine = Engine(model, policy, device_capacity_bytes=capacity_from_args(args))
+    engine = Engine(model, runner, device_capacity_bytes=capacity)
     if args.schedule == "continuous":
         from kvlib.scheduler import Sequence, run
 
@@ -204,10 +188,10 @@ def print_result(args, result) -> int:
 def cmd_eval(args) -> int:
     from kvlib.evaluation import KVLibLM
     from kvlib.evaluation.tasks import OFFLINE_TASKS, evaluate, write_offline_tasks
-    from kvlib.findings import accuracy_table
+    from kvlib.policies import make_policy
+    from kvlib.tables import accuracy_table
 
-    policy = policy_from_args(args)  # validate settings before the model loads
-    settings = policy.settings()
+    settings = make_policy(args.policy, **settings_from_args(args)).settings()  # bad settings fail before loading
     lm = KVLibLM(pretrained=args.model, policy=args.policy, batch_size=args.batch_size, device=args.device,
                  **settings)
     folder = args.include_path
@@ -223,13 +207,14 @@ def cmd_eval(args) -> int:
 
 
 def cmd_policies(args) -> int:
-    from kvlib.backends import BACKENDS, runner_settings
-    from kvlib.policies import available, policy_settings
+    from dataclasses import fields
 
-    for name in available():
-        print(f"{name}: {', '.join(policy_settings(name)) or '(no settings)'}")
-    for name in BACKENDS:
-        print(f"{name} (the real vLLM, an extra): {', '.join(runner_settings(name))}")
+    from kvlib.runners import runner_class, runners
+
+    for name in runners():
+        cls = runner_class(name)
+        what = f" (an outside engine: {cls.label})" if cls.outside else ""
+        print(f"{name}{what}: {', '.join(f.name for f in fields(cls)) or '(no settings)'}")
     return 0
 
 

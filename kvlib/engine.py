@@ -18,6 +18,7 @@ from kvlib.models import LoadedModel
 from kvlib.policies.base import PREFILL_MODES, KVPolicy, KVUsage, Step
 from kvlib.run_result import RunResult
 from kvlib.timing import Timers
+from kvlib.workloads import calibration_prompt
 
 
 def activation_bytes(model: LoadedModel, batch: int, q_len: int) -> int:
@@ -29,13 +30,18 @@ def activation_bytes(model: LoadedModel, batch: int, q_len: int) -> int:
 
 
 class Engine:
-    def __init__(self, model: LoadedModel, policy: KVPolicy, device_capacity_bytes: int | None = None):
+    def __init__(self, model: LoadedModel, policy: KVPolicy, device_capacity_bytes: int | None = None,
+                 calibration: list[int] | None = None):
+        """calibration: token ids a policy that calibrates offline (InfiniGen) learns from; the caller's choice
+        (kvlib.workloads.calibration_prompt when not given)."""
         if device_capacity_bytes is not None and device_capacity_bytes <= 0:
             raise UserError(f"the device capacity must be positive, got {device_capacity_bytes} bytes")
         self.model, self.policy = model, policy
         self.ledger = MemoryLedger(device_capacity_bytes)
         self.timers = Timers(model.device)
         policy.bind(model, self.ledger, self.timers)
+        if policy.calibrates:
+            policy.calibrate(calibration if calibration is not None else calibration_prompt(model))
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, step: Step) -> torch.Tensor:

@@ -6,14 +6,10 @@ Every sentence is computed from a results frame; nothing here states a number it
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
-import numpy as np
 import pandas as pd
 
-from kvlib.backends.vllm import VLLMBackend
-
-VLLM = VLLMBackend.label  # the rows of the real vLLM, the outside baseline, where a profile runs it
+from kvlib.tables import Spread, accuracy_table, decode_spread, outside_label, ratio, retention_table, ttft_spread
 
 TITLES = {"ttft": "Time to first token", "batch_scaling": "Batch scaling", "decode_length": "Decode length",
           "accuracy": "Accuracy across KV budgets", "retention": "Retention of an early fact"}
@@ -30,44 +26,6 @@ PAPER = {
     "retention": "the full cache retains the fact 94-96 % of the time, InfiniGen within 1-4 pp of it, H2O 17-27 pp "
                  "lower and worse with longer contexts.",
 }
-
-
-@dataclass
-class Spread:
-    """A measured figure: the median and the range it was seen in (over repeats, or over the steps of a run)."""
-
-    median: float
-    low: float
-    high: float
-    n: int = 1  # measurements the range comes from (repeats, or decode steps)
-
-    def overlaps(self, other: Spread) -> bool:
-        return self.low <= other.high and other.low <= self.high
-
-    def __format__(self, spec: str) -> str:
-        if f"{self.low:{spec}}" == f"{self.high:{spec}}":
-            return f"{self.median:{spec}}"
-        return f"{self.median:{spec}} ({self.low:{spec}}-{self.high:{spec}})"
-
-
-def ttft_spread(g: pd.DataFrame) -> Spread:
-    """TTFT over the repeats of a point (min to max)."""
-    return Spread(g["ttft_s"].median(), g["ttft_s"].min(), g["ttft_s"].max(), len(g))
-
-
-def decode_spread(g: pd.DataFrame) -> Spread:
-    """Decode throughput: the median over repeats; the range spans every repeat's interquartile range of per-step
-    throughput (and the repeats themselves)."""
-    tps = g["decode_tokens_per_s"]
-    q1, q3 = g.get("decode_tokens_per_s_q1"), g.get("decode_tokens_per_s_q3")
-    steps = q1 is not None and q1.notna().all()
-    low = min(tps.min(), q1.min()) if steps else tps.min()
-    high = max(tps.max(), q3.max()) if steps else tps.max()
-    return Spread(tps.median(), low, high, int(g["decode_steps"].sum()) if steps and "decode_steps" in g else len(g))
-
-
-def ratio(a: Spread, b: Spread) -> Spread:
-    return Spread(a.median / b.median, a.low / b.high, a.high / b.low, min(a.n, b.n))
 
 
 def compare(name_a: str, a: Spread, name_b: str, b: Spread, higher_is_better: bool, what: str) -> str:
@@ -110,23 +68,26 @@ def ttft(df: pd.DataFrame) -> list[str]:
             (p2, m2), second = ranked[1], at[ranked[1]]
             out.append(f"Ours: at {longest:,} tokens, " + compare(f"{policy}/{prefill}", best, f"{p2}/{m2}", second,
                                                                  False, "TTFT") + ".")
-        out += _ttft_vs_vllm(ok)
+        out += _ttft_vs_outside(ok, outside_label(df))
     return out + disturbed_note(df)
 
 
-def _ttft_vs_vllm(ok: pd.DataFrame) -> list[str]:
-    """The paper's vLLM has the lowest TTFT: ours against the best kvlib policy, at the longest prompt both ran."""
-    lengths = set(ok.loc[ok["policy"] == VLLM, "prompt_tokens"]) & set(ok.loc[ok["policy"] != VLLM, "prompt_tokens"])
+def _ttft_vs_outside(ok: pd.DataFrame, outside: str | None) -> list[str]:
+    """The paper's vLLM has the lowest TTFT: the outside engine's rows (ours: the real vLLM) against the best kvlib
+    policy, at the longest prompt both ran."""
+    if outside is None:
+        return []
+    lengths = set(ok.loc[ok["policy"] == outside, "prompt_tokens"]) & set(ok.loc[ok["policy"] != outside, "prompt_tokens"])
     if not lengths:
         return []
     at = {key: ttft_spread(g) for key, g in ok[ok["prompt_tokens"] == max(lengths)].groupby(["policy", "prefill"])}
-    theirs = min((v for (p, _), v in at.items() if p == VLLM), key=lambda v: v.median)
-    ours = {k: v for k, v in at.items() if k[0] != VLLM}
+    theirs = min((v for (p, _), v in at.items() if p == outside), key=lambda v: v.median)
+    ours = {k: v for k, v in at.items() if k[0] != outside}
     (policy, prefill) = min(ours, key=lambda k: ours[k].median)
     best = ours[(policy, prefill)]
-    return [(f"Ours: at {max(lengths):,} tokens {VLLM} takes {theirs:.2f} s to the first token; the fastest kvlib "
+    return [(f"Ours: at {max(lengths):,} tokens {outside} takes {theirs:.2f} s to the first token; the fastest kvlib "
              f"policy, {policy}/{prefill}, {best:.2f} s ({ratio(best, theirs):.2f}x vLLM's); "
-             + compare(f"{policy}/{prefill}", best, VLLM, theirs, False, "TTFT") + ".")]
+             + compare(f"{policy}/{prefill}", best, outside, theirs, False, "TTFT") + ".")]
 
 
 def batch_scaling(df: pd.DataFrame) -> list[str]:
@@ -137,6 +98,7 @@ def batch_scaling(df: pd.DataFrame) -> list[str]:
     d = df[~df["oom"]].copy()
     if d.empty:
         return out + ["Ours: no batch completed."]
+    outside = outside_label(df)
     biggest = d["batch_size"].max()
     big = d[d["batch_size"] == biggest]
     tps = {policy: decode_spread(g) for policy, g in big.groupby("policy")}
@@ -153,12 +115,12 @@ def batch_scaling(df: pd.DataFrame) -> list[str]:
         out.append(f"Ours: {policy} at batch {biggest}: {tps[policy]:.1f} tok/s, device peak "
                    f"{device[policy] / 2**30:.2f} GiB, {per_gib[policy].median:.1f} tok/s per GiB, "
                    f"host peak {host[policy] / 2**30:.2f} GiB.")
-    if VLLM in tps and "paged" in tps:
-        out.append(f"Ours: kvlib's paged policy decodes at {ratio(tps['paged'], tps[VLLM]):.2f}x the real vLLM's "
+    if outside and outside in tps and "paged" in tps:
+        out.append(f"Ours: kvlib's paged policy decodes at {ratio(tps['paged'], tps[outside]):.2f}x {outside}'s "
                    f"throughput at batch {biggest} (how far kvlib's engine is from a production one); "
-                   + compare("paged", tps["paged"], VLLM, tps[VLLM], True, "decode throughput") + ".")
+                   + compare("paged", tps["paged"], outside, tps[outside], True, "decode throughput") + ".")
     # against the full cache, and against the real vLLM (the paper's H2O: ~3x vLLM's throughput per GB); each pair once
-    references = [r for r in ("full", VLLM) if r in tps]
+    references = [r for r in ("full", outside) if r and r in tps]
     for i, reference in enumerate(references):
         for policy in [p for p in ranked if p not in references[:i + 1]]:
             speed = ratio(tps[policy], tps[reference])
@@ -166,10 +128,10 @@ def batch_scaling(df: pd.DataFrame) -> list[str]:
                        f"{ratio(per_gib[policy], per_gib[reference]):.2f}x throughput per GiB of device memory"
                        + ("; the throughputs are within noise" if tps[policy].overlaps(tps[reference])
                           and min(tps[policy].n, tps[reference].n) > 1 else "") + ".")
-    if VLLM in tps and "device_kv_reserved_peak_bytes" in d:
-        pool = big[big["policy"] == VLLM].iloc[0]
+    if outside and outside in tps and "device_kv_reserved_peak_bytes" in d:
+        pool = big[big["policy"] == outside].iloc[0]
         held = pool["device_kv_reserved_peak_bytes"] + pool["device_kv_peak_bytes"]
-        out.append(f"Ours: {VLLM} preallocates its KV pool ({held / 2**30:.2f} GiB) and used "
+        out.append(f"Ours: {outside} preallocates its KV pool ({held / 2**30:.2f} GiB) and used "
                    f"{pool['device_kv_peak_bytes'] / 2**30:.2f} GiB of it at batch {biggest}: its device peak, and so "
                    f"its throughput per GiB, counts the whole pool.")
     return out + disturbed_note(df)
@@ -185,43 +147,6 @@ def decode_length(df: pd.DataFrame) -> list[str]:
         change = f"{b.median / a.median - 1:+.0%}" + (", within noise" if a.overlaps(b) and min(a.n, b.n) > 1 else "")
         out.append(f"Ours: {policy}: {a:.1f} tok/s at {first} output tokens, {b:.1f} at {last} ({change}).")
     return out + disturbed_note(df)
-
-
-def wilson(correct: float, n: int, z: float = 1.96) -> tuple[float, float]:
-    """95 % Wilson interval of a share of n binary outcomes (honest for small n: 12 recall items, one is 8 pp)."""
-    if n == 0:
-        return (math.nan, math.nan)
-    p = correct / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return max(centre - half, 0.0), min(centre + half, 1.0)
-
-
-def _perplexity_interval(g: pd.DataFrame, draws: int = 1000, seed: int = 0) -> tuple[float, float]:
-    """95 % bootstrap interval of word perplexity, resampling the documents."""
-    rng = np.random.default_rng(seed)
-    loglik, words = g["loglik"].to_numpy(), g["words"].to_numpy()
-    picks = rng.integers(0, len(g), size=(draws, len(g)))
-    values = np.exp(-loglik[picks].sum(axis=1) / words[picks].sum(axis=1))
-    return float(np.quantile(values, 0.025)), float(np.quantile(values, 0.975))
-
-
-def accuracy_table(df: pd.DataFrame) -> pd.DataFrame:
-    """One score per (task, policy, budget) with its 95 % interval: accuracy (Wilson) for multiple-choice tasks, word
-    perplexity (bootstrap over documents) for rolling ones; and the KV share the policy actually attended while
-    scoring. The full cache has no budget: it is listed at budget 1.0."""
-    d = df.assign(budget=df["budget"].fillna(1.0) if "budget" in df else 1.0)
-    rows = []
-    for (task, policy, budget), g in d.groupby(["task", "policy", "budget"]):
-        attended = g["kv_share_attended"].median() if "kv_share_attended" in g else math.nan
-        if "correct" in g and g["correct"].notna().any():
-            low, high = wilson(g["correct"].sum(), len(g))
-            rows.append((task, policy, budget, attended, "accuracy", g["correct"].mean(), low, high, len(g)))
-        else:
-            score = math.exp(-g["loglik"].sum() / g["words"].sum())
-            rows.append((task, policy, budget, attended, "word perplexity", score, *_perplexity_interval(g), len(g)))
-    return pd.DataFrame(rows, columns=["task", "policy", "budget", "kv_share_attended", "metric", "score", "low",
-                                       "high", "items"])
 
 
 def accuracy(df: pd.DataFrame) -> list[str]:
@@ -262,16 +187,6 @@ def _who_loses_more(scores: pd.DataFrame) -> str | None:
     h2o_worse = (h2o["score"] < ig["score"]) == higher_is_better
     more = "H2O loses more than InfiniGen" if h2o_worse else "InfiniGen loses more than H2O"
     return f"{more} (95 % intervals do not overlap; paper: H2O loses more)"
-
-
-def retention_table(df: pd.DataFrame) -> pd.DataFrame:
-    """Share of questions answered correctly per policy with its 95 % Wilson interval and the KV share attended."""
-    rows = []
-    for policy, g in df.groupby("policy"):
-        attended = g["kv_share_attended"].median() if "kv_share_attended" in g else math.nan
-        rows.append((policy, g["correct"].mean(), *wilson(g["correct"].sum(), len(g)), len(g), attended))
-    return pd.DataFrame(rows, columns=["policy", "score", "low", "high", "items", "kv_share_attended"]).assign(
-        metric="accuracy").set_index("policy")
 
 
 def retention(df: pd.DataFrame) -> list[str]:

@@ -87,8 +87,8 @@ def batch_scaling(df: pd.DataFrame):
 
 def throughput(d: pd.DataFrame, by: str, ax) -> None:
     """Decode throughput vs `by`, one line per policy: the median over repeats, error bars spanning the repeats and
-    each repeat's interquartile range of per-step throughput (kvlib.findings.decode_spread, as the findings read it)."""
-    from kvlib.findings import decode_spread
+    each repeat's interquartile range of per-step throughput (kvlib.tables.decode_spread, as the findings read it)."""
+    from kvlib.tables import decode_spread
 
     palette = _palette(d["policy"])
     for policy, g in d.groupby("policy"):

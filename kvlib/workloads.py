@@ -94,3 +94,12 @@ def mixed_length_prompts(tokenizer, batch: int, min_tokens: int, max_tokens: int
     if batch > 1:  # always span the range, so "mixed" means mixed even for small batches
         lengths[0], lengths[-1] = min_tokens, max_tokens
     return [prompt_of_length(tokenizer, n, offset=rng.randrange(10**9), source=source) for n in lengths]
+
+
+CALIBRATION_TOKENS = 2048
+
+
+def calibration_prompt(loaded, source: dict | None = None) -> list[int]:
+    """Text for a policy's offline calibration (InfiniGen's skewing takes its first `calibration_tokens`): the start
+    of the given source, the CPython docs by default, cut to the model's context."""
+    return prompt_of_length(loaded.tokenizer, min(CALIBRATION_TOKENS, loaded.spec.max_context), source=source)

@@ -15,6 +15,7 @@ from kvlib.engine import Engine
 from kvlib.errors import UserError
 from kvlib.models import ModelSpec, load_model
 from kvlib.policies import available, make_policy
+from kvlib.profile import Point
 from kvlib.random_tokens import NoTextTokenizer, random_token_ids
 from kvlib.random_weights import build_random_model
 from kvlib.workloads import mixed_length_prompts, prompt_of_length
@@ -150,10 +151,10 @@ def test_named_architectures_have_no_trained_weights_here():
 def test_accuracy_and_retention_refuse_random_weights(experiment):
     import importlib
 
-    from kvlib.study import validate_profile
+    from kvlib.profile import validate_profile
 
-    point = {"experiment": experiment, "model": "llama-3.1-8b", "policy": "full", "policy_settings": {},
-             "weights": "random", "task": "kvlib_recall", "query_turns": [2], "buckets": [[8, 16]], "per_bucket": 1}
+    point = Point(experiment, "full", {}, {"task": "kvlib_recall", "query_turns": [2], "buckets": [[8, 16]],
+                                           "per_bucket": 1}, "llama-3.1-8b", weights="random")
     with pytest.raises(UserError, match=f"experiment '{experiment}' .* random weights"):
         importlib.import_module(f"kvlib.experiments.{experiment}").run_point(point)
     raw = {"model": "llama-3.1-8b", "weights": "random", "experiments": {experiment: {"policies": ["full"]}}}
@@ -170,10 +171,10 @@ def test_paper_shapes_profile_runs_the_systems_grids_with_random_weights():
     assert sorted(profile.experiments) == ["batch_scaling", "decode_length", "ttft"]
     for experiment in profile.experiments:
         points = profile.points(experiment)
-        assert all(p["weights"] == "random" and "text_source" not in p for p in points)
-        assert {p["policy"] for p in points} == set(available()) | {"vllm"}
+        assert all(p.weights == "random" and "text_source" not in p.values for p in points)
+        assert {p.runner for p in points} == set(available()) | {"vllm"}
         assert profile.experiments[experiment]["grid"] == paper.experiments[experiment]["grid"]
-    assert "weights" not in paper.points("ttft")[0]  # other profiles' points (and their hashes) are unchanged
+    assert paper.points("ttft")[0].weights == "pretrained"
 
 
 def test_result_rows_say_what_random_weights_are_for():
@@ -211,13 +212,13 @@ def test_a_systems_point_runs_end_to_end_with_random_weights(monkeypatch):
     monkeypatch.setattr(common, "load_model", one_layer)
     common.model.cache_clear()
     try:
-        base = {"model": "llama-3.1-8b", "policy": "full", "policy_settings": {}, "device": "cpu",
-                "device_capacity_gb": None, "weights": "random"}
-        [row] = ttft.run_point({**base, "experiment": "ttft", "prompt_tokens": 24, "prefill": "full"})
+        def point(experiment, **values):
+            return Point(experiment, "full", {}, values, "llama-3.1-8b", weights="random", device="cpu")
+
+        [row] = ttft.run_point(point("ttft", prompt_tokens=24, prefill="full"))
         assert row["completed"] and row["caveat"] == "random weights: systems figures only"
         assert row["device_kv_bytes"] == 24 * 1 * 8 * 128 * 2 * 2
-        [row] = decode_length.run_point({**base, "experiment": "decode_length", "prompt_tokens": 16,
-                                         "output_tokens": 5})
+        [row] = decode_length.run_point(point("decode_length", prompt_tokens=16, output_tokens=5))
         assert row["decode_tokens"] == 4  # no end of sequence: the asked length
     finally:
         common.model.cache_clear()

@@ -3,7 +3,7 @@
 import pandas as pd
 import pytest
 
-from kvlib import findings
+from kvlib import findings, tables
 
 
 def ttft_rows(policy, values, prompt_tokens=512):
@@ -30,7 +30,7 @@ def test_decode_throughput_spread_comes_from_the_steps():
 
 @pytest.mark.parametrize("correct, n, low, high", [(12, 12, 0.757, 1.0), (6, 12, 0.254, 0.746), (0, 36, 0.0, 0.096)])
 def test_wilson_interval(correct, n, low, high):
-    assert findings.wilson(correct, n) == pytest.approx((low, high), abs=1e-3)
+    assert tables.wilson(correct, n) == pytest.approx((low, high), abs=1e-3)
 
 
 def test_one_recall_item_is_within_noise():

@@ -6,7 +6,7 @@ import torch
 from kvlib.engine import Engine
 from kvlib.errors import UserError
 from kvlib.policies import make_policy
-from kvlib.skewing import capture_qk, compute_skew
+from kvlib.policies.infinigen_skew import capture_qk, compute_skew
 
 
 @pytest.mark.model

@@ -1,10 +1,11 @@
-"""The study runner: profile validation, grid expansion, stable point hashes, resuming an interrupted run."""
+"""The study runner: profile validation, grid expansion into typed points, stable keys, resuming an interrupted
+run, the manifest readers load, and the notebook's loader."""
 
 import pandas as pd
 import pytest
 import yaml
 
-from kvlib import study
+from kvlib import executor, results, study
 from kvlib.errors import UserError
 from kvlib.experiments import ttft
 
@@ -18,6 +19,11 @@ def root(tmp_path, monkeypatch):
 
 def write_profile(root, name, body):
     (root / "params" / f"{name}.yaml").write_text(yaml.safe_dump(body))
+
+
+def run_experiment(name, experiment="ttft", **kwargs) -> pd.DataFrame:
+    executor.run_experiment(study.load_profile(name), experiment, progress=False, **kwargs)
+    return results.load(name, experiment)
 
 
 PROFILE = {"model": "smollm2-135m", "device_capacity_gb": None, "policy_settings": {"h2o": {"budget": 0.3}},
@@ -35,7 +41,10 @@ def test_the_shipped_profiles_are_valid():
 @pytest.mark.parametrize("change, message", [
     ({"colour": "red"}, "unknown key 'colour'"),
     ({"experiments": {"ttfx": {}}}, "unknown experiment 'ttfx'"),
-    ({"experiments": {"ttft": {"policies": ["nope"]}}}, "unknown policy 'nope'"),
+    ({"experiments": {"ttft": {"policies": ["nope"]}}}, "policies: unknown key 'nope'"),
+    ({"policy_settings": {"h2o": {"budget": 2}}}, "policy_settings.h2o: budget must be in"),
+    ({"experiments": {"accuracy": {"policies": ["h2o"], "grid": {"budget": [0.1, 1.5]}}}},
+     "experiments.accuracy: budget must be in"),
     ({"policy_settings": {"h2o": {"budjet": 0.3}}}, "unknown key 'budjet'"),
     ({"experiments": {"ttft": {"grid": {"prompt_tokens": []}}}}, "non-empty list"),
     ({"device_capacity_gb": -1}, "device_capacity_gb"),
@@ -49,17 +58,35 @@ def test_invalid_profiles_get_one_clear_error(root, change, message):
 def test_unknown_profile(root):
     with pytest.raises(UserError, match="unknown profile 'nope'"):
         study.load_profile("nope")
+    with pytest.raises(UserError, match="profile file 'elsewhere/mine.yaml' does not exist"):
+        study.load_profile("elsewhere/mine.yaml")
+
+
+def test_a_profile_given_as_a_path_to_a_users_own_file(root, tmp_path, monkeypatch):
+    from kvlib import cli
+
+    mine = tmp_path / "elsewhere" / "mine.yaml"
+    mine.parent.mkdir()
+    mine.write_text(yaml.safe_dump({**PROFILE, "experiments": {"ttft": {**PROFILE["experiments"]["ttft"],
+                                                                          "policies": ["full"]}}}))
+    profile = study.load_profile(str(mine))
+    assert profile.name == "mine" and len(profile.points("ttft")) == 4
+    monkeypatch.setattr(ttft, "run_point", lambda point: [{"ttft_s": 0.1, "oom": False}])
+    assert cli.main(["study", "--profile", str(mine), "--compute-only"]) == 0
+    assert len(results.load("mine", "ttft")) == 4
 
 
 def test_grid_expansion_skips_what_a_policy_cannot_run_and_hashes_are_stable(root):
     write_profile(root, "p", PROFILE)
     points = study.load_profile("p").points("ttft")
     assert len(points) == 2 * 2 + 2  # full: 2 lengths x 2 modes; h2o: no fused prefill
-    assert {p["policy"] for p in points if p["prefill"] == "fused"} == {"full"}
-    assert all(p["policy_settings"] == {"budget": 0.3} for p in points if p["policy"] == "h2o")
+    assert {p.runner for p in points if p.values["prefill"] == "fused"} == {"full"}
+    h2o = [p for p in points if p.runner == "h2o"]
+    assert all(p.settings["budget"] == 0.3 and p.settings["budget_rule"] == "seen" for p in h2o)  # all resolved
+    assert all(p.settings == {} for p in points if p.runner == "full")
     again = study.load_profile("p").points("ttft")
-    assert [study.point_hash(p) for p in points] == [study.point_hash(p) for p in again]
-    assert len({study.point_hash(p) for p in points}) == len(points)
+    assert [p.key for p in points] == [p.key for p in again]
+    assert len({p.key for p in points}) == len(points)
 
 
 def test_an_interrupted_run_resumes_without_recomputing(root, monkeypatch):
@@ -74,20 +101,54 @@ def test_an_interrupted_run_resumes_without_recomputing(root, monkeypatch):
 
     monkeypatch.setattr(ttft, "run_point", run_point)
     with pytest.raises(KeyboardInterrupt):
-        study.run_experiment("p", "ttft", progress=False)
+        run_experiment("p")
     out = root / "results" / "p" / "ttft"
     assert len(list(out.glob("*.parquet"))) == 3 and not list(out.glob(".*tmp"))
-    done = [study.point_hash(p) for p in calls]
+    assert len(results.missing_units("p", "ttft")) == 3
+    done = [p.key for p in calls]
     calls.clear()
     monkeypatch.setattr(ttft, "run_point", lambda point: calls.append(point) or [{"ttft_s": 0.2, "oom": False}])
-    frame = study.run_experiment("p", "ttft", progress=False)
-    assert len(calls) == 3 and not {study.point_hash(p) for p in calls} & set(done)
+    frame = run_experiment("p")
+    assert len(calls) == 3 and not {p.key for p in calls} & set(done)
     assert len(frame) == 6 and set(frame["point_hash"]) >= set(done)
     assert frame.loc[frame["point_hash"].isin(done), "ttft_s"].eq(0.1).all()  # earlier rows kept, not redone
     assert {"git_sha", "torch_version", "profile", "device_name"} <= set(frame.columns)
     calls.clear()
-    study.run_experiment("p", "ttft", force=True, progress=False)
+    run_experiment("p", force=True)
     assert len(calls) == 6
+
+
+def test_readers_load_the_grid_of_the_profile_as_it_is_now(root, monkeypatch):
+    """A point dropped from the profile stays on disk but leaves the book: the manifest names the current grid."""
+    write_profile(root, "p", PROFILE)
+    monkeypatch.setattr(ttft, "run_point", lambda point: [{"ttft_s": 0.1, "oom": False}])
+    assert len(run_experiment("p")) == 6
+    write_profile(root, "p", {**PROFILE, "experiments": {"ttft": {**PROFILE["experiments"]["ttft"],
+                                                                   "policies": ["full"]}}})
+    frame = run_experiment("p")
+    assert len(frame) == 4 and set(frame["policy"]) == {"full"}
+    assert len(list((root / "results" / "p" / "ttft").glob("*.parquet"))) == 6
+
+
+def test_a_notebook_computes_what_is_missing_or_says_which_command_will(root, monkeypatch, capsys):
+    write_profile(root, "p", PROFILE)
+    monkeypatch.setattr(ttft, "run_point", lambda point: [{"ttft_s": 0.1, "oom": False}])
+    assert study.load("p", "ttft", compute_missing=False).empty
+    assert "kvlib study --profile p --experiments ttft --compute-only" in capsys.readouterr().out
+    assert len(study.load("p", "ttft")) == 6  # opened interactively: computed through the same executor
+    assert "computing them now" in capsys.readouterr().out
+    assert len(study.load("p", "ttft", compute_missing=False)) == 6 and capsys.readouterr().out == ""
+
+
+def test_a_budget_set_in_policy_settings_is_a_column_the_tables_read(root, monkeypatch):
+    from kvlib.experiments import accuracy
+    from kvlib.tables import accuracy_table
+
+    write_profile(root, "p", {**PROFILE, "experiments": {"accuracy": {"policies": ["full", "h2o"],
+                                                                       "grid": {"task": ["a"]}}}})
+    monkeypatch.setattr(accuracy, "run_point", lambda point: [{"task": "a", "correct": 1.0}])
+    table = accuracy_table(run_experiment("p", "accuracy"))
+    assert dict(zip(table["policy"], table["budget"])) == {"full": 1.0, "h2o": 0.3}
 
 
 @pytest.mark.model
@@ -95,7 +156,7 @@ def test_a_real_smoke_point_is_a_tidy_row(root):
     write_profile(root, "p", {**PROFILE, "experiments": {"ttft": {**PROFILE["experiments"]["ttft"],
                                                                    "grid": {"prompt_tokens": [16],
                                                                             "prefill": ["full"]}}}})
-    frame = study.run_experiment("p", "ttft", progress=False)
+    frame = run_experiment("p")
     assert isinstance(frame, pd.DataFrame) and len(frame) == 2
     assert (frame["device_kv_bytes"] > 0).all() and (~frame["oom"]).all()
 
@@ -104,11 +165,10 @@ def test_an_axis_named_after_a_policy_setting_varies_only_policies_that_have_it(
     write_profile(root, "p", {**PROFILE, "experiments": {"accuracy": {
         "policies": ["full", "h2o"], "grid": {"task": ["a", "b"], "budget": [0.1, 0.5]}}}})
     points = study.load_profile("p").points("accuracy")
-    assert sorted((p["policy"], p.get("budget"), p["task"]) for p in points) == [
+    assert sorted((p.runner, p.settings.get("budget"), p.values["task"]) for p in points) == [
         ("full", None, "a"), ("full", None, "b"),
-        ("h2o", 0.1, "a"), ("h2o", 0.1, "b"), ("h2o", 0.5, "a"), ("h2o", 0.5, "b")]
-    from kvlib.experiments.common import settings_of
-    assert settings_of(next(p for p in points if p.get("budget") == 0.5)) == {"budget": 0.5}  # the axis wins
+        ("h2o", 0.1, "a"), ("h2o", 0.1, "b"), ("h2o", 0.5, "a"), ("h2o", 0.5, "b")]  # the axis wins over 0.3
+    assert all("budget" not in p.values for p in points)
 
 
 def test_compute_only_runs_the_named_policies_and_no_notebook(root, monkeypatch):
@@ -118,8 +178,8 @@ def test_compute_only_runs_the_named_policies_and_no_notebook(root, monkeypatch)
     write_profile(root, "p", {**PROFILE, "experiments": {"ttft": {**PROFILE["experiments"]["ttft"],
                                                                    "policies": ["all", "vllm"]}}})
     calls = []
-    monkeypatch.setattr(ttft, "run_point", lambda point: calls.append(point["policy"]) or [{"ttft_s": 0.1}])
-    monkeypatch.setattr(study, "_execute", lambda *args: pytest.fail("no notebook runs with --compute-only"))
+    monkeypatch.setattr(ttft, "run_point", lambda point: calls.append(point.runner) or [{"ttft_s": 0.1}])
+    monkeypatch.setattr(study.book, "execute", lambda *args: pytest.fail("no notebook runs with --compute-only"))
     assert cli.main(["study", "--profile", "p", "--compute-only", "--policies", "full", "h2o"]) == 0
     assert sorted(set(calls)) == ["full", "h2o"] and len(calls) == 6  # 2 lengths x (full: full, fused; h2o: full)
     assert len(list((root / "results" / "p" / "ttft").glob("*.parquet"))) == 6
@@ -129,8 +189,8 @@ def test_compute_only_runs_the_named_policies_and_no_notebook(root, monkeypatch)
 def test_repeats_run_interleaved_and_every_repeat_is_stored(root, monkeypatch):
     write_profile(root, "p", {**PROFILE, "experiments": {"ttft": {**PROFILE["experiments"]["ttft"], "repeats": 3}}})
     calls = []
-    monkeypatch.setattr(ttft, "run_point", lambda point: calls.append(study.point_hash(point)) or [{"ttft_s": 0.1}])
-    frame = study.run_experiment("p", "ttft", progress=False)
+    monkeypatch.setattr(ttft, "run_point", lambda point: calls.append(point.key) or [{"ttft_s": 0.1}])
+    frame = run_experiment("p")
     points = len(set(calls))
     assert len(calls) == 3 * points and calls[:points] == calls[points:2 * points]  # every point once, then again
     assert sorted(frame["repeat"].unique()) == [0, 1, 2] and len(frame) == 3 * points
@@ -154,13 +214,13 @@ def test_a_unit_measured_under_load_is_measured_again_then_flagged(root, monkeyp
         def __exit__(self, *exc):
             return False
 
-    monkeypatch.setattr(study, "measured_load", Probe)
+    monkeypatch.setattr(executor, "measured_load", Probe)
     calls = []
     monkeypatch.setattr(ttft, "run_point", lambda point: calls.append(1) or [{"ttft_s": 0.1}])
-    frame = study.run_experiment("p", "ttft", progress=False)
+    frame = run_experiment("p")
     assert len(calls) == 2 and frame["attempts"].tolist() == [2] and not frame["disturbed"].any()
     busy = iter([True, True])
-    frame = study.run_experiment("p", "ttft", progress=False, force=True)
+    frame = run_experiment("p", force=True)
     assert frame["attempts"].tolist() == [2] and frame["disturbed"].all()
 
 

@@ -5,7 +5,6 @@ import sys
 import pytest
 
 from kvlib import study
-from kvlib.backends import runner_settings
 from kvlib.backends.vllm import VLLMBackend
 from kvlib.engine import Engine
 from kvlib.errors import UserError
@@ -43,20 +42,21 @@ def test_params_name_vllm_next_to_all_kvlib_policies(tmp_path, monkeypatch):
         "model: smollm2-135m\npolicy_settings: {vllm: {block_size: 64}}\nexperiments:\n"
         "  ttft: {policies: [all, vllm], grid: {prompt_tokens: [32], prefill: [full, fused, chunked]}}\n")
     points = study.load_profile("p").points("ttft")
-    vllm = [p for p in points if p["policy"] == "vllm"]
-    assert [p["prefill"] for p in vllm] == ["chunked"]  # vLLM has one prefill of its own: measured once
-    assert vllm[0]["policy_settings"] == {"block_size": 64}
-    assert {"full", "paged", "h2o", "infinigen"} <= {p["policy"] for p in points}
-    assert runner_settings("vllm") == ["block_size", "prefix_caching", "enforce_eager"]
+    vllm = [p for p in points if p.runner == "vllm"]
+    assert [p.values["prefill"] for p in vllm] == ["chunked"]  # vLLM has one prefill of its own: measured once
+    assert vllm[0].settings == {"block_size": 64, "prefix_caching": True, "enforce_eager": True}
+    assert {"full", "paged", "h2o", "infinigen"} <= {p.runner for p in points}
+    assert vllm[0].columns()["policy"] == "vllm (real)" and vllm[0].columns()["outside"]
 
 
 def test_an_experiment_point_runs_vllm_with_the_profiles_settings_and_capacity(monkeypatch):
     from kvlib.experiments import common
 
-    point = next(p for p in study.load_profile("embedded").points("batch_scaling") if p["policy"] == "vllm")
+    point = next(p for p in study.load_profile("embedded").points("batch_scaling") if p.runner == "vllm")
     seen = {}
 
-    def generate(self, model, prompts, max_new_tokens, stop_at_eos=True, device_capacity_bytes=None):
+    def generate(self, model, prompts, max_new_tokens, stop_at_eos=True, device_capacity_bytes=None,
+                 weights="pretrained"):
         seen.update(backend=self, model=model, stop_at_eos=stop_at_eos, capacity=device_capacity_bytes)
         return "result"
 
@@ -105,18 +105,19 @@ def test_findings_compare_with_the_real_vllm_where_it_ran():
     from kvlib import findings
 
     gib = 2**30
-    rows = [("full", 10.0, 2.0, 0), ("h2o", 12.0, 1.0, 0), (findings.VLLM, 20.0, 4.0, 2.5)]
-    batch = pd.DataFrame([{"policy": p, "batch_size": 8, "oom": False, "decode_tokens_per_s": tps,
+    vllm = "vllm (real)"  # rows name themselves: the findings read `outside` to know which engine is the baseline
+    rows = [("full", 10.0, 2.0, 0), ("h2o", 12.0, 1.0, 0), (vllm, 20.0, 4.0, 2.5)]
+    batch = pd.DataFrame([{"policy": p, "outside": p == vllm, "batch_size": 8, "oom": False, "decode_tokens_per_s": tps,
                            "device_peak_bytes": dev * gib, "host_peak_bytes": 0, "device_kv_peak_bytes": 0.5 * gib,
                            "device_kv_reserved_peak_bytes": reserved * gib} for p, tps, dev, reserved in rows])
     lines = findings.batch_scaling(batch)
     assert "Ours: h2o vs vllm (real) at batch 8: 0.60x throughput, 2.40x throughput per GiB of device memory." in lines
     assert sum("full vs vllm (real)" in line or "vllm (real) vs full" in line for line in lines) == 1
     assert any("preallocates its KV pool (3.00 GiB) and used 0.50 GiB" in line for line in lines)
-    assert not any("vllm" in line for line in findings.batch_scaling(batch[batch["policy"] != findings.VLLM]))
+    assert not any("vllm" in line for line in findings.batch_scaling(batch[batch["policy"] != vllm]))
 
-    ttft = pd.DataFrame([{"policy": p, "prefill": m, "prompt_tokens": n, "ttft_s": t, "oom": False}
+    ttft = pd.DataFrame([{"policy": p, "outside": p == vllm, "prefill": m, "prompt_tokens": n, "ttft_s": t, "oom": False}
                          for p, m, n, t in [("full", "fused", 512, 0.5), ("paged", "fused", 512, 0.4),
-                                            (findings.VLLM, "chunked", 512, 0.2), ("full", "fused", 1024, 1.0)]])
+                                            (vllm, "chunked", 512, 0.2), ("full", "fused", 1024, 1.0)]])
     assert findings.ttft(ttft)[-1].startswith("Ours: at 512 tokens vllm (real) takes 0.20 s to the first token; the "
                                               "fastest kvlib policy, paged/fused, 0.40 s (2.00x vLLM's); ")

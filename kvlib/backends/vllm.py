@@ -62,6 +62,7 @@ class VLLMBackend:
 
     name: ClassVar[str] = "vllm"
     label: ClassVar[str] = "vllm (real)"
+    outside: ClassVar[bool] = True
     supported_prefill: ClassVar[tuple[str, ...]] = ("chunked",)  # vLLM V1 always schedules prefill in chunks
     preferred_prefill: ClassVar[str] = "chunked"
 
@@ -69,8 +70,12 @@ class VLLMBackend:
     prefix_caching: bool = True
     enforce_eager: bool = True  # without it, an ~8 minute compile before the first request on a CPU
 
+    def settings(self) -> dict:
+        return asdict(self)
+
     def generate(self, model: str, prompts: list[list[int]], max_new_tokens: int, stop_at_eos: bool = True,
-                 device_capacity_bytes: int | None = None) -> RunResult:
+                 device_capacity_bytes: int | None = None, weights: str = "pretrained") -> RunResult:
+        check_weights(model, weights)
         vllm = _import_vllm()
         kv_space = _kv_space(model, device_capacity_bytes)
         llm = _llm(model, self.block_size, self.prefix_caching, self.enforce_eager, kv_space)

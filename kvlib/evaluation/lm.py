@@ -25,14 +25,15 @@ from kvlib.policies import make_policy
 @register_model("kvlib")
 class KVLibLM(TemplateLM):
     def __init__(self, pretrained: str = "smollm2-135m", policy: str = "full", batch_size: int | str = 8,
-                 device: str | None = None, max_length: int | None = None, loaded=None, **policy_settings):
+                 device: str | None = None, max_length: int | None = None, loaded=None,
+                 calibration: list[int] | None = None, **policy_settings):
         super().__init__()
         kv_policy = make_policy(policy, **policy_settings)  # bad settings fail here, before the model is loaded
         self.loaded = loaded or load_model(pretrained, device=device)
         self.tokenizer = self.loaded.tokenizer
         self.batch_size = 8 if batch_size in (None, "auto") else int(str(batch_size).split(":")[0])
         self._max_length = max_length or self.loaded.spec.max_context
-        self.engine = Engine(self.loaded, kv_policy)
+        self.engine = Engine(self.loaded, kv_policy, calibration=calibration)
         self.tokens_attended = self.tokens_seen = 0  # by decode steps, over every request so far
 
     def _generate(self, prompts, max_new_tokens, **kwargs):

@@ -2,15 +2,16 @@
 
 from kvlib.evaluation import KVLibLM
 from kvlib.evaluation.tasks import evaluate, write_offline_tasks
-from kvlib.experiments.common import model_of, settings_of, weights_of
-from kvlib.random_weights import check_experiment
+from kvlib.experiments.common import model_of
+from kvlib.workloads import calibration_prompt
 
 
-def run_point(point: dict) -> list[dict]:
-    check_experiment("accuracy", weights_of(point))
+def run_point(point) -> list[dict]:
+    v = point.values
     loaded = model_of(point)
-    lm = KVLibLM(policy=point["policy"], loaded=loaded, batch_size=point.get("batch_size", 8), **settings_of(point))
-    offline = point.get("offline_tasks")
+    lm = KVLibLM(policy=point.runner, loaded=loaded, batch_size=v.get("batch_size", 8),
+                 calibration=calibration_prompt(loaded, v.get("calibration_source")), **point.settings)
+    offline = v.get("offline_tasks")
     folder = write_offline_tasks(loaded.tokenizer, **offline) if offline else None
-    rows = evaluate(lm, [point["task"]], include_path=folder, limit=point.get("limit"))
+    rows = evaluate(lm, [v["task"]], include_path=folder, limit=v.get("limit"))
     return [{**row, "kv_share_attended": lm.kv_share_attended} for row in rows]

@@ -4,13 +4,10 @@ from kvlib.experiments.common import model_of, result_row, run
 from kvlib.workloads import mixed_length_prompts
 
 
-def run_point(point: dict) -> list[dict]:
-    tokenizer = model_of(point).tokenizer
-    prompts = mixed_length_prompts(tokenizer, point["batch_size"], point["min_prompt_tokens"],
-                                   point["max_prompt_tokens"], seed=point.get("seed", 0),
-                                   source=point.get("text_source"))
-    result = run(point, prompts, point["max_new_tokens"], prefill=point.get("prefill"),
-                 chunk_size=point.get("chunk_size", 512))
-    row = result_row(result, point)
+def run_point(point) -> list[dict]:
+    v = point.values
+    prompts = mixed_length_prompts(model_of(point).tokenizer, v["batch_size"], v["min_prompt_tokens"],
+                                   v["max_prompt_tokens"], seed=v.get("seed", 0), source=v.get("text_source"))
+    row = result_row(run(point, prompts, v["max_new_tokens"]), point)
     row["prompt_tokens_total"] = sum(map(len, prompts))
     return [row]

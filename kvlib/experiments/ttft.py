@@ -4,9 +4,7 @@ from kvlib.experiments.common import model_of, result_row, run
 from kvlib.workloads import prompt_of_length
 
 
-def run_point(point: dict) -> list[dict]:
-    tokenizer = model_of(point).tokenizer
-    prompt = prompt_of_length(tokenizer, point["prompt_tokens"], source=point.get("text_source"))
-    result = run(point, [prompt], max_new_tokens=point.get("max_new_tokens", 1), prefill=point["prefill"],
-                 chunk_size=point.get("chunk_size", 512))
-    return [result_row(result, point)]
+def run_point(point) -> list[dict]:
+    v = point.values
+    prompt = prompt_of_length(model_of(point).tokenizer, v["prompt_tokens"], source=v.get("text_source"))
+    return [result_row(run(point, [prompt], max_new_tokens=v.get("max_new_tokens", 1)), point)]

@@ -75,11 +75,19 @@ class KVPolicy:
     """Base class: settings are dataclass fields, so the CLI and params files can name them."""
 
     name: ClassVar[str] = ""
+    label: ClassVar[str] = ""  # how result rows name it: its name, unless a subclass says otherwise
+    outside: ClassVar[bool] = False  # a kvlib policy (kvlib.runners.Runner)
     supported_prefill: ClassVar[tuple[str, ...]] = PREFILL_MODES
     preferred_prefill: ClassVar[str] = "fused"  # what experiments use when they do not vary the prefill mode
+    calibrates: ClassVar[bool] = False  # learns something offline from a calibration text (calibrate())
     # attributes whose tensors live in the host tier (on a CPU both tiers are host memory; the census test and the
     # ledger need to know which is which)
     host_tensors: ClassVar[tuple[str, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "label" not in cls.__dict__:
+            cls.label = cls.name
 
     def bind(self, model: LoadedModel, ledger: MemoryLedger, timers: Timers) -> None:
         """Attach to a model before a run; called once per engine."""
@@ -87,6 +95,9 @@ class KVPolicy:
         self.device = model.device
         self.scale = self.spec.head_dim ** -0.5
         self.usage = KVUsage(self.spec.num_layers)
+
+    def calibrate(self, prompt: list[int]) -> None:
+        """After bind, for a policy that `calibrates`: learn from these token ids (the caller's text)."""
 
     @property
     def can_release(self) -> bool:

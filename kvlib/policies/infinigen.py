@@ -1,6 +1,6 @@
 """InfiniGen (Lee et al., OSDI 2024): the full KV cache in the host tier, the entries that matter fetched each step.
 
-Offline, kvlib.skewing finds per layer and KV head an orthogonal matrix A that packs the query-key product into few
+Offline, kvlib.policies.infinigen_skew finds per layer and KV head an orthogonal matrix A that packs the query-key product into few
 columns, and keeps `partial_ratio` of them. Every cached key also goes, skewed and cut to those columns, into a small
 partial key cache in the device tier. At decode, while layer i runs, its attention input and layer i+1's query
 projection (then RoPE, then A: Llama rotates after projecting, so A cannot be folded into the weights) give approximate
@@ -32,15 +32,15 @@ import torch
 from kvlib.attention import decode_mask, fused_attention, matrix_attention, prefill_attention
 from kvlib.errors import UserError
 from kvlib.policies.base import BudgetedPolicy, Step
+from kvlib.policies.infinigen_skew import load_or_compute_skew
 from kvlib.policies.registry import register
-from kvlib.skewing import load_or_compute_skew
-from kvlib.workloads import prompt_of_length
 
 
 @register
 @dataclass
 class InfiniGenPolicy(BudgetedPolicy):
     name = "infinigen"
+    calibrates = True
     host_tensors = ("host_k", "host_v")
 
     partial_ratio: float = 0.2  # share of each head's dimensions speculation uses (the official default)
@@ -68,8 +68,9 @@ class InfiniGenPolicy(BudgetedPolicy):
             raise UserError(f"policy 'infinigen' needs a model whose decoder layers have self_attn.q_proj "
                             f"(Llama-family attention); {type(model.model).__name__} does not")
         self.rope = sys.modules[type(self.attn_modules[0]).__module__].apply_rotary_pos_emb
-        calibration = prompt_of_length(model.tokenizer, min(self.calibration_tokens, model.spec.max_context))
-        skew = load_or_compute_skew(model, calibration, self.partial_ratio, self.skew)
+
+    def calibrate(self, prompt):
+        skew = load_or_compute_skew(self.model, prompt[:self.calibration_tokens], self.partial_ratio, self.skew)
         self.skew_matrices = skew.matrices.to(self.device)  # [L, Hkv, D, D]
         self.columns = skew.columns.to(self.device)  # [L, Hkv, r]
 

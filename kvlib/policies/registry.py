@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from kvlib.errors import UserError
+from kvlib.settings import construct
 
 REGISTRY: dict[str, type] = {}
 
@@ -28,8 +29,4 @@ def policy_settings(name: str) -> list[str]:
 def make_policy(name: str, **settings):
     if name not in REGISTRY:
         raise UserError(f"unknown policy {name!r}; available: {available()}")
-    allowed = policy_settings(name)
-    unknown = sorted(set(settings) - set(allowed))
-    if unknown:
-        raise UserError(f"policy {name!r} has no setting {unknown[0]!r}; its settings: {allowed}")
-    return REGISTRY[name](**settings)
+    return construct(REGISTRY[name], settings, "policy")

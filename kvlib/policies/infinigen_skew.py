@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlib.models import LoadedModel, cache_dir
+from kvlib.policies.base import KVPolicy, Step
 
 
 @dataclass
@@ -25,8 +26,9 @@ class Skew:
     columns: torch.Tensor  # [layers, Hkv, r]: the partial columns kept, in the skewed basis
 
 
-class _Capture:
-    """A stand-in policy for one plain forward pass: SDPA attention, recording post-RoPE queries and keys."""
+class QKRecorder(KVPolicy):
+    """A one-pass policy that caches nothing: causal attention over the pass's own keys, recording each layer's
+    post-RoPE queries and keys (not registered: no one runs it as a KV-cache policy)."""
 
     def __init__(self):
         self.queries, self.keys = {}, {}
@@ -35,15 +37,10 @@ class _Capture:
         self.queries[layer], self.keys[layer] = query[0], key[0]
         return torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, enable_gqa=True)
 
-    def after_pass(self, step):
-        pass
-
 
 @torch.inference_mode()
 def capture_qk(model: LoadedModel, prompt: list[int]) -> tuple[dict, dict]:
-    from kvlib.policies.base import Step
-
-    capture = _Capture()
+    capture = QKRecorder()
     step = Step(capture, torch.tensor([0]), torch.tensor([0]), len(prompt), "prefill")
     model.model.model(input_ids=torch.tensor([prompt], device=model.device), use_cache=False, kv_step=step,
                       position_ids=torch.arange(len(prompt), device=model.device)[None])

@@ -1,0 +1,107 @@
+"""Computing a profile's grid: one function computes a unit of work (a point's repeat) into its result rows; an
+executor runs the units that are not stored yet and hands each finished unit back to be written.
+
+Repeats run interleaved: every point once, then every point again, so a slow minute of the machine does not land on
+one policy's repeats. Each unit records the machine's load while it ran (kvlib.machine_load); one measured while other
+processes took the CPU is measured once more, and flagged `disturbed` if it still was.
+"""
+
+from __future__ import annotations
+
+import importlib
+import platform
+import subprocess
+from collections.abc import Callable, Iterable
+from datetime import UTC, datetime
+from typing import Protocol
+
+import pandas as pd
+from tqdm import tqdm
+
+import kvlib
+from kvlib import results
+from kvlib.errors import UserError
+from kvlib.machine_load import measured_load
+from kvlib.profile import Point, Profile
+from kvlib.runners import runners
+
+ATTEMPTS = 2  # a unit measured while other processes took the CPU is measured once more
+
+Unit = tuple[Point, int]  # a point and the index of its repeat
+
+
+def compute_unit(point: Point, repeat: int, meta: dict) -> pd.DataFrame:
+    """The result rows of one repeat of one point: the point's columns, what the experiment measured, the run's
+    metadata and the machine's load while it ran."""
+    experiment = importlib.import_module(f"kvlib.experiments.{point.experiment}")
+    for attempt in range(1, ATTEMPTS + 1):
+        with measured_load() as load:
+            rows = experiment.run_point(point)
+        if not load.disturbed:
+            break
+    return pd.DataFrame([{**point.columns(), **row, **meta, "repeat": repeat, "attempts": attempt,
+                          **load.columns()} for row in rows])
+
+
+class Executor(Protocol):
+    def run(self, units: list[Unit], meta: dict, done: Callable[[Point, int, pd.DataFrame], None]) -> None:
+        """Compute every unit and call done(point, repeat, rows) as each finishes (in any order)."""
+
+
+class Serial:
+    """Every unit in this process, one after the other (the default)."""
+
+    def run(self, units, meta, done):
+        for point, repeat in units:
+            done(point, repeat, compute_unit(point, repeat, meta))
+
+
+def run_metadata(profile: str) -> dict:
+    import torch
+    import transformers
+
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=results.repo_root(), capture_output=True,
+                             check=False, text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        sha = None
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
+    return {"profile": profile, "kvlib_version": kvlib.__version__, "torch_version": torch.__version__,
+            "transformers_version": transformers.__version__, "git_sha": sha, "device_name": device,
+            "cpu_threads": torch.get_num_threads(), "finished_at": datetime.now(UTC).isoformat()}
+
+
+def selected_points(profile: Profile, experiment: str, policies: Iterable[str] | None = None) -> list[Point]:
+    if experiment not in profile.experiments:
+        raise UserError(f"profile {profile.name!r} has no experiment {experiment!r}; "
+                        f"it has {sorted(profile.experiments)}")
+    points = profile.points(experiment)
+    if policies is not None:
+        unknown = sorted(set(policies) - set(runners()))
+        if unknown:
+            raise UserError(f"unknown policies {unknown}: choose from {runners()}")
+        points = [p for p in points if p.runner in policies]
+    return points
+
+
+def run_experiment(profile: Profile, experiment: str, force: bool = False, progress: bool = True,
+                   policies: Iterable[str] | None = None, executor: Executor | None = None) -> None:
+    """Store every missing unit of one experiment (of the given policies only, if any), and the manifest of the
+    profile's grid."""
+    points = selected_points(profile, experiment, policies)
+    repeats = profile.repeats(experiment)
+    results.write_manifest(profile.name, experiment, [p.key for p in profile.points(experiment)], repeats)
+    units = [(p, r) for r in range(repeats) for p in points]
+    todo = [(p, r) for p, r in units
+            if force or not results.unit_path(profile.name, experiment, p.key, r).exists()]
+    bar = tqdm(total=len(units), initial=len(units) - len(todo), desc=f"{profile.name}/{experiment}", unit="run",
+               disable=not progress)
+
+    def done(point: Point, repeat: int, rows: pd.DataFrame) -> None:
+        results.write_unit(profile.name, experiment, point.key, repeat, rows)
+        bar.update(1)
+
+    try:
+        (executor or Serial()).run(todo, run_metadata(profile.name), done)
+    finally:
+        bar.close()
