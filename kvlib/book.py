@@ -13,7 +13,7 @@ import nbformat
 
 from kvlib.results import repo_root
 
-CHAPTERS = ("ttft", "batch_scaling", "decode_length", "accuracy", "retention", "findings")
+CHAPTERS = ("ttft", "batch_scaling", "decode_length", "accuracy", "retention", "choose", "findings")
 HIDDEN = {"parameters", "injected-parameters"}
 
 

@@ -81,6 +81,16 @@ def build_parser() -> argparse.ArgumentParser:
                             "the book then shows what is stored and says what is missing")
     study.add_argument("--compute-only", action="store_true",
                        help="store the results only, no notebooks (a GPU machine without the book's packages)")
+    pick = sub.add_parser("choose", help="which policy for a workload, read from a profile's results")
+    pick.add_argument("--profile", default="embedded", help="a profile's name or YAML file (its results/ are read)")
+    pick.add_argument("--prompt-tokens", type=int, required=True)
+    pick.add_argument("--batch", type=int, required=True)
+    pick.add_argument("--output-tokens", type=int, required=True)
+    pick.add_argument("--max-accuracy-drop", type=float, default=None,
+                      help="percentage points of accuracy a policy may lose against the full cache")
+    pick.add_argument("--device-memory-gb", type=float, default=None,
+                      help="rule out points whose measured device peak is above this")
+    pick.add_argument("--json", action="store_true")
     return parser
 
 
@@ -226,11 +236,34 @@ def cmd_study(args) -> int:
     return 0
 
 
+def cmd_choose(args) -> int:
+    from dataclasses import asdict
+
+    from kvlib import results
+    from kvlib.choose import choose
+    from kvlib.study import load_profile
+
+    for flag in ("prompt_tokens", "batch", "output_tokens"):
+        if getattr(args, flag) < 1:
+            raise UserError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    capacity_bytes(args.device_memory_gb, "--device-memory-gb")
+    profile = load_profile(args.profile).name
+    frames = {e: results.load(profile, e) for e in ("ttft", "batch_scaling", "decode_length", "accuracy")}
+    if frames["batch_scaling"].empty and frames["ttft"].empty:
+        raise UserError(f"no results for profile {profile!r} yet: `kvlib study --profile {args.profile}` computes "
+                        f"them")
+    choice = choose(frames, args.prompt_tokens, args.batch, args.output_tokens, args.max_accuracy_drop,
+                    args.device_memory_gb)
+    print(json.dumps(asdict(choice)) if args.json else choice.text())
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args = build_parser().parse_args(argv)
     try:
-        return {"run": cmd_run, "eval": cmd_eval, "policies": cmd_policies, "study": cmd_study}[args.command](args)
+        return {"run": cmd_run, "eval": cmd_eval, "policies": cmd_policies, "study": cmd_study,
+                "choose": cmd_choose}[args.command](args)
     except UserError as exc:
         print(f"kvlib: error: {exc}", file=sys.stderr)
         return 2

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 import torch
 
-from kvlib.errors import DeviceOOM, UserError
+from kvlib.errors import UserError
 from kvlib.ledger import MemoryLedger
 from kvlib.models import LoadedModel
 from kvlib.policies.base import PREFILL_MODES, KVPolicy, KVUsage, Step
@@ -182,10 +182,3 @@ class Session:
         if not self.closed:
             self.closed = True
             self.policy.finish()
-
-
-def oom_record(exc: Exception, phase: str) -> dict:
-    if isinstance(exc, DeviceOOM):
-        return {"phase": phase, "where": exc.where, "requested_bytes": exc.requested,
-                "in_use_bytes": exc.in_use, "capacity_bytes": exc.capacity, "kind": "capacity"}
-    return {"phase": phase, "where": str(exc).splitlines()[0], "kind": "cuda"}

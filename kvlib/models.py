@@ -4,13 +4,13 @@ named architecture (kvlib.architectures) with random weights."""
 from __future__ import annotations
 
 import importlib.util
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from kvlib.errors import UserError
+from kvlib.paths import cache_dir
 
 # Short names the study uses; value = how to obtain the weights.
 EMBEDDED_MODELS = {
@@ -57,11 +57,6 @@ class ModelSpec:
             max_context=getattr(config, "max_position_embeddings", 2048),
             dtype=dtype,
         )
-
-
-def cache_dir() -> Path:
-    """Where converted models and per-model artifacts live (KVLIB_CACHE overrides)."""
-    return Path(os.environ.get("KVLIB_CACHE", Path.home() / ".cache" / "kvlib"))
 
 
 def _embedded_gguf(name: str) -> Path:

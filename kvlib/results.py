@@ -13,16 +13,9 @@ from pathlib import Path
 
 import pandas as pd
 
-import kvlib
+from kvlib.paths import repo_root
 
 MANIFEST = "points.json"
-
-
-def repo_root() -> Path:
-    """The checkout the package lives in (results/ and params/ sit there); KVLIB_ROOT overrides."""
-    if "KVLIB_ROOT" in os.environ:
-        return Path(os.environ["KVLIB_ROOT"])
-    return Path(kvlib.__file__).resolve().parents[1]
 
 
 def results_dir(profile: str, experiment: str) -> Path:

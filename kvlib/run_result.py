@@ -9,6 +9,8 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
+from kvlib.errors import DeviceOOM
+
 # The timer sections that are cache operations (book/methods.md): work a policy does to manage its cache, as opposed
 # to computing the model. Attention over what a policy keeps is compute, whoever computes it.
 CACHE_OPS = ("block_management", "fork", "eviction", "selection", "fetch", "offload")
@@ -85,3 +87,10 @@ def _step_throughput_quartiles(decode_tokens: int, step_latencies: list[float]) 
 def decoded_outputs(tokenizer, generated: list[list[int]], prompts: list[list[int]]) -> list[dict]:
     return [{"token_ids": g, "text": tokenizer.decode(g, skip_special_tokens=True), "prompt_tokens": len(p)}
             for g, p in zip(generated, prompts)]
+
+
+def oom_record(exc: Exception, phase: str) -> dict:
+    if isinstance(exc, DeviceOOM):
+        return {"phase": phase, "where": exc.where, "requested_bytes": exc.requested,
+                "in_use_bytes": exc.in_use, "capacity_bytes": exc.capacity, "kind": "capacity"}
+    return {"phase": phase, "where": str(exc).splitlines()[0], "kind": "cuda"}

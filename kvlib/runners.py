@@ -19,6 +19,7 @@ class Runner(Protocol):
     name: ClassVar[str]
     label: ClassVar[str]  # how result rows and figures name it
     outside: ClassVar[bool]  # an engine other than kvlib's (the outside baseline)
+    lossless: ClassVar[bool]  # keeps and attends every entry (its accuracy is the full cache's)
     supported_prefill: ClassVar[tuple[str, ...]]
     preferred_prefill: ClassVar[str]  # what experiments use when they do not vary the prefill mode
 

@@ -16,13 +16,16 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvlib.block_pool import OutOfBlocks
-from kvlib.engine import Engine, oom_record
 from kvlib.errors import DeviceOOM, UserError
-from kvlib.run_result import RunResult, build_metrics, decoded_outputs
+from kvlib.run_result import RunResult, build_metrics, decoded_outputs, oom_record
+
+if TYPE_CHECKING:  # the engine calls this loop; the loop only drives the engine it is given
+    from kvlib.engine import Engine
 
 SCHEDULES = ("static", "continuous")
 

@@ -26,10 +26,9 @@ def run_study(profile: str, experiments: list[str] | None = None, force: bool = 
     names = experiments or [e for e in EXPERIMENTS if e in prof.experiments]
     for name in names:
         run_experiment(prof, name, force=force, policies=policies, executor=executor)
-    if notebooks:
-        for name in names:
-            book.execute(name, prof.name)
-        book.execute("findings", prof.name)
+    if notebooks:  # the chapters of the experiments run, and those that read every experiment
+        for chapter in [c for c in book.CHAPTERS if c in names or c not in EXPERIMENTS]:
+            book.execute(chapter, prof.name)
     if build:
         book.build()
 

@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 from kvlib.errors import UserError
+from kvlib.paths import cache_dir
 
 FOLDER = Path(__file__).parent
 
@@ -46,8 +47,6 @@ def architecture_config(name: str):
 def config_folder(name: str) -> Path:
     """A local model folder holding only the architecture's config.json, for loaders that read a folder (vLLM with
     load_format="dummy")."""
-    from kvlib.models import cache_dir
-
     folder = cache_dir() / "architectures" / name
     target = folder / "config.json"
     text = json.dumps({k: v for k, v in published_config(name).items() if not k.startswith("_")}, indent=2)

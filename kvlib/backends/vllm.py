@@ -63,6 +63,7 @@ class VLLMBackend:
     name: ClassVar[str] = "vllm"
     label: ClassVar[str] = "vllm (real)"
     outside: ClassVar[bool] = True
+    lossless: ClassVar[bool] = True
     supported_prefill: ClassVar[tuple[str, ...]] = ("chunked",)  # vLLM V1 always schedules prefill in chunks
     preferred_prefill: ClassVar[str] = "chunked"
 

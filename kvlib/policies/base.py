@@ -77,6 +77,7 @@ class KVPolicy:
     name: ClassVar[str] = ""
     label: ClassVar[str] = ""  # how result rows name it: its name, unless a subclass says otherwise
     outside: ClassVar[bool] = False  # a kvlib policy (kvlib.runners.Runner)
+    lossless: ClassVar[bool] = False  # keeps and attends every entry: its outputs are the full cache's
     supported_prefill: ClassVar[tuple[str, ...]] = PREFILL_MODES
     preferred_prefill: ClassVar[str] = "fused"  # what experiments use when they do not vary the prefill mode
     calibrates: ClassVar[bool] = False  # learns something offline from a calibration text (calibrate())

@@ -19,6 +19,7 @@ from kvlib.policies.registry import register
 @dataclass
 class FullPolicy(KVPolicy):
     name = "full"
+    lossless = True
 
     def start(self, batch_size, prompt_lens, max_new_tokens):
         s = self.spec

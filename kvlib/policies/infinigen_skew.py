@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlib.models import LoadedModel, cache_dir
+from kvlib.models import LoadedModel
+from kvlib.paths import cache_dir
 from kvlib.policies.base import KVPolicy, Step
 
 

@@ -26,6 +26,7 @@ from kvlib.policies.registry import register
 @dataclass
 class PagedPolicy(KVPolicy):
     name = "paged"
+    lossless = True
 
     block_size: int = 16
     num_blocks: int | None = None  # None: enough for every row's prompt plus max_new_tokens, without sharing

@@ -1,0 +1,19 @@
+"""Where kvlib keeps things: the cache of converted models and per-model artifacts, and the checkout whose params/
+and results/ the study uses."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """Where converted models and per-model artifacts live (KVLIB_CACHE overrides)."""
+    return Path(os.environ.get("KVLIB_CACHE", Path.home() / ".cache" / "kvlib"))
+
+
+def repo_root() -> Path:
+    """The checkout the package lives in (results/ and params/ sit there); KVLIB_ROOT overrides."""
+    if "KVLIB_ROOT" in os.environ:
+        return Path(os.environ["KVLIB_ROOT"])
+    return Path(__file__).resolve().parents[1]

@@ -1,0 +1,64 @@
+"""The chooser, on a small synthetic results frame whose right answers are known by construction."""
+
+import pandas as pd
+import pytest
+
+from kvlib.choose import choose, read_at, regimes
+
+GIB = 2**30
+
+
+def frames():
+    # batch scaling: "fast" decodes fastest but runs out of memory at batch 8; "sparse" is second and lossy
+    batch = []
+    for policy, lossless, tps, peak in [("full", True, {1: 10, 4: 30, 8: 40}, {1: 1, 4: 2, 8: 3}),
+                                        ("fast", True, {1: 20, 4: 60, 8: None}, {1: 1, 4: 3, 8: None}),
+                                        ("sparse", False, {1: 15, 4: 50, 8: 70}, {1: 1, 4: 1.5, 8: 2})]:
+        for b in (1, 4, 8):
+            for repeat in range(2):
+                batch.append({"policy": policy, "lossless": lossless, "batch_size": b, "oom": tps[b] is None,
+                              "decode_tokens_per_s": tps[b], "device_peak_bytes": (peak[b] or 9) * GIB,
+                              "min_prompt_tokens": 128, "max_prompt_tokens": 1024, "max_new_tokens": 32,
+                              "budget": 0.3 if policy == "sparse" else None, "repeat": repeat})
+    ttft = [{"policy": p, "lossless": p != "sparse", "prompt_tokens": n, "prefill": mode, "oom": False,
+             "ttft_s": base * n / 1000 * (1.5 if mode == "full" else 1.0), "device_peak_bytes": GIB}
+            for p, base in [("full", 1.0), ("fast", 0.8), ("sparse", 0.5)] for n in (512, 2048)
+            for mode in ("full", "fused")]
+    # accuracy: sparse loses 8 pp at budget 0.1 and 2 pp at 0.5 (so 0.1 is the nearest scored budget below 0.3)
+    accuracy = [{"task": "recall", "policy": p, "budget": b, "correct": float(i < n)}
+                for p, b, n in [("full", None, 50), ("sparse", 0.1, 46), ("sparse", 0.5, 49)] for i in range(50)]
+    return {"batch_scaling": pd.DataFrame(batch), "ttft": pd.DataFrame(ttft), "accuracy": pd.DataFrame(accuracy)}
+
+
+def test_read_at_interpolates_inside_the_grid_and_never_past_it():
+    curve = pd.Series({1: 10.0, 4: 40.0})
+    assert read_at(curve, 2, "batch").value == pytest.approx(20.0) and read_at(curve, 2, "batch").points == [1, 4]
+    beyond = read_at(curve, 16, "batch")
+    assert beyond.value == 40.0 and beyond.beyond_grid and "not extrapolated" in beyond.how("tokens/s")
+
+
+def test_the_fastest_policy_that_fits_and_keeps_its_accuracy():
+    f = frames()
+    assert choose(f, 512, 4, 32).fastest_decode == "fast"
+    at8 = choose(f, 512, 8, 32)  # fast ran out of memory at 8: not a candidate there
+    assert at8.fastest_decode == "sparse" and "does not fit at batch 8" in at8.excluded["fast"]
+    strict = choose(f, 512, 8, 32, max_accuracy_drop=5.0)  # sparse loses 8 pp at 0.1, the budget below its 0.3
+    assert strict.fastest_decode == "full" and "8.0 pp" in strict.excluded["sparse"]
+    assert "nearest scored budget below 0.3" in strict.excluded["sparse"]
+    assert choose(f, 512, 8, 32, max_accuracy_drop=10.0).fastest_decode == "sparse"
+    small = choose(f, 512, 4, 32, device_memory_gb=2.5)  # fast's measured peak at batch 4 is 3 GiB
+    assert small.fastest_decode == "sparse" and "fast" in small.excluded
+
+
+def test_lowest_ttft_at_the_fastest_prefill_mode_interpolated_between_lengths():
+    c = choose(frames(), 1024, 4, 32)
+    assert c.lowest_ttft == "sparse"
+    assert c.ttft["sparse"].value == pytest.approx(0.5 * 1.024) and c.ttft["sparse"].points == [512, 2048]
+    assert "interpolated between prompt tokens 512 and 2048" in c.text()
+
+
+def test_the_regimes_table_is_computed_by_the_same_function():
+    table = regimes(frames(), tolerances=(None, 5.0))
+    assert len(table) == 2 * 2 * 1 * 2  # prompts x batches x (no decode-length grid) x tolerances
+    row = table[(table["batch"] == 8) & (table["accuracy drop allowed (pp)"] == "5")].iloc[0]
+    assert row["fastest decode"].startswith("full") and "sparse" in row["ruled out"]

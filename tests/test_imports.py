@@ -1,0 +1,91 @@
+"""kvlib's imports flow one way: from the command line down to the engine's leaves, never up, never in a cycle.
+
+Every module has a layer; a module may import only modules of its own layer or below (function-level imports
+included: an import hidden in a function is still a dependency), and no two modules import each other, directly or
+through others. A new module needs a layer here: the test fails until it has one.
+"""
+
+import ast
+from pathlib import Path
+
+import kvlib
+
+# lowest first; a module's layer is the entry of its longest matching prefix
+LAYERS = [
+    ["kvlib.errors", "kvlib.paths", "kvlib.settings", "kvlib.timing", "kvlib.ledger", "kvlib.machine_load", "kvlib.architectures",
+     "kvlib.random_tokens"],                                     # leaves: no model, no policy
+    ["kvlib.models", "kvlib.random_weights", "kvlib.workloads", "kvlib.attention",
+     "kvlib.block_pool", "kvlib.run_result"],                     # a model, text, attention kernels, the result type
+    ["kvlib.policies"],                                          # KV-cache policies (one file each)
+    ["kvlib.scheduler"],                                         # the loop that drives an engine's sessions
+    ["kvlib.engine", "kvlib.capacity"],                          # the engine; where its memory runs out
+    ["kvlib.backends", "kvlib.evaluation"],                      # outside engines; lm-eval and retention on the engine
+    ["kvlib.runners"],                                           # policies and backends behind one protocol
+    ["kvlib.profile", "kvlib.results", "kvlib.tables"],           # profiles and points; the results store; data tables
+    ["kvlib.experiments"],                                       # computing one point
+    ["kvlib.executor", "kvlib.findings", "kvlib.plots", "kvlib.choose"],  # the grid; reading results
+    ["kvlib.book"],
+    ["kvlib.study"],
+    ["kvlib.cli", "kvlib.__main__", "kvlib"],                    # the command line (and the package itself)
+]
+
+
+def layer_of(module: str) -> int:
+    best = max(((len(prefix), i) for i, names in enumerate(LAYERS) for prefix in names
+                if module == prefix or module.startswith(prefix + ".")), default=None)
+    assert best is not None, f"{module} has no layer in tests/test_imports.py: give it one"
+    return best[1]
+
+
+def kvlib_imports() -> dict[str, set[str]]:
+    root = Path(kvlib.__file__).parent
+    modules = {}
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        found = set()
+        tree = ast.parse(path.read_text())
+        for block in ast.walk(tree):  # imports for type checkers only are no dependency at run time
+            if isinstance(block, ast.If) and getattr(block.test, "id", "") == "TYPE_CHECKING":
+                block.body = []
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                found |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative
+                    base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + [base]).strip(".")
+                found |= {base} | {f"{base}.{a.name}" for a in node.names}
+        modules[name] = found
+    # keep only imports of kvlib modules (from x import y: y when it is a module, else x)
+    return {m: {i for i in imports if i in modules and i != m} for m, imports in modules.items()}
+
+
+def test_no_module_imports_upward():
+    upward = [f"{m} (layer {layer_of(m)}) imports {i} (layer {layer_of(i)})"
+              for m, imports in kvlib_imports().items() for i in imports
+              if layer_of(i) > layer_of(m) and i != "kvlib"]
+    assert not upward, "\n".join(upward)
+
+
+def test_no_import_cycles():
+    graph = kvlib_imports()
+    for package in [m for m in graph if (Path(kvlib.__file__).parent.parent / m.replace(".", "/")).is_dir()]:
+        graph[package] = set()  # a package's __init__ re-exporting its modules is not a cycle with them
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(module, path):
+        state[module] = 1
+        for nxt in sorted(graph[module]):
+            if state.get(nxt) == 1:
+                cycles.append(" -> ".join(path[path.index(nxt):] + [nxt]) if nxt in path else f"{module} -> {nxt}")
+            elif nxt not in state:
+                visit(nxt, path + [nxt])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert not cycles, "\n".join(cycles)
