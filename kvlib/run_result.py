@@ -29,6 +29,27 @@ class RunResult:
         return {"outputs": self.outputs, "metrics": self.metrics, "memory": self.memory, "policy": self.policy,
                 "oom": self.oom, "policy_stats": self.stats}
 
+    def row(self) -> dict:
+        """The run as the flat columns every experiment stores: timings (every timer section, every decode step),
+        memory by tier and component, OOM, the KV share the policy attended, policy stats."""
+        m = self.metrics
+        row = {k: m.get(k) for k in ("ttft_s", "setup_s", "prefill_s", "decode_s", "total_s", "decode_tokens",
+                                     "decode_tokens_per_s", "decode_tokens_per_s_q1", "decode_tokens_per_s_q3",
+                                     "decode_step_s_mean", "decode_step_s_p50", "decode_steps", "completed",
+                                     "preemptions", "step_latencies_s")}
+        row.update({f"split_{k}_s": v for k, v in m.get("wall_split_s", {}).items()})
+        row.update({f"section_{k.replace('.', '_')}_s": v for k, v in (m.get("sections_s") or {}).items()})
+        for tier in ("device", "host"):
+            mem = self.memory.get(tier, {})
+            row[f"{tier}_peak_bytes"] = mem.get("peak_bytes")
+            row.update({f"{tier}_{comp}_peak_bytes": v for comp, v in mem.get("peak_components", {}).items()})
+            row[f"{tier}_kv_bytes"] = mem.get("kv_bytes")
+        row["oom"] = self.oom is not None
+        row["oom_where"] = self.oom["where"] if self.oom else None
+        row.update({f"stat_{k}": v for k, v in self.stats.items()
+                    if isinstance(v, (int, float, str, bool, list)) or v is None})
+        return row
+
 
 def wall_split(sections: dict[str, float] | None, prefill_s: float, decode_s: float, total_s: float) -> dict:
     """Total run time as prefill compute + decode compute + cache operations + other (scheduling, sampling).

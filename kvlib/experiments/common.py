@@ -1,4 +1,4 @@
-"""What the engine-based experiments share: a model cache, one run per point, and flattening a result to a row."""
+"""What the engine-based experiments share: a model cache, and one run of a point's runner on given prompts."""
 
 from __future__ import annotations
 
@@ -52,26 +52,5 @@ def run(point: Point, prompts: list[list[int]], max_new_tokens: int) -> RunResul
 
 
 def result_row(result: RunResult, point: Point) -> dict:
-    """The tidy columns every experiment stores: timings (every timer section, every decode step), memory by tier and
-    component, OOM, the KV share the policy attended, policy stats."""
-    m = result.metrics
-    row = {"caveat": CAVEAT} if point.weights == "random" else {}
-    row.update({k: m.get(k) for k in ("ttft_s", "setup_s", "prefill_s", "decode_s", "total_s", "decode_tokens",
-                                      "decode_tokens_per_s", "decode_tokens_per_s_q1", "decode_tokens_per_s_q3",
-                                      "decode_step_s_mean", "decode_step_s_p50", "decode_steps", "completed",
-                                      "preemptions")})
-    row["step_latencies_s"] = m.get("step_latencies_s")
-    row.update({f"split_{k}_s": v for k, v in m.get("wall_split_s", {}).items()})
-    row.update({f"section_{k.replace('.', '_')}_s": v for k, v in (m.get("sections_s") or {}).items()})
-    for tier in ("device", "host"):
-        mem = result.memory.get(tier, {})
-        row[f"{tier}_peak_bytes"] = mem.get("peak_bytes")
-        for comp, value in mem.get("peak_components", {}).items():
-            row[f"{tier}_{comp}_peak_bytes"] = value
-        row[f"{tier}_kv_bytes"] = mem.get("kv_bytes")
-    row["oom"] = result.oom is not None
-    row["oom_where"] = result.oom["where"] if result.oom else None
-    for key, value in result.stats.items():
-        if isinstance(value, (int, float, str, bool, list)) or value is None:
-            row[f"stat_{key}"] = value
-    return row
+    """A run's result row (RunResult.row), with the caveat random weights carry."""
+    return {**({"caveat": CAVEAT} if point.weights == "random" else {}), **result.row()}
