@@ -19,6 +19,8 @@ CASES = {
     "paged": {"block_size": 8},
     "h2o": {"budget": 0.3},
     "infinigen": {"budget": 0.3},
+    "streaming": {"budget": 0.3, "sink": 4},
+    "snapkv": {"budget": 0.3, "window": 8},
 }
 
 
