@@ -21,6 +21,7 @@ CASES = {
     "infinigen": {"budget": 0.3},
     "streaming": {"budget": 0.3, "sink": 4},
     "snapkv": {"budget": 0.3, "window": 8},
+    "kivi": {"bits": 2, "group_size": 8, "residual": 16},
 }
 
 
