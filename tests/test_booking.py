@@ -22,6 +22,7 @@ CASES = {
     "streaming": {"budget": 0.3, "sink": 4},
     "snapkv": {"budget": 0.3, "window": 8},
     "kivi": {"bits": 2, "group_size": 8, "residual": 16},
+    "quest": {"budget": 0.3, "block_size": 8},
 }
 
 

@@ -97,19 +97,31 @@ def test_kv_bytes_are_the_packed_bytes_held(tiny):
 
 
 @pytest.mark.model
-def test_sixteen_bits_equal_full_through_the_packing(smollm, mixed_prompts):
+def test_unquantized_mechanism_equals_full_token_for_token(smollm, mixed_prompts):
+    """quantize=False: the groups, the residual's flushes and the byte layout all run, holding raw bytes."""
     full = Engine(smollm, make_policy("full")).generate(mixed_prompts, 16)
     for mode in ("fused", "chunked"):
-        policy = make_policy("kivi", bits=16, group_size=4, residual=8)
+        policy = make_policy("kivi", quantize=False, group_size=4, residual=8)
         quantized = []
 
         def after_pass(step, policy=policy, after=policy.after_pass, quantized=quantized):
             after(step)
-            quantized.append(int(policy.keys_quantized.sum()))
+            quantized.append((int(policy.keys_quantized.sum()), int(policy.value_codes.count_nonzero())))
         policy.after_pass = after_pass
         got = Engine(smollm, policy).generate(mixed_prompts, 16, prefill_mode=mode, chunk_size=5)
         assert [o["token_ids"] for o in got.outputs] == [o["token_ids"] for o in full.outputs]
-        assert quantized[-1] >= sum(len(p) + 15 for p in mixed_prompts) - 3 * 8  # all but each row's residual
+        keys, values = quantized[-1]
+        assert keys >= sum(len(p) + 15 for p in mixed_prompts) - 3 * 8 and values > 0  # all but each residual
+
+
+@pytest.mark.model
+def test_sixteen_bits_score_as_full(smollm, mixed_prompts):
+    forced = [smollm.tokenizer(" and then the story goes on")["input_ids"]] * len(mixed_prompts)
+    full = Engine(smollm, make_policy("full")).generate(mixed_prompts, 1, forced=forced)
+    got = Engine(smollm, make_policy("kivi", bits=16, group_size=4, residual=8)).generate(mixed_prompts, 1,
+                                                                                        forced=forced)
+    for a, b in zip(got.outputs, full.outputs):
+        assert a["logprobs"] == pytest.approx(b["logprobs"], abs=1e-3)
 
 
 def test_two_bits_change_the_scores(tiny):
@@ -125,6 +137,7 @@ def test_two_bits_change_the_scores(tiny):
     ({"bits": 3}, "bits must be one of"),
     ({"group_size": 0}, "group_size must be"),
     ({"group_size": 32, "residual": 48}, "residual must be a positive multiple"),
+    ({"residual": 0}, "residual must be a positive multiple"),
 ])
 def test_bad_settings_are_one_clear_error(settings, message):
     with pytest.raises(UserError, match=message):

@@ -11,8 +11,11 @@ those bytes (the codes, scales and zero points of the quantized tokens, and the 
 `kv`, the rest of each row's allocation as `kv_reserved`.
 
 Attention dequantizes a row's cache into a working copy, booked as activations while it lives, and runs the same
-kernel as `full` over it. `bits=16` runs the whole path (grouping, packing into two bytes a code, dequantizing) with an
-error below 2^-16 of each group's range: the check that the mechanism is exact up to its quantization.
+kernel as `full` over it. `quantize=False` runs the same mechanism (key groups flushed from the residual, values
+leaving it one at a time, byte arrays, reassembly for attention) with each value's raw bytes instead of codes: the
+check that the mechanism is exact, token for token equal to `full`. `bits=16` quantizes with an error below 2^-16 of
+each group's range (teacher-forced log-probabilities within 1e-3 of full's; greedy output can still part at a near
+tie).
 
 Read: jy-yuan/KIVI `quant/new_pack.py` (quant_and_pack_kcache / vcache: min-max asymmetric quantization, scale =
 (max - min) / (2^bits - 1), codes packed into int32 along tokens for keys and channels for values) and
@@ -26,6 +29,8 @@ full key residual is quantized at once, one value token at a time). Deviations:
 - Prefill attends over the chunk in full precision and over earlier chunks (or earlier turns) as stored, quantized: the
   official prefill is one pass over the full-precision prompt, which kvlib's fused prefill reproduces.
 - A zero range (max = min) quantizes to code 0 with zero scale instead of dividing by zero.
+- The oldest value leaves the residual (quantized) before a step's attention, not after it as in the official code: a
+  step attends `residual` full-precision values rather than residual + 1.
 """
 
 from __future__ import annotations
@@ -79,6 +84,7 @@ class KIVIPolicy(KVPolicy):
     bits: int = 2
     group_size: int = 32  # tokens a key scale covers; channels a value scale covers (the official default)
     residual: int = 128  # most recent tokens kept in full precision (the official residual_length)
+    quantize: bool = True  # False: the same groups, residual and byte layout holding each value's raw bytes
 
     def __post_init__(self):
         if self.bits not in BITS:
@@ -102,12 +108,13 @@ class KIVIPolicy(KVPolicy):
         s, r, g = self.spec, self.residual, self.group_size
         cap = -(-(max(prompt_lens) + max_new_tokens) // r) * r
         base = (s.num_layers, batch_size, s.num_kv_heads)
-        code_bytes = s.head_dim * self.bits // 8
+        code_bytes = s.head_dim * (self.bits if self.quantize else 8 * s.dtype_bytes) // 8
+        scales = s.head_dim if self.quantize else 0
         shapes = {"key_codes": ((*base, cap, code_bytes), torch.uint8),
-                  "key_scale": ((*base, cap // g, s.head_dim), s.dtype), "key_zero": ((*base, cap // g, s.head_dim), s.dtype),
+                  "key_scale": ((*base, cap // g, scales), s.dtype), "key_zero": ((*base, cap // g, scales), s.dtype),
                   "value_codes": ((*base, cap, code_bytes), torch.uint8),
-                  "value_scale": ((*base, cap, s.head_dim // self.value_group), s.dtype),
-                  "value_zero": ((*base, cap, s.head_dim // self.value_group), s.dtype),
+                  "value_scale": ((*base, cap, scales // self.value_group), s.dtype),
+                  "value_zero": ((*base, cap, scales // self.value_group), s.dtype),
                   "key_residual": ((*base, r, s.head_dim), s.dtype), "value_residual": ((*base, r, s.head_dim), s.dtype)}
         nbytes = sum(math.prod(shape) * torch.empty((), dtype=dt).element_size() for shape, dt in shapes.values())
         self.ledger.add("device", "kv_reserved", nbytes, where="kivi cache allocation")
@@ -120,6 +127,8 @@ class KIVIPolicy(KVPolicy):
     def token_bytes(self) -> tuple[int, int, int]:
         """Bytes per KV head and layer: (a quantized key, a quantized value, a full-precision key or value)."""
         s = self.spec
+        if not self.quantize:
+            return s.head_dim * s.dtype_bytes, s.head_dim * s.dtype_bytes, s.head_dim * s.dtype_bytes
         code = s.head_dim * self.bits // 8
         key = code + 2 * s.head_dim * s.dtype_bytes / self.group_size
         value = code + 2 * s.head_dim // self.value_group * s.dtype_bytes
@@ -143,7 +152,9 @@ class KIVIPolicy(KVPolicy):
         r, g, kq = self.residual, self.group_size, int(self.keys_quantized[row])
         pending = torch.cat([self.key_residual[layer, row, :, :begin - kq], keys], dim=1)
         full = pending.shape[1] // r * r
-        if full:
+        if full and not self.quantize:
+            self.key_codes[layer, row, :, kq:kq + full] = pending[:, :full].contiguous().view(torch.uint8)
+        elif full:
             grouped = pending[:, :full].reshape(pending.shape[0], full // g, g, -1)
             codes, scale, zero = quantize(grouped, dim=2, bits=self.bits)
             self.key_codes[layer, row, :, kq:kq + full] = pack(codes.flatten(1, 2), self.bits)
@@ -160,7 +171,10 @@ class KIVIPolicy(KVPolicy):
         pending = torch.cat([self.value_residual[layer, row, :, :begin - vq], values], dim=1)
         n = begin + values.shape[1]
         now_quantized = max(n - r, 0)
-        if now_quantized > vq:
+        if now_quantized > vq and not self.quantize:
+            self.value_codes[layer, row, :, vq:now_quantized] = pending[:, :now_quantized - vq].contiguous().view(
+                torch.uint8)
+        elif now_quantized > vq:
             x = pending[:, :now_quantized - vq]
             codes, scale, zero = quantize(x.reshape(*x.shape[:2], -1, self.value_group), dim=3, bits=self.bits)
             self.value_codes[layer, row, :, vq:now_quantized] = pack(codes.flatten(2), self.bits)
@@ -179,12 +193,16 @@ class KIVIPolicy(KVPolicy):
         vq_max = int(vq.max())
         k = torch.zeros(len(rows), self.spec.num_kv_heads, n + r, d, dtype=self.spec.dtype, device=self.device)
         v = torch.zeros_like(k)
-        if kq_max:
+        if kq_max and not self.quantize:
+            k[:, :, :kq_max] = self.key_codes[layer, rows, :, :kq_max].contiguous().view(self.spec.dtype)
+        elif kq_max:
             codes = unpack(self.key_codes[layer, rows, :, :kq_max], self.bits).to(self.spec.dtype)
             grouped = codes.view(*codes.shape[:2], kq_max // g, g, d)
             scale, zero = self.key_scale[layer, rows, :, :kq_max // g], self.key_zero[layer, rows, :, :kq_max // g]
             k[:, :, :kq_max] = (grouped * scale[:, :, :, None] + zero[:, :, :, None]).flatten(2, 3)
-        if vq_max:
+        if vq_max and not self.quantize:
+            v[:, :, :vq_max] = self.value_codes[layer, rows, :, :vq_max].contiguous().view(self.spec.dtype)
+        elif vq_max:
             codes = unpack(self.value_codes[layer, rows, :, :vq_max], self.bits).to(self.spec.dtype)
             grouped = codes.view(*codes.shape[:3], -1, self.value_group)
             scale, zero = self.value_scale[layer, rows, :, :vq_max], self.value_zero[layer, rows, :, :vq_max]
