@@ -124,6 +124,12 @@ class KIVIPolicy(KVPolicy):
         self.keys_quantized = torch.zeros(batch_size, dtype=torch.long)  # a multiple of `residual`
         self.allocated = nbytes
 
+    def prepare(self, step: Step):
+        grown = int((step.start + step.q_len).max())
+        if grown > self.key_codes.shape[3]:
+            raise UserError(f"a row grew to {grown} tokens, past the lengths given to start() "
+                            f"({self.key_codes.shape[3]} slots)")
+
     def token_bytes(self) -> tuple[int, int, int]:
         """Bytes per KV head and layer: (a quantized key, a quantized value, a full-precision key or value)."""
         s = self.spec
