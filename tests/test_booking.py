@@ -19,6 +19,10 @@ CASES = {
     "paged": {"block_size": 8},
     "h2o": {"budget": 0.3},
     "infinigen": {"budget": 0.3},
+    "streaming": {"budget": 0.3, "sink": 4},
+    "snapkv": {"budget": 0.3, "window": 8},
+    "kivi": {"bits": 2, "group_size": 8, "residual": 16},
+    "quest": {"budget": 0.3, "block_size": 8},
 }
 
 

@@ -1,0 +1,190 @@
+"""Quest (Tang et al., ICML 2024): query-aware selection of KV pages; all of the cache is kept, a budget of it is read.
+
+Keys and values live in a paged pool (kvlib.block_pool: fixed-size blocks, a block table per row, blocks allocated as
+a row grows). For every block Quest also keeps, per KV head, the channel-wise minimum and maximum of its keys. At each
+decode step, in every layer after the first `dense_layers`, the query bounds each block's attention logit from above:
+sum over channels of max(q_d x max_d, q_d x min_d) >= q.k for any key of the block. Each KV head reads the top
+ceil(tokens_allowed(seen) / block_size) blocks by that bound (the row's last block, which holds the new token, always
+among them) and attention runs over those blocks only. Prefill is dense.
+
+Memory is not saved: every key and value stays in the pool, plus 2 x head_dim numbers a block and KV head of
+metadata (booked as overhead). What Quest saves is what a decode step reads: `stats()` reports the KV bytes a step's
+attention read (the selected blocks of the sparse layers, every token of the dense ones, and the metadata of every
+block the estimate scanned) against what a full read would be, and `kv_share_attended` the tokens attended.
+
+Read: mit-han-lab/Quest (`quest/utils/...`, the `approx_attn` / page selection in its Llama attention: page_size 16,
+token_budget, criticality max(q * max_key, q * min_key).sum(-1), top-k pages with the last page always included,
+layers 0 and 1 dense). Deviations:
+- One selection per KV head under GQA: a block's bound is the largest over the query heads of its group, so the
+  block is read if any of them may need it. The official code targets multi-head attention (one selection per query
+  head); for a grouped KV head a per-query-head selection would read the union of the group's picks, which the budget
+  would then not bound.
+- The budget is kvlib's share of the tokens seen (or `budget_tokens`), rounded up to whole blocks, instead of an
+  absolute token_budget; budget 1.0 reads every block.
+- On a CPU the selected blocks are gathered and attended with a mask over the row's blocks (the official CUDA kernels
+  read only the selected pages): the bytes read are booked as Quest's kernel would read them, not as this CPU copy does.
+- No prefix sharing between rows (kvlib's `paged` policy has it); forks share blocks copy-on-write through the pool.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kvlib.attention import decode_mask, fused_attention, matrix_attention, prefill_attention
+from kvlib.block_pool import BlockPool, BlockTable
+from kvlib.errors import UserError
+from kvlib.policies.base import BudgetedPolicy, Step
+from kvlib.policies.registry import register
+
+
+@register
+@dataclass
+class QuestPolicy(BudgetedPolicy):
+    name = "quest"
+
+    block_size: int = 16  # the official page_size
+    dense_layers: int = 2
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not isinstance(self.block_size, int) or self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise UserError(f"block_size must be a power of two >= 1, got {self.block_size!r}")
+        if not isinstance(self.dense_layers, int) or self.dense_layers < 0:
+            raise UserError(f"dense_layers must be an integer >= 0, got {self.dense_layers!r}")
+
+    # -- storage ---------------------------------------------------------------------------------------------------
+    def start(self, batch_size, prompt_lens, max_new_tokens):
+        s, bs = self.spec, self.block_size
+        blocks = sum(-(-(n + max_new_tokens) // bs) for n in prompt_lens)
+        self.block_bytes = s.kv_bytes(bs)
+        meta_shape = (s.num_layers, blocks, s.num_kv_heads, s.head_dim)
+        self.ledger.add("device", "kv_reserved", blocks * self.block_bytes, where="quest KV pool")
+        self.ledger.add("device", "overhead", 2 * math.prod(meta_shape) * s.dtype_bytes, where="quest block min/max")
+        self.keys = torch.zeros((s.num_layers, blocks, bs, s.num_kv_heads, s.head_dim), dtype=s.dtype,
+                                device=self.device)
+        self.values = torch.zeros_like(self.keys)
+        self.key_min = torch.zeros(meta_shape, dtype=s.dtype, device=self.device)
+        self.key_max = torch.zeros_like(self.key_min)
+        self.pool = BlockPool(blocks, bs, self.block_bytes)
+        self.tables: dict[int, BlockTable] = {}
+        self.bytes_read = self.bytes_read_full = 0
+
+    def prepare(self, step: Step):
+        with self.timers.section("block_management"):
+            bs = self.block_size
+            for row, start in zip(step.rows.tolist(), step.start.tolist()):
+                self.pool.reserve(self.tables.setdefault(row, BlockTable()), start + step.q_len)
+            for src, dst in self.pool.copies:  # copy-on-write of a block shared by a fork, metadata included
+                for cache in (self.keys, self.values, self.key_min, self.key_max):
+                    cache[:, dst] = cache[:, src]
+            self.pool.copies.clear()
+            tables = [self.tables[row].blocks for row in step.rows.tolist()]
+            width = max(map(len, tables))
+            table = torch.tensor([t + [0] * (width - len(t)) for t in tables])  # [B, blocks]
+            pos = step.start[:, None] + torch.arange(step.q_len)[None, :]
+            self.slot_block = table.gather(1, pos // bs).to(self.device)  # [B, T]
+            self.slot_offset = (pos % bs).to(self.device)
+            self.table = table.to(self.device)
+            self.row_blocks = torch.tensor([len(t) for t in tables])
+            if step.phase == "decode":
+                self.visible, self.kv_len = decode_mask(step.start, width * bs, self.device)
+                seen = step.start + 1
+                self.pages = torch.tensor([-(-self.tokens_allowed(int(n)) // bs) for n in seen])
+
+    def _write(self, layer, key, value):
+        """Store the pass's keys/values and fold them into their blocks' channel-wise min/max."""
+        s = self.spec
+        blocks, offsets = self.slot_block.flatten(), self.slot_offset.flatten()
+        k = key.transpose(1, 2).reshape(-1, s.num_kv_heads, s.head_dim)
+        self.keys[layer, blocks, offsets] = k
+        self.values[layer, blocks, offsets] = value.transpose(1, 2).reshape(-1, s.num_kv_heads, s.head_dim)
+        fresh = blocks[offsets == 0]  # a block's first token: its bounds start afresh
+        self.key_min[layer, fresh] = float("inf")
+        self.key_max[layer, fresh] = float("-inf")
+        index = blocks[:, None, None].expand_as(k)
+        self.key_min[layer].scatter_reduce_(0, index, k, "amin")
+        self.key_max[layer].scatter_reduce_(0, index, k, "amax")
+
+    # -- attention -------------------------------------------------------------------------------------------------
+    def attend(self, layer, query, key, value, step: Step):
+        self._write(layer, key, value)
+        b, s, bs = len(step.rows), self.spec, self.block_size
+        blocks = self.table.flatten()
+        with self.ledger.transient("device", "activations", 2 * len(blocks) * self.keys[layer, 0].nbytes,
+                                   f"quest gather, layer {layer}"):
+            k = self.keys[layer].index_select(0, blocks).view(b, -1, s.num_kv_heads, s.head_dim).transpose(1, 2)
+            v = self.values[layer].index_select(0, blocks).view(b, -1, s.num_kv_heads, s.head_dim).transpose(1, 2)
+            if step.phase == "prefill":
+                n = int(step.start[0]) + step.q_len
+                return prefill_attention(query, k[:, :, :n], v[:, :, :n], int(step.start[0]), step.prefill_mode,
+                                         self.scale, self.ledger, layer)
+            n = self.kv_len
+            per_token = 2 * s.head_dim * s.dtype_bytes  # one token's key and value, one KV head
+            full_read = step.tokens_seen * s.num_kv_heads * per_token
+            self.bytes_read_full += full_read
+            if layer < self.dense_layers:
+                self.bytes_read += full_read
+                self.usage.add(layer, step.tokens_seen, step.tokens_seen, b)
+                return fused_attention(query, k[:, :, :n], v[:, :, :n], self.visible, self.scale)
+            with self.timers.section("selection"):
+                chosen = self.select_blocks(query, blocks.view(b, -1), self.key_min[layer], self.key_max[layer])
+                tokens = chosen.repeat_interleave(bs, dim=-1)[..., :n] & self.visible[:, 0, 0, None, :]
+            attended = int(tokens.sum()) / s.num_kv_heads
+            self.usage.add(layer, round(attended), step.tokens_seen, b)
+            self.bytes_read += round(attended * s.num_kv_heads * per_token
+                                     + int(self.row_blocks.sum()) * s.num_kv_heads * per_token)  # min/max scanned
+            return matrix_attention(query, k[:, :, :n], v[:, :, :n], tokens[:, :, None, None, :], self.scale)[0]
+
+    def select_blocks(self, query, table, kmin, kmax) -> torch.Tensor:
+        """Boolean [B, Hkv, blocks]: per KV head the blocks whose upper bound of q.k ranks in the row's top
+        ceil(budget / block_size), the row's last block always among them. table [B, blocks]; kmin/kmax: the
+        layer's [pool blocks, Hkv, D]."""
+        b, s = table.shape[0], self.spec
+        lo, hi = kmin.index_select(0, table.flatten()), kmax.index_select(0, table.flatten())
+        lo = lo.view(b, -1, s.num_kv_heads, s.head_dim).transpose(1, 2)  # [B, Hkv, blocks, D]
+        hi = hi.view(b, -1, s.num_kv_heads, s.head_dim).transpose(1, 2)
+        q = query.view(b, s.num_kv_heads, -1, s.head_dim)[:, :, :, None, :]  # [B, Hkv, G, 1, D]
+        bound = torch.maximum(q * hi[:, :, None], q * lo[:, :, None]).sum(-1).amax(dim=2)  # [B, Hkv, blocks]
+        width = table.shape[1]
+        index = torch.arange(width, device=self.device)
+        real = index[None, :] < self.row_blocks[:, None].to(self.device)
+        last = index[None, :] == (self.row_blocks[:, None] - 1).to(self.device)
+        bound = bound.masked_fill(~real[:, None], float("-inf")).masked_fill(last[:, None], float("inf"))
+        order = bound.argsort(dim=-1, descending=True)
+        rank = order.argsort(dim=-1)
+        return (rank < self.pages[:, None, None].to(self.device)) & real[:, None]
+
+    def after_pass(self, step: Step):
+        with self.timers.section("block_management"):
+            for row, start in zip(step.rows.tolist(), step.start.tolist()):
+                self.pool.commit(self.tables[row], [], start + step.q_len)
+            self._book()
+
+    def fork(self, src, dst):
+        if dst in self.tables:
+            self.release(dst)
+        self.tables[dst] = self.pool.fork(self.tables[src])
+        self._book()
+
+    def release(self, row):
+        self.pool.free_table(self.tables.pop(row))
+
+    def _book(self):
+        used = self.pool.used * self.block_bytes
+        meta = 2 * self.key_min.numel() * self.spec.dtype_bytes
+        self.ledger.set("device", "quest block tables", kv=used, kv_reserved=self.pool.num_blocks * self.block_bytes
+                        - used, overhead=meta + sum(len(t.blocks) for t in self.tables.values()) * 4)
+
+    def finish(self):
+        for row in list(self.tables):
+            self.release(row)
+        self.keys = self.values = self.key_min = self.key_max = None
+        self.ledger.set("device", kv=0, kv_reserved=0, overhead=0)
+
+    def stats(self):
+        return {"block_size": self.block_size, "kv_bytes_read": self.bytes_read,
+                "kv_bytes_read_full": self.bytes_read_full,
+                "kv_read_share": self.bytes_read / self.bytes_read_full if self.bytes_read_full else None}
