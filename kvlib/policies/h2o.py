@@ -37,7 +37,6 @@ class HeavyHitterPolicy(ScoredEvictionPolicy):
     shared mechanism's (kvlib.policies.scored_eviction)."""
 
     name = "h2o"
-    label = "h2o"
     supported_prefill = ("full", "chunked")
     preferred_prefill = "chunked"  # with cross-chunk accumulation: full prefill's kept set without its L x L matrix
 

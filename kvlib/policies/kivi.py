@@ -241,7 +241,6 @@ class KIVIPolicy(KVPolicy):
             return out
         rows, n = step.rows, step.start + 1
         with self.timers.section("offload"):
-            kq = self.keys_quantized[rows]
             self.next_quantized = {}
             for i, row in enumerate(rows.tolist()):
                 begin = int(step.start[i])
@@ -249,8 +248,9 @@ class KIVIPolicy(KVPolicy):
                 self._store_values(layer, row, begin, value[i])
         held = 2 * len(rows) * s.num_kv_heads * int(n.max()) * s.head_dim * s.dtype_bytes
         with self.ledger.transient("device", "activations", held, f"kivi dequantized cache, layer {layer}"):
+            # this layer's store may have just flushed the residual into codes: read up to what it holds now
             flushed = torch.tensor([self.next_quantized[r] for r in rows.tolist()])
-            k, v = self._dequantized(layer, rows, n, torch.minimum(kq, flushed))
+            k, v = self._dequantized(layer, rows, n, flushed)
             visible, _ = decode_mask(step.start, int(n.max()), self.device)
             self.usage.add(layer, step.tokens_seen, step.tokens_seen, len(rows))
             return fused_attention(query, k, v, visible, self.scale)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 
@@ -44,7 +43,6 @@ class PromptBuffer:
 class ScoredEvictionPolicy(BudgetedPolicy):
     """Keep the top tokens per KV head given scores and a budget; evicted entries are freed for good."""
 
-    label: ClassVar[str] = "scored"  # names the ledger entries ("h2o cache", "h2o prompt buffer")
 
     # -- what a subclass decides ------------------------------------------------------------------------------------
     def limits(self, seen: int, prompt: int) -> tuple[int, int]:
@@ -86,9 +84,9 @@ class ScoredEvictionPolicy(BudgetedPolicy):
         # one slot more than the budget: the new token is stored before the step's eviction frees one
         self.cap = max(self.limits(n + max_new_tokens, n)[0] for n in prompt_lens) + 1
         shape = (s.num_layers, batch_size, s.num_kv_heads, self.cap)
-        self.ledger.add("device", "kv_reserved", s.kv_bytes(batch_size * self.cap), where=f"{self.label} cache "
+        self.ledger.add("device", "kv_reserved", s.kv_bytes(batch_size * self.cap), where=f"{self.name} cache "
                         "allocation")
-        self.ledger.add("device", "overhead", math.prod(shape) * (4 + 8), where=f"{self.label} scores")
+        self.ledger.add("device", "overhead", math.prod(shape) * (4 + 8), where=f"{self.name} scores")
         self.keys = torch.zeros((*shape, s.head_dim), dtype=s.dtype, device=self.device)
         self.values = torch.zeros_like(self.keys)
         self.scores = torch.zeros(shape, device=self.device)
@@ -116,8 +114,8 @@ class ScoredEvictionPolicy(BudgetedPolicy):
         kept, used = int(self.kept[row]), int(self.region[row])
         size = kept + new_tokens
         shape = (layers, s.num_kv_heads, size)
-        self.ledger.add("device", "kv_reserved", s.kv_bytes(size), where=f"{self.label} prompt buffer")
-        self.ledger.add("device", "overhead", math.prod(shape) * (4 + 8), where=f"{self.label} prompt scores")
+        self.ledger.add("device", "kv_reserved", s.kv_bytes(size), where=f"{self.name} prompt buffer")
+        self.ledger.add("device", "overhead", math.prod(shape) * (4 + 8), where=f"{self.name} prompt scores")
         buf = PromptBuffer(torch.zeros((*shape, s.head_dim), dtype=s.dtype, device=self.device),
                            torch.zeros((*shape, s.head_dim), dtype=s.dtype, device=self.device),
                            torch.zeros(shape, device=self.device),
@@ -188,7 +186,7 @@ class ScoredEvictionPolicy(BudgetedPolicy):
         self.scores[layer, r, heads, slot] = self.initial_scores(new_pos)
         self.positions[layer, r, heads, slot] = new_pos
         used = int(self.region[rows].max()) + 1
-        with self.rows_of(rows, kc, vc, self.positions[layer], where=f"{self.label} decode rows, layer {layer}") as (
+        with self.rows_of(rows, kc, vc, self.positions[layer], where=f"{self.name} decode rows, layer {layer}") as (
                 k, v, pos):
             visible = pos[:, :, :used] >= 0  # [B, Hkv, used]: per-head kept sets
             q, k = self.decode_inputs(layer, query, k[:, :, :used], pos[:, :, :used], rows)
@@ -234,7 +232,7 @@ class ScoredEvictionPolicy(BudgetedPolicy):
         kept = int(self.kept.sum())
         buffered = sum(buf.filled for buf in self.prefill_kv.values())
         buffer_slots = sum(buf.keys.shape[2] for buf in self.prefill_kv.values())
-        self.ledger.set("device", f"{self.label} cache", kv=(kept + buffered) * s.kv_bytes_per_token,
+        self.ledger.set("device", f"{self.name} cache", kv=(kept + buffered) * s.kv_bytes_per_token,
                         kv_reserved=s.kv_bytes(self.keys.shape[1] * self.cap + buffer_slots - kept - buffered),
                         overhead=(self.scores.numel() + s.num_layers * s.num_kv_heads * buffer_slots) * (4 + 8)
                         + self.extra_overhead())

@@ -46,7 +46,6 @@ POOLINGS = ("avgpool", "maxpool")
 @dataclass
 class SnapKVPolicy(ScoredEvictionPolicy):
     name = "snapkv"
-    label = "snapkv"
 
     window: int = 32  # observation window (the official default window_size)
     kernel_size: int = 5

@@ -57,7 +57,6 @@ def rotate(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torc
 @dataclass
 class StreamingPolicy(ScoredEvictionPolicy):
     name = "streaming"
-    label = "streaming"
 
     sink: int = 4  # attention sinks kept at the start (the official start_size)
     position_scheme: str = "original"
