@@ -209,7 +209,8 @@ def _perplexity_interval(g: pd.DataFrame, draws: int = 1000, seed: int = 0) -> t
 def accuracy_table(df: pd.DataFrame) -> pd.DataFrame:
     """One score per (task, policy, budget) with its 95 % interval: accuracy (Wilson) for multiple-choice tasks, word
     perplexity (bootstrap over documents) for rolling ones; and the KV share the policy actually attended while
-    scoring. The full cache has no budget: it is listed at budget 1.0."""
+    scoring. The full cache has no budget: it is listed at budget 1.0. RULER's rows are left to `ruler_table`."""
+    df = df[df["ruler_score"].isna()] if "ruler_score" in df else df
     d = df.assign(budget=df["budget"].fillna(1.0) if "budget" in df else 1.0)
     rows = []
     for (task, policy, budget), g in d.groupby(["task", "policy", "budget"]):
@@ -247,6 +248,64 @@ def accuracy(df: pd.DataFrame) -> list[str]:
             verdict = _who_loses_more(b.set_index("policy"))
             if verdict:
                 out.append(f"Ours: {task} at budget {budget:g}: {verdict}.")
+    return out + ruler(df)
+
+
+def _bootstrap_mean(groups: list[np.ndarray], draws: int = 1000, seed: int = 0) -> tuple[float, float]:
+    """95 % bootstrap interval of the mean over groups of the groups' mean item score, resampling items within each
+    group (one group: one subtask's items at one length)."""
+    rng = np.random.default_rng(seed)
+    means = np.mean([s[rng.integers(0, len(s), size=(draws, len(s)))].mean(axis=1) for s in groups], axis=0)
+    return float(np.quantile(means, 0.025)), float(np.quantile(means, 0.975))
+
+
+def ruler_table(df: pd.DataFrame) -> pd.DataFrame:
+    """RULER: one score per (task, length, policy, budget), the mean string-match score of its items (RULER's metric,
+    per item the share of expected strings found in the answer), with a 95 % bootstrap interval over the items; and a
+    `mean` task per (length, policy, budget), the unweighted mean over the subtasks run there (as RULER averages its
+    tasks). The full cache is listed at budget 1.0."""
+    columns = ["task", "length", "policy", "budget", "kv_share_attended", "metric", "score", "low", "high", "items"]
+    if "ruler_score" not in df or df["ruler_score"].isna().all():
+        return pd.DataFrame(columns=columns)
+    d = df[df["ruler_score"].notna()]
+    d = d.assign(budget=d["budget"].fillna(1.0) if "budget" in d else 1.0)
+    rows = []
+    for (length, policy, budget), point in d.groupby(["length", "policy", "budget"]):
+        attended = point["kv_share_attended"].median() if "kv_share_attended" in point else math.nan
+        groups = {task: g["ruler_score"].to_numpy(float) for task, g in point.groupby("task")}
+        for task, scores in groups.items():
+            rows.append((task, length, policy, budget, attended, "string match", scores.mean(),
+                         *_bootstrap_mean([scores]), len(scores)))
+        rows.append(("mean", length, policy, budget, attended, "string match",
+                     float(np.mean([s.mean() for s in groups.values()])), *_bootstrap_mean(list(groups.values())),
+                     sum(map(len, groups.values()))))
+    return pd.DataFrame(rows, columns=columns)
+
+
+def ruler(df: pd.DataFrame) -> list[str]:
+    """RULER read against the paper's accuracy finding: the mean over subtasks per length, each policy's loss against
+    the full cache at each budget, and whether H2O loses more than InfiniGen."""
+    table = ruler_table(df)
+    if table.empty:
+        return []
+    out = []
+    means = table[table["task"] == "mean"]
+    for length, t in means.groupby("length"):
+        full = t[t["policy"] == "full"]
+        if full.empty:
+            continue
+        base = full.iloc[0]
+        tasks = sorted(table.loc[(table["length"] == length) & (table["task"] != "mean"), "task"].unique())
+        out.append(f"Ours: RULER at {length:,} tokens ({', '.join(tasks)}; {base['items']} items), full cache "
+                   f"{base['score']:.1%} (95 % interval {base['low']:.1%}-{base['high']:.1%}).")
+        for budget, b in t[t["policy"] != "full"].groupby("budget"):
+            parts = [f"{row['policy']} {row['score']:.1%} ({(row['score'] - base['score']) * 100:+.1f} pp"
+                     + (f", attended {row['kv_share_attended']:.0%} of the KV"
+                        if not math.isnan(row["kv_share_attended"]) else "") + ")" for _, row in b.iterrows()]
+            out.append(f"Ours: RULER at {length:,} tokens, budget {budget:g}: " + ", ".join(parts) + ".")
+            verdict = _who_loses_more(b.set_index("policy").assign(metric="accuracy"))
+            if verdict:
+                out.append(f"Ours: RULER at {length:,} tokens, budget {budget:g}: {verdict}.")
     return out
 
 
