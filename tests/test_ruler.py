@@ -46,14 +46,14 @@ print(json.dumps(built))
 @pytest.mark.slow
 def test_the_offline_subtasks_build_without_network(smollm, tmp_path):
     env = {**os.environ, "KVLIB_CACHE": str(tmp_path), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    run = subprocess.run([sys.executable, "-c", BUILD_OFFLINE, resolve_model_path("smollm2-135m"), "512"], env=env,
-                         capture_output=True, text=True, timeout=900)
+    run = subprocess.run([sys.executable, "-c", BUILD_OFFLINE, resolve_model_path("smollm2-135m"), "1024"], env=env,
+                         capture_output=True, text=True, timeout=900, check=False)
     assert run.returncode == 0, run.stderr[-3000:]
     built = json.loads(run.stdout.strip().splitlines()[-1])
     assert sorted(built) == sorted(OFFLINE_RULER_TASKS)
     for task, b in built.items():
-        # 500 items each (lm-eval's count), all sized for 512 tokens (prompt + the tokens left for the answer)
-        assert b["items"] == 500 and b["lengths"] == [512] and b["longest"] <= 512, (task, b)
+        # 500 items each (lm-eval's count), all sized for 1,024 tokens (prompt + the tokens left for the answer)
+        assert b["items"] == 500 and b["lengths"] == [1024] and b["longest"] <= 1024, (task, b)
         assert b["answers_in_input"], task
     assert (tmp_path / "nltk_data" / "tokenizers" / "punkt_tab" / "english" / "done").exists()
 
@@ -87,9 +87,9 @@ def test_kvlib_full_answers_each_item_as_lm_eval_hf_does(smollm):
     path = resolve_model_path("smollm2-135m")
     hf = get_model("hf")(pretrained=path, dtype="float32", device="cpu", batch_size=1)
     ours = KVLibLM(policy="full", loaded=smollm)
-    for task, settings in (("niah_single_1", {"max_gen_toks": 24}), ("ruler_vt", {})):
-        a = evaluate_ruler(ours, task, path, [512], items=3, **settings)
-        b = evaluate_ruler(hf, task, path, [512], items=3, **settings)
+    for task, length, settings in (("niah_single_1", 512, {"max_gen_toks": 24}), ("ruler_vt", 1024, {})):
+        a = evaluate_ruler(ours, task, path, [length], items=3, **settings)
+        b = evaluate_ruler(hf, task, path, [length], items=3, **settings)
         assert len(a) == len(b) == 3
         assert [r["target"] for r in a] == [r["target"] for r in b]  # the same items
         assert [r["response"] for r in a] == [r["response"] for r in b]
@@ -101,9 +101,11 @@ def test_kvlib_full_answers_each_item_as_lm_eval_hf_does(smollm):
 @pytest.mark.slow
 def test_a_budget_acts_while_the_answer_is_generated(tiny):
     path = resolve_model_path("smollm2-135m")  # the tiny model has SmolLM2's tokenizer
-    full = evaluate_ruler(KVLibLM(policy="full", loaded=tiny), "ruler_vt", path, [512], items=2)
-    whole = evaluate_ruler(KVLibLM(policy="h2o", budget=1.0, loaded=tiny), "ruler_vt", path, [512], items=2)
-    small = evaluate_ruler(KVLibLM(policy="h2o", budget=0.1, loaded=tiny), "ruler_vt", path, [512], items=2)
+    full = evaluate_ruler(KVLibLM(policy="full", loaded=tiny), "niah_single_1", path, [512], items=2, max_gen_toks=16)
+    whole = evaluate_ruler(KVLibLM(policy="h2o", budget=1.0, loaded=tiny), "niah_single_1", path, [512], items=2,
+                           max_gen_toks=16)
+    small = evaluate_ruler(KVLibLM(policy="h2o", budget=0.1, loaded=tiny), "niah_single_1", path, [512], items=2,
+                           max_gen_toks=16)
     assert [r["response"] for r in whole] == [r["response"] for r in full]
     assert whole[0]["kv_share_attended"] == pytest.approx(1.0)
     assert small[0]["kv_share_attended"] < 0.2
@@ -125,6 +127,8 @@ def test_bad_ruler_settings_are_clear_errors(tiny):
         evaluate_ruler(lm, "ruler_vt", "unused")
     with pytest.raises(UserError, match="exceeds the model's context"):
         evaluate_ruler(lm, "ruler_vt", "unused", [lm.max_length + 1])
+    with pytest.raises(UserError, match="ruler_vt' needs max_seq_lengths of at least 1024"):
+        evaluate_ruler(lm, "ruler_vt", "unused", [512])
 
 
 def _rows(policy, budget, task, scores, length=512):

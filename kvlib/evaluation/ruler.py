@@ -35,6 +35,10 @@ RULER_TASKS = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey
                "niah_multikey_3", "niah_multiquery", "niah_multivalue", "ruler_vt", "ruler_cwe", "ruler_fwe",
                "ruler_qa_squad", "ruler_qa_hotpot")
 OFFLINE_RULER_TASKS = ("niah_single_1", "niah_multikey_2", "niah_multikey_3", "ruler_vt", "ruler_fwe", "ruler_cwe")
+# Below these lengths lm-eval's generator never returns: it shrinks the haystack in a `while True` loop that has no
+# exit once the smallest item is still too long. ruler_vt prepends an in-context example built at 500 tokens; with
+# SmolLM2's tokenizer its smallest item measured 848 tokens, and at 512 the loop spun until killed.
+MIN_LENGTH = {"ruler_vt": 1024}
 
 
 def punkt_tab_dir() -> Path:
@@ -110,6 +114,9 @@ def evaluate_ruler(lm, task: str, tokenizer: str, max_seq_lengths=None, items: i
     for length in lengths_for(task, max_seq_lengths):
         if length > lm.max_length:
             raise UserError(f"RULER length {length} exceeds the model's context ({lm.max_length} tokens)")
+        if length < MIN_LENGTH.get(task, 0):
+            raise UserError(f"RULER subtask {task!r} needs max_seq_lengths of at least {MIN_LENGTH[task]} tokens, got "
+                            f"{length} (below that lm-eval's generator loops forever)")
         attended, seen = getattr(lm, "tokens_attended", 0), getattr(lm, "tokens_seen", 0)
         try:
             out = lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=task_manager(tokenizer, length),
