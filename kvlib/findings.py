@@ -9,7 +9,16 @@ import math
 
 import pandas as pd
 
-from kvlib.tables import Spread, accuracy_table, decode_spread, outside_label, ratio, retention_table, ttft_spread
+from kvlib.tables import (
+    Spread,
+    accuracy_table,
+    decode_spread,
+    outside_label,
+    ratio,
+    retention_table,
+    ruler_table,
+    ttft_spread,
+)
 
 TITLES = {"ttft": "Time to first token", "batch_scaling": "Batch scaling", "decode_length": "Decode length",
           "accuracy": "Accuracy across KV budgets", "retention": "Retention of an early fact"}
@@ -172,6 +181,33 @@ def accuracy(df: pd.DataFrame) -> list[str]:
             verdict = _who_loses_more(b.set_index("policy"))
             if verdict:
                 out.append(f"Ours: {task} at budget {budget:g}: {verdict}.")
+    return out + ruler(df)
+
+
+def ruler(df: pd.DataFrame) -> list[str]:
+    """RULER read against the paper's accuracy finding: the mean over subtasks per length, each policy's loss against
+    the full cache at each budget, and whether H2O loses more than InfiniGen."""
+    table = ruler_table(df)
+    if table.empty:
+        return []
+    out = []
+    means = table[table["task"] == "mean"]
+    for length, t in means.groupby("length"):
+        full = t[t["policy"] == "full"]
+        if full.empty:
+            continue
+        base = full.iloc[0]
+        tasks = sorted(table.loc[(table["length"] == length) & (table["task"] != "mean"), "task"].unique())
+        out.append(f"Ours: RULER at {length:,} tokens ({', '.join(tasks)}; {base['items']} items), full cache "
+                   f"{base['score']:.1%} (95 % interval {base['low']:.1%}-{base['high']:.1%}).")
+        for budget, b in t[t["policy"] != "full"].groupby("budget"):
+            parts = [f"{row['policy']} {row['score']:.1%} ({(row['score'] - base['score']) * 100:+.1f} pp"
+                     + (f", attended {row['kv_share_attended']:.0%} of the KV"
+                        if not math.isnan(row["kv_share_attended"]) else "") + ")" for _, row in b.iterrows()]
+            out.append(f"Ours: RULER at {length:,} tokens, budget {budget:g}: " + ", ".join(parts) + ".")
+            verdict = _who_loses_more(b.set_index("policy").assign(metric="accuracy"))
+            if verdict:
+                out.append(f"Ours: RULER at {length:,} tokens, budget {budget:g}: {verdict}.")
     return out
 
 

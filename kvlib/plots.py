@@ -187,3 +187,29 @@ def retention(df: pd.DataFrame):
           title="(b) by turn (band: range over buckets)")
     fig.tight_layout()
     return fig
+
+
+def ruler(table: pd.DataFrame, task: str = "mean"):
+    """RULER score vs KV budget, one line per policy, one panel per length (kvlib.tables.ruler_table; `task`: one
+    subtask or `mean`, the mean over the subtasks); bars: 95 % bootstrap interval over the items; the full cache as a
+    dashed line with its band."""
+    _style()
+    t = table[table["task"] == task]
+    lengths = sorted(t["length"].unique())
+    fig, axes = plt.subplots(1, len(lengths), figsize=(4.5 * len(lengths), 3.8), sharey=True, squeeze=False)
+    palette = _palette(table["policy"])
+    for ax, length in zip(axes.flat, lengths):
+        at = t[t["length"] == length]
+        for policy, g in at[at["policy"] != "full"].groupby("policy"):
+            g = g.sort_values("budget")
+            ax.errorbar(g["budget"], g["score"], yerr=[g["score"] - g["low"], g["high"] - g["score"]], marker="o",
+                        capsize=3, label=policy, color=palette[policy])
+        for _, row in at[at["policy"] == "full"].iterrows():
+            ax.axhline(row["score"], color="black", ls="--", lw=1, label="full cache")
+            ax.axhspan(row["low"], row["high"], color="black", alpha=0.08)
+        ax.set(xscale="log", ylim=(-0.03, 1.03), xlabel="configured KV budget",
+               ylabel=f"RULER score ({task})", title=f"{length:,} tokens")
+        ax.legend(fontsize="small")
+    fig.suptitle(f"RULER {'mean over subtasks' if task == 'mean' else task} vs KV budget (bars: 95 % interval)")
+    fig.tight_layout()
+    return fig

@@ -83,7 +83,8 @@ def _perplexity_interval(g: pd.DataFrame, draws: int = 1000, seed: int = 0) -> t
 def accuracy_table(df: pd.DataFrame) -> pd.DataFrame:
     """One score per (task, policy, budget) with its 95 % interval: accuracy (Wilson) for multiple-choice tasks, word
     perplexity (bootstrap over documents) for rolling ones; and the KV share the policy actually attended while
-    scoring. The full cache has no budget: it is listed at budget 1.0."""
+    scoring. The full cache has no budget: it is listed at budget 1.0. RULER's rows are left to `ruler_table`."""
+    df = df[df["ruler_score"].isna()] if "ruler_score" in df else df
     d = df.assign(budget=df["budget"].fillna(1.0) if "budget" in df else 1.0)
     rows = []
     for (task, policy, budget), g in d.groupby(["task", "policy", "budget"]):
@@ -109,6 +110,37 @@ def retention_table(df: pd.DataFrame) -> pd.DataFrame:
         metric="accuracy").set_index("policy")
 
 
+
+
+def _bootstrap_mean(groups: list[np.ndarray], draws: int = 1000, seed: int = 0) -> tuple[float, float]:
+    """95 % bootstrap interval of the mean over groups of the groups' mean item score, resampling items within each
+    group (one group: one subtask's items at one length)."""
+    rng = np.random.default_rng(seed)
+    means = np.mean([s[rng.integers(0, len(s), size=(draws, len(s)))].mean(axis=1) for s in groups], axis=0)
+    return float(np.quantile(means, 0.025)), float(np.quantile(means, 0.975))
+
+
+def ruler_table(df: pd.DataFrame) -> pd.DataFrame:
+    """RULER: one score per (task, length, policy, budget), the mean string-match score of its items (RULER's metric,
+    per item the share of expected strings found in the answer), with a 95 % bootstrap interval over the items; and a
+    `mean` task per (length, policy, budget), the unweighted mean over the subtasks run there (as RULER averages its
+    tasks). The full cache is listed at budget 1.0."""
+    columns = ["task", "length", "policy", "budget", "kv_share_attended", "metric", "score", "low", "high", "items"]
+    if "ruler_score" not in df or df["ruler_score"].isna().all():
+        return pd.DataFrame(columns=columns)
+    d = df[df["ruler_score"].notna()]
+    d = d.assign(budget=d["budget"].fillna(1.0) if "budget" in d else 1.0)
+    rows = []
+    for (length, policy, budget), point in d.groupby(["length", "policy", "budget"]):
+        attended = point["kv_share_attended"].median() if "kv_share_attended" in point else math.nan
+        groups = {task: g["ruler_score"].to_numpy(float) for task, g in point.groupby("task")}
+        for task, scores in groups.items():
+            rows.append((task, length, policy, budget, attended, "string match", scores.mean(),
+                         *_bootstrap_mean([scores]), len(scores)))
+        rows.append(("mean", length, policy, budget, attended, "string match",
+                     float(np.mean([s.mean() for s in groups.values()])), *_bootstrap_mean(list(groups.values())),
+                     sum(map(len, groups.values()))))
+    return pd.DataFrame(rows, columns=columns)
 
 
 def book_table(df: pd.DataFrame, index, columns: str, value: str, label: str, fmt: str = "{:.3g}",
