@@ -51,6 +51,11 @@ def _ray():
 class _Worker:
     """Lives in one worker process: the experiments' model cache persists across the units it computes."""
 
+    def __init__(self, threads: int):
+        import torch
+
+        torch.set_num_threads(threads)  # the CPUs it holds, not every core of a machine other workers share
+
     def ready(self) -> dict:
         return {"pid": os.getpid(), **machine_metadata()}
 
@@ -118,7 +123,8 @@ class RayExecutor:
         if self.runtime_env:
             options["runtime_env"] = self.runtime_env
         actor = ray.remote(**options)(_Worker)
-        idle = [actor.remote() for _ in range(self._pool_size(ray, len(units)))]
+        threads = max(1, int(self.cpus))
+        idle = [actor.remote(threads) for _ in range(self._pool_size(ray, len(units)))]
         queue, pending, failures = deque(units), {}, []
         while queue or pending:
             while idle and queue:
