@@ -124,8 +124,16 @@ class RayExecutor:
             options["runtime_env"] = self.runtime_env
         actor = ray.remote(**options)(_Worker)
         threads = max(1, int(self.cpus))
-        idle = [actor.remote(threads) for _ in range(self._pool_size(ray, len(units)))]
-        queue, pending, failures = deque(units), {}, []
+        workers = [actor.remote(threads) for _ in range(self._pool_size(ray, len(units)))]
+        try:
+            self._schedule(ray, workers, units, meta, done)
+        finally:  # their CPUs and GPUs go back now, not whenever the handles are collected
+            for worker in workers:
+                ray.kill(worker)
+
+    def _schedule(self, ray, workers, units, meta, done) -> None:
+        """Each worker computes one unit at a time, so a slow point holds up no queue behind it."""
+        idle, queue, pending, failures = list(workers), deque(units), {}, []
         while queue or pending:
             while idle and queue:
                 worker, (point, repeat) = idle.pop(), queue.popleft()
