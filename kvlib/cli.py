@@ -81,6 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
                             "the book then shows what is stored and says what is missing")
     study.add_argument("--compute-only", action="store_true",
                        help="store the results only, no notebooks (a GPU machine without the book's packages)")
+    study.add_argument("--executor", choices=["serial", "ray"], default="serial",
+                       help="serial: every point in this process; ray: on a Ray cluster (the `distributed` extra)")
+    study.add_argument("--address", default=None,
+                       help="with --executor ray: the cluster to join (`ray start --head` prints it); default: start "
+                            "Ray on this machine")
+    study.add_argument("--gpus-per-point", type=float, default=0, help="with --executor ray: GPUs each worker holds")
+    study.add_argument("--cpus-per-point", type=float, default=1, help="with --executor ray: CPUs each worker holds")
     pick = sub.add_parser("choose", help="which policy for a workload, read from a profile's results")
     pick.add_argument("--profile", default="embedded", help="a profile's name or YAML file (its results/ are read)")
     pick.add_argument("--prompt-tokens", type=int, required=True)
@@ -231,8 +238,15 @@ def cmd_policies(args) -> int:
 def cmd_study(args) -> int:
     from kvlib.study import run_study
 
+    executor = None
+    if args.executor == "ray":
+        from kvlib.ray_executor import RayExecutor
+
+        executor = RayExecutor(args.address, gpus_per_point=args.gpus_per_point, cpus_per_point=args.cpus_per_point)
+    elif args.address is not None or args.gpus_per_point or args.cpus_per_point != 1:
+        raise UserError("--address, --gpus-per-point and --cpus-per-point need --executor ray")
     run_study(args.profile, args.experiments, force=args.force, build=args.build, policies=args.policies,
-              notebooks=not args.compute_only)
+              notebooks=not args.compute_only, executor=executor)
     return 0
 
 

@@ -56,19 +56,27 @@ class Serial:
             done(point, repeat, compute_unit(point, repeat, meta))
 
 
-def run_metadata(profile: str) -> dict:
+def machine_metadata() -> dict:
+    """What the machine that computes a unit brings to its rows (a Ray worker reports its own)."""
     import torch
     import transformers
 
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
+    return {"torch_version": torch.__version__, "transformers_version": transformers.__version__,
+            "device_name": device, "cpu_threads": torch.get_num_threads()}
+
+
+def run_metadata(profile: str) -> dict:
     try:
         sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=results.repo_root(), capture_output=True,
                              check=False, text=True, timeout=10).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         sha = None
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
-    return {"profile": profile, "kvlib_version": kvlib.__version__, "torch_version": torch.__version__,
-            "transformers_version": transformers.__version__, "git_sha": sha, "device_name": device,
-            "cpu_threads": torch.get_num_threads(), "finished_at": datetime.now(UTC).isoformat()}
+    machine = machine_metadata()
+    return {"profile": profile, "kvlib_version": kvlib.__version__, "torch_version": machine["torch_version"],
+            "transformers_version": machine["transformers_version"], "git_sha": sha,
+            "device_name": machine["device_name"], "cpu_threads": machine["cpu_threads"],
+            "finished_at": datetime.now(UTC).isoformat()}
 
 
 def selected_points(profile: Profile, experiment: str, policies: Iterable[str] | None = None) -> list[Point]:

@@ -23,7 +23,7 @@ LAYERS = [
     ["kvlib.runners"],                                           # policies and backends behind one protocol
     ["kvlib.profile", "kvlib.results", "kvlib.tables"],           # profiles and points; the results store; data tables
     ["kvlib.experiments"],                                       # computing one point
-    ["kvlib.executor", "kvlib.findings", "kvlib.plots", "kvlib.choose"],  # the grid; reading results
+    ["kvlib.executor", "kvlib.ray_executor", "kvlib.findings", "kvlib.plots", "kvlib.choose"],  # the grid; reading results
     ["kvlib.book"],
     ["kvlib.study"],
     ["kvlib.cli", "kvlib.__main__", "kvlib"],                    # the command line (and the package itself)
