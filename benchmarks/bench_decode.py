@@ -40,7 +40,8 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 MODEL = "smollm2-135m"
 PROMPT_TOKENS = sized((128, 1024), (16, 32))
-NEW_TOKENS = sized((1, 33), (1, 3))
+# BENCH_NEW_TOKENS=1,17 shortens a run on a loaded machine (the same method over 16 decode steps)
+NEW_TOKENS = tuple(int(n) for n in os.environ.get("BENCH_NEW_TOKENS", "").split(",") if n) or sized((1, 33), (1, 3))
 # the systems experiments' settings (params/embedded.yaml: H2O as the paper ran it)
 SETTINGS = {"h2o": {"budget": 0.3, "budget_rule": "flexgen"}, "infinigen": {"budget": 0.3}}
 
@@ -59,7 +60,15 @@ def thread_record(label: str) -> dict:
             continue
         cpus = next(line.split()[1] for line in status.splitlines() if line.startswith("Cpus_allowed_list"))
         allowed[cpus] = allowed.get(cpus, 0) + 1
-    return {"at": label, "torch_threads": torch.get_num_threads(), "os_threads": len(tasks),
+    try:  # which thread pools (OpenMP runtimes, BLAS) are loaded, each with its thread count
+        import threadpoolctl
+
+        pools = [(p["prefix"], p["num_threads"]) for p in threadpoolctl.threadpool_info()]
+    except ImportError:
+        pools = None
+    return {"at": label, "torch_threads": torch.get_num_threads(), "os_threads": len(tasks), "thread_pools": pools,
+            # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the rest of the process
+            "torch_set_num_threads": torch.set_num_threads.__qualname__,
             "threads_by_allowed_cpus": allowed, "process_affinity": sorted(os.sched_getaffinity(0)),
             "env": {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "KMP_", "MKL_", "VLLM_CPU_OMP"))}}
 
