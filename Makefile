@@ -43,7 +43,7 @@ book: install install-vllm
 	$(PY) -m kvlib study --profile $(PROFILE) --build
 	@echo "book: open book/_build/html/index.html"
 
-bench: install install-vllm  # bench_vllm.py compares with the real vLLM
+bench: install install-vllm  # bench_decode.py compares with the real vLLM, each engine in its own process
 	for b in benchmarks/bench_*.py; do $(PY) $$b || exit 1; done
 
 clean:

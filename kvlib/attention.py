@@ -7,6 +7,8 @@ it keeps. No modeling file is copied, so any transformers model whose attention 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -81,6 +83,37 @@ def fused_attention(query, key, value, mask: torch.Tensor | None, scale: float, 
                                           scale=scale, enable_gqa=True)
 
 
+def attention_with_lse(query, key, value, scale: float):
+    """Attention of query [1, H, T, D] over key/value [1, H, L, D] (no mask), and its log-sum-exp [1, H, T] (fp32):
+    what merging partial attentions over disjoint key sets needs. On a CPU, PyTorch's flash kernel returns both and
+    reads strided keys (a view into a block pool) in place."""
+    if query.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, scale=scale)[:2]
+        return out, lse
+    scores = torch.matmul(query, key.transpose(-1, -2)).float() * scale
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.matmul(torch.exp(scores - lse[..., None]).to(value.dtype), value), lse
+
+
+def merge_by_lse(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine attentions over disjoint key sets into the attention over their union: each part weighted by its share
+    of the softmax mass, exp(lse_i - lse). A part with lse = -inf (no keys) weighs 0."""
+    lse = torch.logsumexp(torch.stack(lses), dim=0)
+    finite = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    out = sum(o * torch.exp(part - finite)[..., None].to(o.dtype) for o, part in zip(outs, lses))
+    return out, lse
+
+
+def masked_attention_with_lse(query, key, value, visible: torch.Tensor, scale: float):
+    """query [B, H, T, D] over key/value [B, H, L, D] where visible [B, L]; rows with nothing visible get lse -inf
+    and output 0."""
+    scores = torch.matmul(query, key.transpose(-1, -2)).float() * scale
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[..., None])
+    return torch.matmul(probs.to(value.dtype), value), lse
+
+
 def matrix_bytes(batch: int, heads: int, q_len: int, kv_len: int, dtype_bytes: int) -> int:
     """Workspace of matrix attention: scores and probabilities (fp32 softmax) for one layer."""
     return batch * heads * q_len * kv_len * (dtype_bytes + 4)
@@ -101,3 +134,43 @@ def prefill_attention(query, key, value, begin: int, mode: str, scale: float, le
     if begin == 0:
         return fused_attention(query, key, value, None, scale, causal=True)
     return fused_attention(query, key, value, causal_mask(t, end, query.device), scale)
+
+
+@dataclass
+class PagedLayout:
+    """Where a decode step's rows lie in a token-major pool flattened to [slots, Hkv, D]: per row, the runs of slots
+    read in place ((first slot, tokens)); the slots of every other token, gathered ([B, W], padded; visible [B, W])."""
+
+    runs: list[list[tuple[int, int]]]
+    tail_index: torch.Tensor | None
+    tail_visible: torch.Tensor | None
+
+
+def paged_decode_attention(query, keys, values, layout: PagedLayout, scale: float) -> torch.Tensor:
+    """One decode step's attention over a paged pool, read in place: query [B, Hq, 1, D]; keys/values [slots, Hkv, D].
+
+    GQA is folded into the query length (each KV head's G query heads are G queries), so every call is plain
+    multi-head attention and the keys are read once per KV head. Each row attends each of its in-place runs (a
+    strided view, no copy, no padding), the whole batch its gathered tail in one masked call, and the parts are merged
+    by log-sum-exp. Returns [B, Hq, 1, D].
+    """
+    b, hq, _, d = query.shape
+    hkv = keys.shape[1]
+    q = query.reshape(b, hkv, hq // hkv, d)
+    out = q.new_zeros(q.shape)
+    lse = torch.full(q.shape[:3], float("-inf"), device=q.device)
+    for r, runs in enumerate(layout.runs):
+        parts = [attention_with_lse(q[r:r + 1], keys[first:first + n].transpose(0, 1)[None],
+                                    values[first:first + n].transpose(0, 1)[None], scale) for first, n in runs]
+        if len(parts) == 1:
+            out[r], lse[r] = parts[0][0][0], parts[0][1][0]
+        elif parts:
+            merged, merged_lse = merge_by_lse([o for o, _ in parts], [s for _, s in parts])
+            out[r], lse[r] = merged[0], merged_lse[0]
+    if layout.tail_index is not None:
+        w = layout.tail_index.shape[1]
+        k, v = (c.index_select(0, layout.tail_index.flatten()).view(b, w, hkv, d).transpose(1, 2)
+                for c in (keys, values))
+        tail, tail_lse = masked_attention_with_lse(q, k, v, layout.tail_visible, scale)
+        out, _ = merge_by_lse([out, tail], [lse, tail_lse])
+    return out.view(b, hq, 1, d)

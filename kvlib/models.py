@@ -114,6 +114,49 @@ def resolve_model_path(name: str) -> str:
     )
 
 
+# Decode multiplies a few rows by every weight matrix: SmolLM2's 30 layers of linears (distinct weights, streamed from
+# memory, best of 5) took 489 vs 1,026 ms at 16 rows and 212 vs 440 ms at 8 with oneDNN's linear on weights reordered
+# once into its blocked layout vs torch's default sgemm, 47.5 vs 49 ms at 1 row (2-core CPU shared with other work, load
+# 7-10: absolute times inflated, the ratio is the point). vLLM's CPU backend prepacks the same way. The hint is the
+# batch the layout is tuned for; any batch runs. Fused QKV weights (N=960) were far slower with oneDNN at 1 row: kept
+# separate.
+PACK_BATCH_HINT = 16
+
+
+class PackedLinear(torch.nn.Module):
+    """An nn.Linear whose weight lives in oneDNN's prepacked layout (the same numbers, the same bytes, in place of
+    the original: nothing is held twice). Its summation order differs from sgemm's: one layer's outputs agree within 2e-4, the
+    model's logits within 1e-3, greedy tokens exactly (tests/test_forward.py)."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), PACK_BATCH_HINT)
+        self.weight = torch.nn.Parameter(packed, requires_grad=False)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+
+def can_prepack(model: torch.nn.Module) -> bool:
+    p = next(model.parameters())
+    return p.device.type == "cpu" and p.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
+def prepack_linears(model: torch.nn.Module) -> int:
+    """Swap every linear layer of a CPU fp32 model for a PackedLinear, except one whose weight is shared (a tied LM
+    head is the embedding's table, which lookups need dense). Returns how many were swapped."""
+    shared = {id(p) for m in model.modules() if not isinstance(m, torch.nn.Linear) for p in m.parameters(recurse=False)}
+    swapped = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is torch.nn.Linear and id(child.weight) not in shared:
+                setattr(parent, name, PackedLinear(child))
+                swapped += 1
+    return swapped
+
+
 @dataclass
 class LoadedModel:
     name: str
@@ -151,9 +194,18 @@ def model_config(name: str):
 
 
 def load_model(name: str, device: str | torch.device | None = None, dtype: torch.dtype | None = None,
-               weights: str = "pretrained", num_layers: int | None = None, seed: int = 0) -> LoadedModel:
+               weights: str = "pretrained", num_layers: int | None = None, seed: int = 0,
+               prepack: bool = True) -> LoadedModel:
     """weights="random": the model's shape from its config, seeded random weights, no tokenizer (prompts are random
-    token ids, see kvlib.random_tokens); num_layers keeps only the first layers (tests)."""
+    token ids, see kvlib.random_tokens); num_layers keeps only the first layers (tests). prepack: on a CPU in fp32,
+    linear layers run oneDNN's prepacked matmul (PackedLinear)."""
+    loaded = _load_model(name, device, dtype, weights, num_layers, seed)
+    if prepack and can_prepack(loaded.model):
+        prepack_linears(loaded.model)
+    return loaded
+
+
+def _load_model(name, device, dtype, weights, num_layers, seed) -> LoadedModel:
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or default_dtype(device)
     if weights not in WEIGHTS:

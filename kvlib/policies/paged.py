@@ -5,8 +5,12 @@ table. Full prompt blocks are shared between rows with the same prefix (kvlib.bl
 before they are written, and memory grows a block at a time, so rows of different lengths waste at most one partly
 filled block each instead of a reservation for the longest row.
 
-Attention gathers a row's blocks through its block table (on a GPU vLLM does this inside its kernel; here it is an
-indexed copy) and masks each row to its own length.
+Decode attention reads the pool in place, each row over its own length (kvlib.attention.paged_decode_attention): a
+row's blocks are cut into runs of consecutive block ids; each run of at least IN_PLACE_MIN_TOKENS tokens is attended as a
+strided view into the pool, and the few tokens outside such runs (the blocks a row grew by during decode, which sit
+after every other row's prompt blocks) are gathered for the whole batch into one small tensor and attended in one
+masked call; the parts are merged by their log-sum-exp. Prefill reads a row in place when its blocks are one run (a
+fresh row's usually are) and gathers it otherwise.
 """
 
 from __future__ import annotations
@@ -15,11 +19,46 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlib.attention import decode_mask, fused_attention, prefill_attention
+from kvlib.attention import PagedLayout, paged_decode_attention, prefill_attention
 from kvlib.block_pool import BlockPool, BlockTable
 from kvlib.errors import UserError
 from kvlib.policies.base import KVPolicy, Step
 from kvlib.policies.registry import register
+
+# A run of consecutive blocks shorter than this is gathered with the tail: one more attention call per row and layer
+# costs ~30 us on this CPU, copying 64 tokens of K and V (24 KiB for SmolLM2) less.
+IN_PLACE_MIN_TOKENS = 64
+
+
+def block_runs(blocks: list[int], tokens: int, block_size: int) -> list[tuple[int, int]]:
+    """The first `tokens` tokens of a block table as maximal runs of consecutive blocks: (first token's slot in the
+    flattened pool, tokens in the run)."""
+    runs: list[tuple[int, int]] = []
+    held = 0
+    for i in range(-(-tokens // block_size)):
+        count = min(block_size, tokens - held)
+        if runs and blocks[i] == blocks[i - 1] + 1:
+            runs[-1] = (runs[-1][0], runs[-1][1] + count)
+        else:
+            runs.append((blocks[i] * block_size, count))
+        held += count
+    return runs
+
+
+def decode_layout(tables: list[list[int]], lengths: list[int], block_size: int, device) -> PagedLayout:
+    """Where a decode step's rows lie in the pool: long runs read in place, the other tokens' slots gathered."""
+    in_place, tails = [], []
+    for blocks, n in zip(tables, lengths):
+        runs = block_runs(blocks, n, block_size)
+        in_place.append([run for run in runs if run[1] >= IN_PLACE_MIN_TOKENS])
+        tails.append([slot for first, count in runs if count < IN_PLACE_MIN_TOKENS
+                      for slot in range(first, first + count)])
+    width = max(map(len, tails))
+    if width == 0:
+        return PagedLayout(in_place, None, None)
+    index = torch.tensor([t + [0] * (width - len(t)) for t in tails])
+    visible = torch.arange(width)[None, :] < torch.tensor([len(t) for t in tails])[:, None]
+    return PagedLayout(in_place, index.to(device), visible.to(device))
 
 
 @register
@@ -90,8 +129,9 @@ class PagedPolicy(KVPolicy):
         self.slot_block = self.table.gather(1, pos // bs).to(self.device)  # [B, T]
         self.slot_offset = (pos % bs).to(self.device)
         self.table = self.table.to(self.device)
-        if step.phase == "decode":  # each row sees its own length of the padded gather
-            self.visible, self.kv_len = decode_mask(step.start, width * bs, self.device)
+        if step.phase == "decode":
+            self.layout = decode_layout([self.tables[row].blocks for row in step.rows.tolist()],
+                                        (step.start + 1).tolist(), bs, self.device)
         self.peak_blocks = max(self.peak_blocks, self.pool.used)
 
     def release(self, row):
@@ -111,22 +151,28 @@ class PagedPolicy(KVPolicy):
         kc, vc = self.keys[layer], self.values[layer]
         kc[self.slot_block, self.slot_offset] = key.transpose(1, 2)
         vc[self.slot_block, self.slot_offset] = value.transpose(1, 2)
-        b, s = len(step.rows), self.spec
-        blocks = self.table.flatten()
-        # the rows' blocks copied out of the pool (vLLM's kernel reads them in place): live while attention runs
-        with self.ledger.transient("device", "activations", 2 * len(blocks) * kc[0].nbytes, f"paged gather, layer "
-                                   f"{layer}"):
-            # index_select copies whole blocks; advanced indexing (kc[table]) took 6x as long on this CPU for the same
-            # copy (0.40 vs 0.07 ms for a 2,048-token row), a fifth of a paged decode step at batch 1
-            k = kc.index_select(0, blocks).view(b, -1, s.num_kv_heads, s.head_dim).transpose(1, 2)
-            v = vc.index_select(0, blocks).view(b, -1, s.num_kv_heads, s.head_dim).transpose(1, 2)
-            if step.phase == "prefill":
-                n = int(step.start[0]) + step.q_len
-                return prefill_attention(query, k[:, :, :n], v[:, :, :n], int(step.start[0]), step.prefill_mode,
-                                         self.scale, self.ledger, layer)
-            n = self.kv_len
-            self.usage.add(layer, step.tokens_seen, step.tokens_seen, b)
-            return fused_attention(query, k[:, :, :n], v[:, :, :n], self.visible, self.scale)
+        s = self.spec
+        flat_k, flat_v = kc.view(-1, s.num_kv_heads, s.head_dim), vc.view(-1, s.num_kv_heads, s.head_dim)
+        if step.phase == "decode":
+            self.usage.add(layer, step.tokens_seen, step.tokens_seen, len(step.rows))
+            tail = self.layout.tail_index
+            # the tail's tokens copied out of the pool (at most a few blocks a row): live while attention runs
+            nbytes = 0 if tail is None else 2 * tail.numel() * flat_k[0].nbytes
+            with self.ledger.transient("device", "activations", nbytes, f"paged tail gather, layer {layer}"):
+                return paged_decode_attention(query, flat_k, flat_v, self.layout, self.scale)
+        row, begin = int(step.rows[0]), int(step.start[0])
+        n = begin + step.q_len
+        runs = block_runs(self.tables[row].blocks, n, self.block_size)
+        if len(runs) == 1:  # one run of consecutive blocks: a view into the pool
+            first = runs[0][0]
+            k, v = (c[first:first + n].transpose(0, 1)[None] for c in (flat_k, flat_v))
+            return prefill_attention(query, k, v, begin, step.prefill_mode, self.scale, self.ledger, layer)
+        blocks = self.table[0, :-(-n // self.block_size)]
+        with self.ledger.transient("device", "activations", 2 * len(blocks) * kc[0].nbytes,
+                                   f"paged prefill gather, layer {layer}"):
+            k, v = (c.index_select(0, blocks).view(-1, s.num_kv_heads, s.head_dim)[:n].transpose(0, 1)[None]
+                    for c in (kc, vc))
+            return prefill_attention(query, k, v, begin, step.prefill_mode, self.scale, self.ledger, layer)
 
     def after_pass(self, step: Step):
         with self.timers.section("block_management"):
