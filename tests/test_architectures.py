@@ -178,12 +178,13 @@ def test_paper_shapes_profile_runs_the_systems_grids_with_random_weights():
 
 
 def test_result_rows_say_what_random_weights_are_for():
-    from kvlib.engine import RunResult
     from kvlib.experiments.common import result_row
+    from kvlib.run_result import RunResult
 
     run = RunResult(outputs=[], metrics={}, memory={}, policy={"name": "full"})
-    assert result_row(run, {"weights": "random"})["caveat"] == "random weights: systems figures only"
-    assert "caveat" not in result_row(run, {})
+    point = Point("ttft", "full", {}, {}, "llama-3.1-8b", weights="random")
+    assert result_row(run, point)["caveat"] == "random weights: systems figures only"
+    assert "caveat" not in result_row(run, Point("ttft", "full", {}, {}, "smollm2-135m"))
 
 
 def test_cli_runs_a_named_architecture_with_random_weights(capsys, monkeypatch):

@@ -58,6 +58,8 @@ class QuestPolicy(BudgetedPolicy):
     # -- storage ---------------------------------------------------------------------------------------------------
     def start(self, batch_size, prompt_lens, max_new_tokens):
         s, bs = self.spec, self.block_size
+        self.tables: dict[int, BlockTable] = {}  # first: an allocation that does not fit still ends in finish()
+        self.bytes_read = self.bytes_read_full = 0
         blocks = sum(-(-(n + max_new_tokens) // bs) for n in prompt_lens)
         self.block_bytes = s.kv_bytes(bs)
         meta_shape = (s.num_layers, blocks, s.num_kv_heads, s.head_dim)
@@ -69,8 +71,6 @@ class QuestPolicy(BudgetedPolicy):
         self.key_min = torch.zeros(meta_shape, dtype=s.dtype, device=self.device)
         self.key_max = torch.zeros_like(self.key_min)
         self.pool = BlockPool(blocks, bs, self.block_bytes)
-        self.tables: dict[int, BlockTable] = {}
-        self.bytes_read = self.bytes_read_full = 0
 
     def prepare(self, step: Step):
         with self.timers.section("block_management"):
