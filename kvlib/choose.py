@@ -139,6 +139,9 @@ def choose(frames: dict[str, pd.DataFrame], prompt_tokens: int, batch: int, outp
         ttft = _read(ttft_df, p, "prompt_tokens", prompt_tokens, "ttft_s", device_memory_gb, choice)
         if ttft is not None:
             choice.ttft[p] = ttft
+    for p in choice.excluded:  # ruled out by one question, out of both answers
+        choice.decode.pop(p, None)
+        choice.ttft.pop(p, None)
     if choice.decode:
         choice.fastest_decode = max(choice.decode, key=lambda p: choice.decode[p].value)
     if choice.ttft:
@@ -170,17 +173,20 @@ def _read(df, policy, axis, x, value, device_memory_gb, choice) -> Estimate | No
     curve = ok.groupby(by)[value].median()
     curve = curve.groupby(axis).min() if len(by) > 1 else curve
     estimate = read_at(curve, x, axis.replace("_size", "").replace("_", " "))
-    if estimate is None or _excluded_at(g, ok, axis, estimate, policy, choice):
+    if estimate is None:
+        if not g.empty:
+            choice.excluded.setdefault(policy, "no measured point fits (out of memory, or a measured device peak "
+                                               "above the memory given)")
         return None
-    return estimate
+    return None if _excluded_at(g, ok, axis, estimate, policy, choice) else estimate
 
 
 def _excluded_at(g, ok, axis, estimate, policy, choice) -> bool:
-    """A point of the grid at or beyond the one asked that did not fit rules the policy out: it would not fit there
-    either (memory grows with the batch and the prompt)."""
-    failed = g.loc[~g.index.isin(ok.index), axis]
-    beyond = failed[failed <= max(estimate.points + [estimate.at])] if not failed.empty else failed
-    if beyond.empty or min(beyond) > estimate.at:
+    """A grid point at or below the one asked where nothing fitted (no prefill mode, for TTFT) rules the policy out:
+    it would not fit there either (memory grows with the batch and the prompt)."""
+    failed = sorted(set(g[axis]) - set(ok[axis]))
+    beyond = [x for x in failed if x <= max(estimate.points + [estimate.at])]
+    if not beyond:
         return False
     choice.excluded.setdefault(policy, f"does not fit at {estimate.axis} {min(beyond):g} (out of memory, or a measured "
                                        f"device peak above the memory given)")

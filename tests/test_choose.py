@@ -62,3 +62,14 @@ def test_the_regimes_table_is_computed_by_the_same_function():
     assert len(table) == 2 * 2 * 1 * 2  # prompts x batches x (no decode-length grid) x tolerances
     row = table[(table["batch"] == 8) & (table["accuracy drop allowed (pp)"] == "5")].iloc[0]
     assert row["fastest decode"].startswith("full") and "sparse" in row["ruled out"]
+
+
+def test_a_prompt_length_fits_when_any_prefill_mode_fits_and_a_ruled_out_policy_is_in_no_answer():
+    f = frames()
+    ttft = f["ttft"].copy()
+    ttft.loc[(ttft["prompt_tokens"] == 2048) & (ttft["prefill"] == "full"), "oom"] = True  # fused still fits
+    ttft.loc[(ttft["policy"] == "fast") & (ttft["prompt_tokens"] == 2048), "oom"] = True  # nothing fits for fast
+    c = choose({**f, "ttft": ttft}, 2048, 4, 32)
+    assert "full" not in c.excluded and c.ttft["full"].value == pytest.approx(2.048)
+    assert "does not fit at prompt tokens 2048" in c.excluded["fast"]
+    assert "fast" not in c.decode and c.fastest_decode == "sparse"
