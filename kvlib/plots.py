@@ -1,4 +1,4 @@
-"""Figures of the book, drawn from results frames (kvlib.study.load_results), so notebook cells stay one line."""
+"""Figures of the book, drawn from results frames (kvlib.results.load), so notebook cells stay one line."""
 
 from __future__ import annotations
 
