@@ -17,34 +17,20 @@ def smollm() -> LoadedModel:
     return load_model("smollm2-135m", device="cpu")
 
 
-def byte_tokenizer():
-    """A byte-level tokenizer built here (no file, no model): one token per byte, id 256 the end of sequence."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {char: i for i, char in enumerate(pre_tokenizers.ByteLevel.alphabet())} | {"<eos>": 256}
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>")
-
-
 @pytest.fixture(scope="session")
-def tiny() -> LoadedModel:
-    """A 4-layer random Llama with GQA (4 query heads, 2 KV heads) and a byte-level tokenizer: fast unit tests that
-    need nothing from the embedded model. Its vocabulary is SmolLM2's size, so prompts tokenized by SmolLM2 run too."""
+def tiny(smollm) -> LoadedModel:
+    """A 4-layer random Llama with GQA (4 query heads, 2 KV heads) and SmolLM2's tokenizer: fast unit tests."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     register_attention()
     torch.manual_seed(0)
-    tokenizer = byte_tokenizer()
-    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128,
+    config = LlamaConfig(vocab_size=smollm.model.config.vocab_size, hidden_size=64, intermediate_size=128,
                          num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                         max_position_embeddings=1024, eos_token_id=tokenizer.eos_token_id)
+                         max_position_embeddings=1024, eos_token_id=smollm.tokenizer.eos_token_id)
     config._attn_implementation = "kvlib"
     model = LlamaForCausalLM(config).eval()
-    return LoadedModel("tiny-llama", model, tokenizer, ModelSpec.from_config("tiny-llama", config, torch.float32),
-                       torch.device("cpu"))
+    return LoadedModel("tiny-llama", model, smollm.tokenizer, ModelSpec.from_config("tiny-llama", config,
+                                                                                   torch.float32), torch.device("cpu"))
 
 
 @pytest.fixture(scope="session")

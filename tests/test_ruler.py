@@ -53,7 +53,8 @@ def test_the_offline_subtasks_build_without_network(smollm, tmp_path):
     assert sorted(built) == sorted(OFFLINE_RULER_TASKS)
     for task, b in built.items():
         # 500 items each (lm-eval's count), all sized for 1,024 tokens (prompt + the tokens left for the answer)
-        assert b["items"] == 500 and b["lengths"] == [1024] and b["longest"] <= 1024, (task, b)
+        # lm-eval's generators aim at the length and may overshoot a little (ruler_fwe: 1,074 tokens at 1,024)
+        assert b["items"] == 500 and b["lengths"] == [1024] and b["longest"] <= 1.1 * 1024, (task, b)
         assert b["answers_in_input"], task
     assert (tmp_path / "nltk_data" / "tokenizers" / "punkt_tab" / "english" / "done").exists()
 
