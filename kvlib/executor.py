@@ -79,11 +79,7 @@ def run_metadata(profile: str) -> dict:
             "finished_at": datetime.now(UTC).isoformat()}
 
 
-def selected_points(profile: Profile, experiment: str, policies: Iterable[str] | None = None) -> list[Point]:
-    if experiment not in profile.experiments:
-        raise UserError(f"profile {profile.name!r} has no experiment {experiment!r}; "
-                        f"it has {sorted(profile.experiments)}")
-    points = profile.points(experiment)
+def selected_points(points: list[Point], policies: Iterable[str] | None = None) -> list[Point]:
     if policies is not None:
         unknown = sorted(set(policies) - set(runners()))
         if unknown:
@@ -96,9 +92,13 @@ def run_experiment(profile: Profile, experiment: str, force: bool = False, progr
                    policies: Iterable[str] | None = None, executor: Executor | None = None) -> None:
     """Store every missing unit of one experiment (of the given policies only, if any), and the manifest of the
     profile's grid."""
-    points = selected_points(profile, experiment, policies)
+    if experiment not in profile.experiments:
+        raise UserError(f"profile {profile.name!r} has no experiment {experiment!r}; "
+                        f"it has {sorted(profile.experiments)}")
+    grid = profile.points(experiment)
+    points = selected_points(grid, policies)
     repeats = profile.repeats(experiment)
-    results.write_manifest(profile.name, experiment, [p.key for p in profile.points(experiment)], repeats)
+    results.write_manifest(profile.name, experiment, [p.key for p in grid], repeats)
     units = [(p, r) for r in range(repeats) for p in points]
     todo = [(p, r) for p, r in units
             if force or not results.unit_path(profile.name, experiment, p.key, r).exists()]
