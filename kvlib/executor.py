@@ -1,6 +1,10 @@
 """Computing a profile's grid: one function computes a unit of work (a point's repeat) into its result rows; an
 executor runs the units that are not stored yet and hands each finished unit back to be written.
 
+An exception in a unit never stops the others, in any executor: it is reported as it happens, nothing of that unit
+is written, and once every other unit is stored the run fails with `UnitsFailed`, naming each failed unit with its
+error, so a rerun computes exactly those.
+
 Repeats run interleaved: every point once, then every point again, so a slow minute of the machine does not land on
 one policy's repeats. Each unit records the machine's load while it ran (kvlib.machine_load); one measured while other
 processes took the CPU is measured once more, and flagged `disturbed` if it still was.
@@ -11,6 +15,8 @@ from __future__ import annotations
 import importlib
 import platform
 import subprocess
+import sys
+import traceback
 from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 from typing import Protocol
@@ -43,17 +49,47 @@ def compute_unit(point: Point, repeat: int, meta: dict) -> pd.DataFrame:
                           **load.columns()} for row in rows])
 
 
+class UnitsFailed(UserError):
+    """Units whose computation raised (or whose Ray worker died more often than retried): `failures` holds
+    (point, repeat, message) for each."""
+
+    def __init__(self, failures: list, total: int):
+        self.failures, self.total = failures, total
+        lines = [f"  {p.experiment} {p.runner} {p.key} r{r}: {message.strip().splitlines()[-1]}"
+                 for p, r, message in failures]
+        super().__init__(f"{len(failures)} of {total} unit(s) failed; every other unit is stored and a rerun "
+                         f"computes only these:\n" + "\n".join(lines))
+
+
+def error_text(exc: BaseException) -> str:
+    return "".join(traceback.format_exception(exc))
+
+
+def report_failure(point: Point, repeat: int, error: str) -> None:
+    tqdm.write(f"kvlib: {point.experiment} {point.runner} {point.key} r{repeat} failed:\n{error}", file=sys.stderr)
+
+
 class Executor(Protocol):
     def run(self, units: list[Unit], meta: dict, done: Callable[[Point, int, pd.DataFrame], None]) -> None:
-        """Compute every unit and call done(point, repeat, rows) as each finishes (in any order)."""
+        """Compute every unit and call done(point, repeat, rows) as each finishes (in any order); raise UnitsFailed
+        at the end if any unit raised."""
 
 
 class Serial:
     """Every unit in this process, one after the other (the default)."""
 
     def run(self, units, meta, done):
+        failures = []
         for point, repeat in units:
-            done(point, repeat, compute_unit(point, repeat, meta))
+            try:
+                rows = compute_unit(point, repeat, meta)
+            except Exception as exc:  # noqa: BLE001 -- any exception of a unit is that unit's recorded error
+                failures.append((point, repeat, error_text(exc)))
+                report_failure(*failures[-1])
+                continue
+            done(point, repeat, rows)
+        if failures:
+            raise UnitsFailed(failures, len(units))
 
 
 def machine_metadata() -> dict:

@@ -5,10 +5,8 @@ calls, so a model's weights load once per worker (the experiments' model cache) 
 row computed locally, timings and the worker's own machine columns aside. Rows go back to the driver, which alone
 writes results/ (through `done`): no shared filesystem is needed.
 
-A worker process that dies is restarted and its unit computed again (`max_retries` times). An exception in a unit
-never stops the others: it is reported as it happens, and once every other unit is stored the run fails with
-`UnitsFailed`, naming each failed unit with its error; nothing of a failed unit is written, so a rerun computes
-exactly those.
+A worker process that dies is restarted and its unit computed again (`max_retries` times). An exception in a unit is
+that unit's error, as in the serial executor (kvlib.executor): the others go on, and the run ends in `UnitsFailed`.
 
 Without an address the executor starts a Ray instance on this machine (dashboard off; Ray >= 2.52 turns its token
 authentication on for it); with one it joins that cluster and leaves it running.
@@ -17,27 +15,11 @@ authentication on for it); with one it joins that cluster and leaves it running.
 from __future__ import annotations
 
 import os
-import sys
-import traceback
 from collections import deque
 from pathlib import Path
 
-from tqdm import tqdm
-
 from kvlib.errors import UserError
-from kvlib.executor import Unit, compute_unit, machine_metadata
-
-
-class UnitsFailed(UserError):
-    """Units whose computation raised (or whose worker died more often than retried): `failures` holds
-    (point, repeat, message) for each."""
-
-    def __init__(self, failures: list, total: int):
-        self.failures = failures
-        lines = [f"  {p.experiment} {p.runner} {p.key} r{r}: {message.strip().splitlines()[-1]}"
-                 for p, r, message in failures]
-        super().__init__(f"{len(failures)} of {total} unit(s) failed; every other unit is stored and a rerun "
-                         f"computes only these:\n" + "\n".join(lines))
+from kvlib.executor import Unit, UnitsFailed, compute_unit, error_text, machine_metadata, report_failure
 
 
 def _ray():
@@ -63,8 +45,8 @@ class _Worker:
         """(rows, None), or (None, the error with its traceback): an exception is a result, not a retry."""
         try:
             return compute_unit(point, repeat, {**meta, **machine_metadata()}), None
-        except Exception as exc:  # noqa: BLE001 -- any exception of a point is that point's recorded error
-            return None, "".join(traceback.format_exception(exc))
+        except Exception as exc:  # noqa: BLE001 -- any exception of a unit is that unit's recorded error
+            return None, error_text(exc)
 
 
 class RayExecutor:
@@ -155,7 +137,6 @@ class RayExecutor:
                 done(point, repeat, rows)
             else:
                 failures.append((point, repeat, error))
-                tqdm.write(f"kvlib: {point.experiment} {point.runner} {point.key} r{repeat} failed:\n{error}",
-                           file=sys.stderr)
+                report_failure(point, repeat, error)
         if failures:
             raise UnitsFailed(failures, len(units))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pandas as pd
 
 from kvlib import book, results
-from kvlib.executor import Executor, run_experiment
+from kvlib.executor import Executor, UnitsFailed, run_experiment
 from kvlib.profile import EXPERIMENTS, Profile
 from kvlib.profile import load_profile as _load_profile
 
@@ -24,8 +24,14 @@ def run_study(profile: str, experiments: list[str] | None = None, force: bool = 
               policies: list[str] | None = None, notebooks: bool = True, executor: Executor | None = None) -> None:
     prof = load_profile(profile)
     names = experiments or [e for e in EXPERIMENTS if e in prof.experiments]
-    for name in names:
-        run_experiment(prof, name, force=force, policies=policies, executor=executor)
+    failed = []
+    for name in names:  # a unit that fails stops nothing: the other experiments are computed before the run fails
+        try:
+            run_experiment(prof, name, force=force, policies=policies, executor=executor)
+        except UnitsFailed as exc:
+            failed.append(exc)
+    if failed:
+        raise UnitsFailed([f for exc in failed for f in exc.failures], sum(exc.total for exc in failed))
     if notebooks:  # the chapters of the experiments run, and those that read every experiment
         for chapter in [c for c in book.CHAPTERS if c in names or c not in EXPERIMENTS]:
             book.execute(chapter, prof.name)

@@ -37,7 +37,7 @@ def test_paged_decode_attention_equals_dense_attention_over_each_row(block_size)
     layout = decode_layout(tables, lengths, block_size, "cpu")
     assert layout.tail_index is not None and any(layout.runs)  # both paths are exercised
     query = torch.randn(len(lengths), hkv * g, 1, d)
-    out = paged_decode_attention(query, pool_k, pool_v, layout, d ** -0.5)
+    out = paged_decode_attention(query, pool_k[None], pool_v[None], layout, d ** -0.5)
     for r, (table, n) in enumerate(zip(tables, lengths)):
         slots = torch.tensor([b * block_size + i for b in table for i in range(block_size)][:n])
         k, v = pool_k[slots].transpose(0, 1)[None], pool_v[slots].transpose(0, 1)[None]
@@ -68,7 +68,13 @@ def test_prepacked_model_keeps_greedy_tokens_and_logits_close(smollm, mixed_prom
     plain = load_model("smollm2-135m", device="cpu", prepack=False)
     assert not any(isinstance(m, PackedLinear) for m in plain.model.modules())
     assert any(isinstance(m, PackedLinear) for m in smollm.model.modules())
+    head = plain.model.get_output_embeddings()
+    dense_bytes = plain.weights_bytes
     assert prepack_linears(plain.model) > 0 and plain.weights_bytes == smollm.weights_bytes
+    # the tied head is packed as a copy, booked; the embedding table stays dense for lookups
+    assert isinstance(plain.model.lm_head, PackedLinear)
+    assert plain.weights_bytes == dense_bytes + head.weight.numel() * head.weight.element_size()
+    assert plain.model.get_input_embeddings().weight.layout == torch.strided
     plain = load_model("smollm2-135m", device="cpu", prepack=False)
     ids = torch.tensor([mixed_prompts[1]])
     with torch.no_grad():

@@ -12,6 +12,7 @@ import pytest
 
 from kvlib import cli, executor, results, study
 from kvlib.errors import UserError
+from kvlib.executor import UnitsFailed
 
 REPO = Path(__file__).resolve().parents[1]
 # columns that measure (time, the machine's load) or describe the process that computed the unit (a Ray worker
@@ -112,8 +113,6 @@ def test_a_worker_killed_mid_grid_is_retried_and_every_unit_is_stored_once(root,
 
 
 def test_an_exception_in_a_point_is_reported_with_its_message_and_the_rest_stored(root, ray_cluster, capsys):
-    from kvlib.ray_executor import UnitsFailed
-
     points = study.load_profile("smoke").points("batch_scaling")
     bad = points[3].key
     ex = ray_executor(KVLIB_FAKE_RAISE_ON=bad)

@@ -89,6 +89,30 @@ def test_grid_expansion_skips_what_a_policy_cannot_run_and_hashes_are_stable(roo
     assert len({p.key for p in points}) == len(points)
 
 
+def test_an_exception_in_a_unit_is_recorded_and_the_others_stored(root, monkeypatch, capsys):
+    """The serial executor treats a failing unit as the Ray executor does: reported with its message as it happens,
+    nothing written for it, every other unit stored, and the run fails naming it; a rerun computes only it."""
+    write_profile(root, "p", {**PROFILE, "experiments": {"ttft": {**PROFILE["experiments"]["ttft"], "repeats": 2}}})
+    points = study.load_profile("p").points("ttft")
+    bad = points[1].key
+
+    def run_point(point):
+        if point.key == bad:
+            raise ValueError(f"broken at {point.key}")
+        return [{"ttft_s": 0.1, "oom": False}]
+
+    monkeypatch.setattr(ttft, "run_point", run_point)
+    with pytest.raises(executor.UnitsFailed, match=f"{bad} r0: ValueError: broken at {bad}") as failed:
+        run_experiment("p")
+    assert len(failed.value.failures) == 2 and "Traceback" in failed.value.failures[0][2]  # both repeats
+    assert f"broken at {bad}" in capsys.readouterr().err
+    assert results.missing_units("p", "ttft") == [f"{bad}-r0.parquet", f"{bad}-r1.parquet"]
+    assert not list((root / "results" / "p" / "ttft").glob(".*tmp"))
+    calls = []
+    monkeypatch.setattr(ttft, "run_point", lambda point: calls.append(point) or [{"ttft_s": 0.2, "oom": False}])
+    assert len(run_experiment("p")) == 2 * len(points) and {p.key for p in calls} == {bad} and len(calls) == 2
+
+
 def test_an_interrupted_run_resumes_without_recomputing(root, monkeypatch):
     write_profile(root, "p", PROFILE)
     calls = []

@@ -95,6 +95,8 @@ class PagedPolicy(KVPolicy):
             self.ledger.add("device", "kv_reserved", blocks * block_bytes, where="paged KV pool")
             self.keys = torch.zeros(shape, dtype=s.dtype, device=self.device)
             self.values = torch.zeros_like(self.keys)
+            self.flat_pools = tuple(c.view(s.num_layers, -1, s.num_kv_heads, s.head_dim)
+                                    for c in (self.keys, self.values))
             self.pool = BlockPool(blocks, bs, block_bytes)
         else:  # a pool kept from an earlier run keeps its cached prefixes
             self.ledger.add("device", "kv_reserved", blocks * block_bytes, where="paged KV pool")
@@ -152,14 +154,14 @@ class PagedPolicy(KVPolicy):
         kc[self.slot_block, self.slot_offset] = key.transpose(1, 2)
         vc[self.slot_block, self.slot_offset] = value.transpose(1, 2)
         s = self.spec
-        flat_k, flat_v = kc.view(-1, s.num_kv_heads, s.head_dim), vc.view(-1, s.num_kv_heads, s.head_dim)
         if step.phase == "decode":
             self.usage.add(layer, step.tokens_seen, step.tokens_seen, len(step.rows))
             tail = self.layout.tail_index
             # the tail's tokens copied out of the pool (at most a few blocks a row): live while attention runs
-            nbytes = 0 if tail is None else 2 * tail.numel() * flat_k[0].nbytes
+            nbytes = 0 if tail is None else 2 * tail.numel() * self.flat_pools[0][0, 0].nbytes
             with self.ledger.transient("device", "activations", nbytes, f"paged tail gather, layer {layer}"):
-                return paged_decode_attention(query, flat_k, flat_v, self.layout, self.scale)
+                return paged_decode_attention(query, *self.flat_pools, self.layout, self.scale, layer)
+        flat_k, flat_v = kc.view(-1, s.num_kv_heads, s.head_dim), vc.view(-1, s.num_kv_heads, s.head_dim)
         row, begin = int(step.rows[0]), int(step.start[0])
         n = begin + step.q_len
         runs = block_runs(self.tables[row].blocks, n, self.block_size)
