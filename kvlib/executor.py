@@ -13,11 +13,13 @@ processes took the CPU is measured once more, and flagged `disturbed` if it stil
 from __future__ import annotations
 
 import importlib
+import multiprocessing
 import platform
 import subprocess
 import sys
 import traceback
 from collections.abc import Callable, Iterable
+from concurrent.futures import ProcessPoolExecutor
 from datetime import UTC, datetime
 from typing import Protocol
 
@@ -29,7 +31,7 @@ from kvlib import results
 from kvlib.errors import UserError
 from kvlib.machine_load import measured_load
 from kvlib.profile import Point, Profile
-from kvlib.runners import runners
+from kvlib.runners import runner_class, runners
 
 ATTEMPTS = 2  # a unit measured while other processes took the CPU is measured once more
 
@@ -38,7 +40,25 @@ Unit = tuple[Point, int]  # a point and the index of its repeat
 
 def compute_unit(point: Point, repeat: int, meta: dict) -> pd.DataFrame:
     """The result rows of one repeat of one point: the point's columns, what the experiment measured, the run's
-    metadata and the machine's load while it ran."""
+    metadata and the machine's load while it ran.
+
+    A point of an outside engine (the real vLLM) is computed in a fresh process of its own. Starting vLLM changes the
+    process it runs in: two more OpenMP runtimes, `torch.set_num_threads` made a no-op, NUMA binding (book/methods.md,
+    "Why engines are not compared in one process"); every kvlib point computed after it in the same process would be
+    measured in that process."""
+    if runner_class(point.runner).outside:
+        return in_fresh_process(_compute_unit, point, repeat, meta)
+    return _compute_unit(point, repeat, meta)
+
+
+def in_fresh_process(fn, *args):
+    """fn(*args) in a new interpreter (spawned, not forked: nothing of this process's threads or libraries comes
+    along); its exception, if any, is raised here."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
+
+
+def _compute_unit(point: Point, repeat: int, meta: dict) -> pd.DataFrame:
     experiment = importlib.import_module(f"kvlib.experiments.{point.experiment}")
     for attempt in range(1, ATTEMPTS + 1):
         with measured_load() as load:

@@ -1,6 +1,7 @@
 """One timing rule: exclusive sections, one definition of cache operations, a wall split that adds up."""
 
 import time
+import types
 
 import pytest
 import torch
@@ -44,3 +45,28 @@ def test_every_policy_reports_sections_that_add_up_to_its_run(tiny, name):
     assert m["setup_s"] > 0 and m["ttft_s"] < m["total_s"]
     if name != "full":
         assert m["wall_split_s"]["cache_ops"] > 0
+
+
+def test_the_systems_experiments_measure_decode_from_outside_the_engine(monkeypatch):
+    """batch_scaling and decode_length time whole runs with 1 and N new tokens (after an untimed warm-up), as
+    bench_decode.py does: decode tok/s = (N - 1) x rows / (wall(N) - wall(1)), whatever the engine says of itself."""
+    from kvlib.experiments import common
+    from kvlib.run_result import RunResult
+
+    clock = {"now": 0.0}
+    calls = []
+
+    def fake_run(point, prompts, n):  # 2 s of setup and prefill, then 0.1 s per decode step of the batch
+        calls.append((len(prompts), n))
+        clock["now"] += 2.0 + 0.1 * (n - 1)
+        metrics = {"decode_tokens_per_s": 999.0, "decode_tokens_per_s_q1": 900.0, "decode_tokens_per_s_q3": 1e3}
+        return RunResult(outputs=[], metrics=metrics, memory={}, policy={}, stats={}, oom=None)
+
+    monkeypatch.setattr(common, "run", fake_run)
+    monkeypatch.setattr(common.time, "perf_counter", lambda: clock["now"])
+    point = types.SimpleNamespace(weights="pretrained")
+    row = common.run_measured_from_outside(point, [[1, 2]] * 8, 33)
+    assert calls == [(1, 2), (8, 1), (8, 33)]  # the warm-up, then the two timed runs
+    assert row["decode_tokens_per_s"] == pytest.approx(32 * 8 / 3.2)  # 80 tok/s, not the engine's 999
+    assert row["engine_decode_tokens_per_s"] == 999.0 and row["decode_tokens_per_s_q1"] is None
+    assert (row["wall_1_token_s"], row["wall_s"]) == pytest.approx((2.0, 5.2))

@@ -1,6 +1,6 @@
 """Memory, throughput and latency vs batch size on mixed-length prompts (paper Fig. 3, 4, 5)."""
 
-from kvlib.experiments.common import model_of, result_row, run
+from kvlib.experiments.common import model_of, run_measured_from_outside
 from kvlib.workloads import mixed_length_prompts
 
 
@@ -8,6 +8,6 @@ def run_point(point) -> list[dict]:
     v = point.values
     prompts = mixed_length_prompts(model_of(point).tokenizer, v["batch_size"], v["min_prompt_tokens"],
                                    v["max_prompt_tokens"], seed=v.get("seed", 0), source=v.get("text_source"))
-    row = result_row(run(point, prompts, v["max_new_tokens"]), point)
+    row = run_measured_from_outside(point, prompts, v["max_new_tokens"])
     row["prompt_tokens_total"] = sum(map(len, prompts))
     return [row]

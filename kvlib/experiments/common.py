@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import time
 
 from kvlib.engine import Engine
 from kvlib.models import LoadedModel, load_model
@@ -54,3 +55,31 @@ def run(point: Point, prompts: list[list[int]], max_new_tokens: int) -> RunResul
 def result_row(result: RunResult, point: Point) -> dict:
     """A run's result row (RunResult.row), with the caveat random weights carry."""
     return {**({"caveat": CAVEAT} if point.weights == "random" else {}), **result.row()}
+
+
+OUTSIDE_COLUMNS = ("decode_tokens_per_s", "decode_tokens_per_s_q1", "decode_tokens_per_s_q3")
+
+
+def run_measured_from_outside(point: Point, prompts: list[list[int]], max_new_tokens: int) -> dict:
+    """The point's run as its result row, with decode throughput measured from outside the engine, as
+    benchmarks/bench_decode.py measures every engine (book/methods.md, "How decode throughput is measured"): after an
+    untimed warm-up (vLLM's engine start, a policy's calibration, first calls), the same run with 1 new token and with
+    N, each timed around the whole call: decode_tokens_per_s = (N - 1) x rows / (wall(N) - wall(1)). Prefill,
+    allocation and setup are in both walls and cancel; nothing inside an engine is trusted to time itself, so kvlib's
+    policies and vLLM are measured alike. The engine's own figures (its decode sections, per-step quartiles) stay as
+    engine_decode_tokens_per_s[_q1|_q3]; the memory, TTFT and every other column are the N-token run's."""
+    run(point, prompts[:1], 2)
+    walls, results = {}, {}
+    for n in (1, max_new_tokens):
+        begin = time.perf_counter()
+        results[n] = run(point, prompts, n)
+        walls[n] = time.perf_counter() - begin
+    row = result_row(results[max_new_tokens], point)
+    for column in OUTSIDE_COLUMNS:
+        row[f"engine_{column}"] = row.pop(column, None)
+    measured = max_new_tokens > 1 and not any(r.oom for r in results.values()) and walls[max_new_tokens] > walls[1]
+    row["decode_tokens_per_s"] = ((max_new_tokens - 1) * len(prompts) / (walls[max_new_tokens] - walls[1])
+                                  if measured else None)
+    row["decode_tokens_per_s_q1"] = row["decode_tokens_per_s_q3"] = None  # one figure a run: spread over repeats
+    row["wall_1_token_s"], row["wall_s"] = walls[1], walls[max_new_tokens]
+    return row
