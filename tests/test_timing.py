@@ -66,7 +66,7 @@ def test_the_systems_experiments_measure_decode_from_outside_the_engine(monkeypa
     monkeypatch.setattr(common.time, "perf_counter", lambda: clock["now"])
     point = types.SimpleNamespace(weights="pretrained")
     row = common.run_measured_from_outside(point, [[1, 2]] * 8, 33)
-    assert calls == [(1, 2), (8, 1), (8, 33)]  # the warm-up, then the two timed runs
+    assert calls == [(8, 2), (8, 1), (8, 33)]  # the warm-up on the same prompts, then the two timed runs
     assert row["decode_tokens_per_s"] == pytest.approx(32 * 8 / 3.2)  # 80 tok/s, not the engine's 999
     assert row["engine_decode_tokens_per_s"] == 999.0 and row["decode_tokens_per_s_q1"] is None
     assert (row["wall_1_token_s"], row["wall_s"]) == pytest.approx((2.0, 5.2))

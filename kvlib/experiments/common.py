@@ -63,12 +63,12 @@ OUTSIDE_COLUMNS = ("decode_tokens_per_s", "decode_tokens_per_s_q1", "decode_toke
 def run_measured_from_outside(point: Point, prompts: list[list[int]], max_new_tokens: int) -> dict:
     """The point's run as its result row, with decode throughput measured from outside the engine, as
     benchmarks/bench_decode.py measures every engine (book/methods.md, "How decode throughput is measured"): after an
-    untimed warm-up (vLLM's engine start, a policy's calibration, first calls), the same run with 1 new token and with
-    N, each timed around the whole call: decode_tokens_per_s = (N - 1) x rows / (wall(N) - wall(1)). Prefill,
+    untimed warm-up on the same prompts (vLLM's engine start, a policy's calibration, the first call of each matmul
+    shape), the same run with 1 new token and with N, each timed around the whole call: decode_tokens_per_s = (N - 1) x rows / (wall(N) - wall(1)). Prefill,
     allocation and setup are in both walls and cancel; nothing inside an engine is trusted to time itself, so kvlib's
     policies and vLLM are measured alike. The engine's own figures (its decode sections, per-step quartiles) stay as
     engine_decode_tokens_per_s[_q1|_q3]; the memory, TTFT and every other column are the N-token run's."""
-    run(point, prompts[:1], 2)
+    run(point, prompts, 2)
     walls, results = {}, {}
     for n in (1, max_new_tokens):
         begin = time.perf_counter()
