@@ -56,9 +56,9 @@ def test_the_systems_experiments_measure_decode_from_outside_the_engine(monkeypa
     clock = {"now": 0.0}
     calls = []
 
-    def fake_run(point, prompts, n):  # 2 s of setup and prefill, then 0.1 s per decode step of the batch
-        calls.append((len(prompts), n))
-        clock["now"] += 2.0 + 0.1 * (n - 1)
+    def fake_run(point, prompts, n):  # 2 s of setup and prefill, then 0.1 s per decode step; the first 1-token
+        calls.append((len(prompts), n))  # timing stalls for 9 s
+        clock["now"] += 2.0 + 0.1 * (n - 1) + (9.0 if calls.count((len(prompts), 1)) == 1 and n == 1 else 0.0)
         metrics = {"decode_tokens_per_s": 999.0, "decode_tokens_per_s_q1": 900.0, "decode_tokens_per_s_q3": 1e3}
         return RunResult(outputs=[], metrics=metrics, memory={}, policy={}, stats={}, oom=None)
 
@@ -66,7 +66,8 @@ def test_the_systems_experiments_measure_decode_from_outside_the_engine(monkeypa
     monkeypatch.setattr(common.time, "perf_counter", lambda: clock["now"])
     point = types.SimpleNamespace(weights="pretrained")
     row = common.run_measured_from_outside(point, [[1, 2]] * 8, 33)
-    assert calls == [(8, 2), (8, 1), (8, 33)]  # the warm-up on the same prompts, then the two timed runs
+    # the warm-up on the same prompts, then the two timed runs twice, alternating
+    assert calls == [(8, 2)] + [(8, 1), (8, 33)] * common.OUTSIDE_TIMINGS
     assert row["decode_tokens_per_s"] == pytest.approx(32 * 8 / 3.2)  # 80 tok/s, not the engine's 999
     assert row["engine_decode_tokens_per_s"] == 999.0 and row["decode_tokens_per_s_q1"] is None
     assert (row["wall_1_token_s"], row["wall_s"]) == pytest.approx((2.0, 5.2))
