@@ -83,39 +83,36 @@ def fused_attention(query, key, value, mask: torch.Tensor | None, scale: float, 
                                           scale=scale, enable_gqa=True)
 
 
-def attention_with_lse(query, key, value, scale: float):
-    """Attention of query [1, H, T, D] over key/value [1, H, L, D] (no mask), and its log-sum-exp [1, H, T] (fp32):
-    what merging partial attentions over disjoint key sets needs. On a CPU, PyTorch's flash kernel returns both and
-    reads strided keys (a view into a block pool) in place."""
+def attention_with_lse(query, key, value, scale: float, mask: torch.Tensor | None = None):
+    """Attention of query [N, H, T, D] over key/value [N, H, L, D], and its log-sum-exp [N, H, T] (fp32): what merging
+    partial attentions over disjoint key sets needs. mask: additive, broadcastable to [N, H, T, L] (-inf hides a key).
+    A query with every key hidden has no defined result: the CPU flash kernel gives it output 0 and lse 0, not -inf,
+    so callers discard such queries (paged_decode_attention's unfilled reader slots). On a CPU, PyTorch's flash kernel
+    returns both and reads strided keys (a view into a block pool) in place."""
     if query.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, scale=scale)[:2]
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, attn_mask=mask,
+                                                                              scale=scale)[:2]
         return out, lse
     scores = torch.matmul(query, key.transpose(-1, -2)).float() * scale
-    lse = torch.logsumexp(scores, dim=-1)
-    return torch.matmul(torch.exp(scores - lse[..., None]).to(value.dtype), value), lse
-
-
-def merge_by_lse(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Combine attentions over disjoint key sets into the attention over their union. Folded a part at a time: what is
-    merged so far keeps its share of the pair's softmax mass, sigmoid(lse - lse_i) (5 small ops a pair, against ~12
-    for weighting every part by exp(lse_i - logsumexp)). A part with no keys has lse = -inf and output 0: it weighs 0,
-    and two of them give 0."""
-    out, lse = outs[0], lses[0]
-    for part, part_lse in zip(outs[1:], lses[1:]):
-        share = torch.sigmoid(lse - part_lse).nan_to_num(0.0)[..., None].to(part.dtype)
-        out = part + share * (out - part)
-        lse = torch.logaddexp(lse, part_lse)
-    return out, lse
-
-
-def masked_attention_with_lse(query, key, value, visible: torch.Tensor, scale: float):
-    """query [B, H, T, D] over key/value [B, H, L, D] where visible [B, L]; rows with nothing visible get lse -inf
-    and output 0."""
-    scores = torch.matmul(query, key.transpose(-1, -2)).float() * scale
-    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    if mask is not None:
+        scores = scores + mask
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[..., None])
     return torch.matmul(probs.to(value.dtype), value), lse
+
+
+def merge_segments(outs: torch.Tensor, lses: torch.Tensor, segments: torch.Tensor, rows: int) -> torch.Tensor:
+    """Combine attentions over disjoint key sets into each row's attention over their union: part i (outs[i],
+    lses[i]) belongs to row segments[i], and weighs exp(lse_i - the row's largest lse). A part with no keys (lse -inf)
+    weighs 0, as long as its row has some part with keys; segments may name row `rows`, a part no row owns, which is
+    dropped. Eight ops for the whole batch, however many parts a row has."""
+    shape = (rows + 1, *lses.shape[1:])
+    index = segments.view(-1, *[1] * (lses.dim() - 1)).expand_as(lses)
+    top = lses.new_full(shape, float("-inf")).scatter_reduce_(0, index, lses, "amax")
+    weight = torch.exp(lses - top.index_select(0, segments))
+    total = weight.new_zeros(shape).index_add_(0, segments, weight)
+    merged = outs.new_zeros(rows + 1, *outs.shape[1:]).index_add_(0, segments, outs * weight[..., None].to(outs.dtype))
+    return merged[:rows] / total[:rows, ..., None].to(outs.dtype)
 
 
 def matrix_bytes(batch: int, heads: int, q_len: int, kv_len: int, dtype_bytes: int) -> int:
@@ -141,49 +138,74 @@ def prefill_attention(query, key, value, begin: int, mode: str, scale: float, le
 
 
 @dataclass
+class SpanGroup:
+    """Consecutive spans of `span` slots of a paged pool, attended in one call: span i of the group is read by the rows
+    readers[i] ([spans, R]; the batch size where fewer than R rows read it), each over its own slots: mask
+    [spans, 1, R x G, span], additive, one row of G queries per reader (G query heads per KV head); None where every
+    slot is read."""
+
+    first_slot: int
+    span: int
+    readers: torch.Tensor
+    mask: torch.Tensor | None
+
+
+@dataclass
 class PagedLayout:
-    """Where a decode step's rows lie in a token-major pool [layers, slots, Hkv, D]: per row, the runs of slots read in
-    place ((first slot, tokens)); the slots of every other token, gathered ([B, W], padded; visible [B, W])."""
+    """Where a decode step's rows lie in a token-major pool [layers, slots, Hkv, D]: the pool cut into aligned spans,
+    attended in place (groups), and the slots of every other token gathered (tail_index [B, W], padded; tail_mask
+    [B, 1, 1, W], additive). segments: the row each part of the result belongs to (the groups' spans x readers, then
+    the tail's rows, a row with no tail tokens as no row); one_each: every row has one part, in row order (nothing to
+    merge: a lone row whose blocks are one run)."""
 
-    runs: list[list[tuple[int, int]]]
+    groups: list[SpanGroup]
     tail_index: torch.Tensor | None
-    tail_visible: torch.Tensor | None
-    views: list[list[tuple[torch.Tensor, torch.Tensor]]] | None = None
+    tail_mask: torch.Tensor | None
+    segments: torch.Tensor
+    one_each: bool = False
 
-    def run_views(self, keys: torch.Tensor, values: torch.Tensor) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
-        """Each run as K and V views over every layer, [layers, Hkv, n, D], made once a step: a layer then takes its
-        slice in one op (per row and layer, the Python around a ~20-70 us attention call is what paged pays)."""
-        if self.views is None:
-            self.views = [[(keys[:, first:first + n].transpose(1, 2), values[:, first:first + n].transpose(1, 2))
-                           for first, n in row] for row in self.runs]
-        return self.views
+    def workspace_bytes(self, token_bytes: int, query_bytes: int) -> int:
+        """What a decode step's attention holds beside the pool: this layout, and in each layer the tail's K and V
+        copied out of the pool (token_bytes: one token's K or V) and each span's gathered queries (query_bytes: one
+        row's)."""
+        plan = [self.tail_index, self.tail_mask, self.segments] + [t for g in self.groups for t in (g.readers, g.mask)]
+        gathered = 0 if self.tail_index is None else 2 * self.tail_index.numel() * token_bytes
+        gathered += sum(g.readers.numel() for g in self.groups) * query_bytes
+        return gathered + sum(t.nbytes for t in plan if t is not None)
 
 
 def paged_decode_attention(query, keys, values, layout: PagedLayout, scale: float, layer: int = 0) -> torch.Tensor:
     """One decode step's attention over a paged pool, read in place: query [B, Hq, 1, D]; keys/values
     [layers, slots, Hkv, D].
 
-    GQA is folded into the query length (each KV head's G query heads are G queries), so every call is plain
-    multi-head attention and the keys are read once per KV head. Each row attends each of its in-place runs (a
-    strided view, no copy, no padding), the whole batch its gathered tail in one masked call, and the parts are merged
-    by log-sum-exp. Returns [B, Hq, 1, D].
+    GQA is folded into the query length (each KV head's G query heads are G queries), so the keys are read once per KV
+    head. Each group of spans is one call over a strided view of the pool (no copy, no padding to the longest row):
+    a span is a batch element, its queries those of the rows holding tokens in it, each masked to its own slots. The
+    gathered tail is one masked call for the whole batch, and every part is merged by log-sum-exp (merge_segments). Returns
+    [B, Hq, 1, D].
     """
     b, hq, _, d = query.shape
     hkv = keys.shape[2]
-    q = query.reshape(b, hkv, hq // hkv, d)
+    g = hq // hkv
+    q = query.reshape(b, hkv, g, d)
+    padded_q = torch.cat([q, q.new_zeros(1, hkv, g, d)])  # what a reader slot that no row fills reads
     outs, lses = [], []
-    for q_row, runs in zip(q.split(1), layout.run_views(keys, values)):
-        parts = [attention_with_lse(q_row, k[layer:layer + 1], v[layer:layer + 1], scale) for k, v in runs]
-        if not parts:  # every token of this row is in the tail
-            parts = [(torch.zeros_like(q_row), torch.full(q_row.shape[:3], float("-inf"), device=q.device))]
-        out, lse = merge_by_lse([o for o, _ in parts], [s for _, s in parts])
-        outs.append(out)
-        lses.append(lse)
-    out, lse = torch.cat(outs), torch.cat(lses)
+    for group in layout.groups:
+        n, r = group.readers.shape
+        span_q = padded_q.index_select(0, group.readers.flatten()).view(n, r, hkv, g, d).transpose(1, 2)
+        span_q = span_q.reshape(n, hkv, r * g, d)
+        k, v = (c[layer, group.first_slot:group.first_slot + n * group.span].view(n, group.span, hkv, d)
+                .transpose(1, 2) for c in (keys, values))
+        out, lse = attention_with_lse(span_q, k, v, scale, group.mask)
+        outs.append(out.reshape(n, hkv, r, g, d).transpose(1, 2).reshape(n * r, hkv, g, d))
+        lses.append(lse.reshape(n, hkv, r, g).transpose(1, 2).reshape(n * r, hkv, g))
     if layout.tail_index is not None:
         w = layout.tail_index.shape[1]
         k, v = (c[layer].index_select(0, layout.tail_index.flatten()).view(b, w, hkv, d).transpose(1, 2)
                 for c in (keys, values))
-        tail, tail_lse = masked_attention_with_lse(q, k, v, layout.tail_visible, scale)
-        out, _ = merge_by_lse([out, tail], [lse, tail_lse])
-    return out.view(b, hq, 1, d)
+        out, lse = attention_with_lse(q, k, v, scale, layout.tail_mask)
+        outs.append(out)
+        lses.append(lse)
+    if layout.one_each:
+        return outs[0].reshape(b, hq, 1, d)
+    return merge_segments(torch.cat(outs), torch.cat(lses), layout.segments, b).view(b, hq, 1, d)

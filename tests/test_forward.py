@@ -4,9 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvlib.attention import paged_decode_attention
+from kvlib.attention import attention_with_lse, merge_segments, paged_decode_attention
 from kvlib.models import PackedLinear, can_prepack, prepack_linears
-from kvlib.policies.paged import IN_PLACE_MIN_TOKENS, block_runs, decode_layout
+from kvlib.policies.paged import SPAN_TOKENS, block_runs, decode_layout
 
 
 def test_block_runs_split_where_block_ids_jump():
@@ -15,27 +15,25 @@ def test_block_runs_split_where_block_ids_jump():
     assert block_runs([7], 1, 4) == [(28, 1)]
 
 
-@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("block_size", [4, 16, 512])
 def test_paged_decode_attention_equals_dense_attention_over_each_row(block_size):
-    """Rows of different lengths, in runs long enough to be read in place and in scattered blocks gathered as the
-    tail, equal SDPA over each row's own keys (its blocks in table order)."""
+    """Rows of different lengths equal SDPA over each row's own keys (its blocks in table order), wherever their
+    blocks lie: a long run, scattered blocks, a span shared by more rows than MAX_READERS (gathered as the tail),
+    blocks shared by two rows (a common prefix), and a block in the pool's last, partial span."""
     torch.manual_seed(0)
     hkv, g, d = 3, 3, 16
-    blocks = 200
+    span_blocks = max(SPAN_TOKENS, block_size) // block_size
+    blocks = 8 * span_blocks + 1  # the last block alone in a partial span
     pool_k, pool_v = torch.randn(blocks * block_size, hkv, d), torch.randn(blocks * block_size, hkv, d)
-    free = torch.randperm(blocks).tolist()
-    lengths = [1, IN_PLACE_MIN_TOKENS + 5, 3 * IN_PLACE_MIN_TOKENS, 2 * block_size + 1]
-    tables = []
-    for i, n in enumerate(lengths):
-        need = -(-n // block_size)
-        if i == 2:  # a long contiguous run then scattered blocks: in place + tail
-            start = 100
-            table = list(range(start, start + need - 2)) + [free.pop() for _ in range(2)]
-        else:
-            table = [free.pop() for _ in range(need)]
-        tables.append(table)
-    layout = decode_layout(tables, lengths, block_size, "cpu")
-    assert layout.tail_index is not None and any(layout.runs)  # both paths are exercised
+    lengths = [1, 70, 3 * SPAN_TOKENS // 2, 2 * block_size + 1, 2 * block_size + 3, block_size // 2]
+    needs = [-(-n // block_size) for n in lengths]
+    run = list(range(3 * span_blocks, 3 * span_blocks + needs[2] - 2))  # row 2: a long run, then scattered blocks
+    free = [b for b in torch.randperm(blocks - 1).tolist() if b > 2 and b not in run]
+    tables = [[0], [1] + [free.pop() for _ in range(needs[1] - 1)],  # blocks 0-2: three rows' first blocks
+              run + [free.pop() for _ in range(2)], [2] + [free.pop() for _ in range(needs[3] - 1)]]
+    tables += [tables[3][:needs[4] - 1] + [free.pop()], [blocks - 1]]  # row 4 shares row 3's prefix
+    layout = decode_layout(tables, lengths, block_size, blocks, g, torch.float32, "cpu")
+    assert layout.groups and (layout.tail_index is not None or span_blocks == 1)  # both paths are exercised
     query = torch.randn(len(lengths), hkv * g, 1, d)
     out = paged_decode_attention(query, pool_k[None], pool_v[None], layout, d ** -0.5)
     for r, (table, n) in enumerate(zip(tables, lengths)):
@@ -43,6 +41,30 @@ def test_paged_decode_attention_equals_dense_attention_over_each_row(block_size)
         k, v = pool_k[slots].transpose(0, 1)[None], pool_v[slots].transpose(0, 1)[None]
         expected = F.scaled_dot_product_attention(query[r:r + 1], k, v, scale=d ** -0.5, enable_gqa=True)
         torch.testing.assert_close(out[r:r + 1], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_lone_row_in_one_run_is_one_call_over_the_run():
+    torch.manual_seed(3)
+    pool_k, pool_v = torch.randn(64 * 4, 3, 16), torch.randn(64 * 4, 3, 16)
+    layout = decode_layout([[5, 6, 7, 8]], [14], 4, 64, 3, torch.float32, "cpu")
+    assert layout.one_each and [(g.first_slot, g.span) for g in layout.groups] == [(20, 14)]
+    query = torch.randn(1, 9, 1, 16)
+    out = paged_decode_attention(query, pool_k[None], pool_v[None], layout, 0.25)
+    k, v = pool_k[20:34].transpose(0, 1)[None], pool_v[20:34].transpose(0, 1)[None]
+    expected = F.scaled_dot_product_attention(query, k, v, scale=0.25, enable_gqa=True)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_merge_segments_equals_attention_over_the_union():
+    torch.manual_seed(2)
+    q, k, v = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 30, 8), torch.randn(1, 2, 30, 8)
+    parts = [attention_with_lse(q, k[:, :, a:b], v[:, :, a:b], 0.3) for a, b in ((0, 7), (7, 8), (8, 30))]
+    # keys 0-4 again, for no row (segment 1 = rows): dropped; a part with lse -inf (no keys) weighs nothing
+    parts.append(attention_with_lse(q, k[:, :, :5], v[:, :, :5], 0.3))
+    parts.append((torch.zeros_like(q), torch.full(q.shape[:3], float("-inf"))))
+    outs, lses = torch.cat([o for o, _ in parts]), torch.cat([s for _, s in parts])
+    merged = merge_segments(outs, lses, torch.tensor([0, 0, 0, 1, 0]), 1)
+    torch.testing.assert_close(merged, F.scaled_dot_product_attention(q, k, v, scale=0.3), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
