@@ -18,22 +18,26 @@ def test_block_runs_split_where_block_ids_jump():
 @pytest.mark.parametrize("block_size", [4, 16, 512])
 def test_paged_decode_attention_equals_dense_attention_over_each_row(block_size):
     """Rows of different lengths equal SDPA over each row's own keys (its blocks in table order), wherever their
-    blocks lie: a long run, scattered blocks, a span shared by more rows than MAX_READERS (gathered as the tail),
-    blocks shared by two rows (a common prefix), and a block in the pool's last, partial span."""
+    blocks lie: a long run, scattered blocks, a span read by 3 rows (a call of its own), a span read by more than
+    MAX_READERS rows (gathered as the tail), blocks shared by two rows (a common prefix), and a block in the pool's
+    last, partial span."""
     torch.manual_seed(0)
     hkv, g, d = 3, 3, 16
-    span_blocks = max(SPAN_TOKENS, block_size) // block_size
-    blocks = 8 * span_blocks + 1  # the last block alone in a partial span
+    span = max(SPAN_TOKENS, block_size) // block_size  # blocks per span
+    blocks = 8 * span + 8  # the last block in a partial span
     pool_k, pool_v = torch.randn(blocks * block_size, hkv, d), torch.randn(blocks * block_size, hkv, d)
-    lengths = [1, 70, 3 * SPAN_TOKENS // 2, 2 * block_size + 1, 2 * block_size + 3, block_size // 2]
+    lengths = [1, 70, 3 * SPAN_TOKENS // 2, 2 * block_size + 1, 2 * block_size + 3, block_size // 2, 1, 1, 1]
     needs = [-(-n // block_size) for n in lengths]
-    run = list(range(3 * span_blocks, 3 * span_blocks + needs[2] - 2))  # row 2: a long run, then scattered blocks
-    free = [b for b in torch.randperm(blocks - 1).tolist() if b > 2 and b not in run]
-    tables = [[0], [1] + [free.pop() for _ in range(needs[1] - 1)],  # blocks 0-2: three rows' first blocks
-              run + [free.pop() for _ in range(2)], [2] + [free.pop() for _ in range(needs[3] - 1)]]
-    tables += [tables[3][:needs[4] - 1] + [free.pop()], [blocks - 1]]  # row 4 shares row 3's prefix
+    run = list(range(3 * span, 3 * span + needs[2] - 2))  # row 2: a long run, then two blocks of span 6
+    placed = set(run) | {0, 1, 2, 3, 4, 6 * span, 6 * span + 1, 6 * span + 2, 6 * span + 3}
+    free = [b for b in torch.randperm(blocks - 1).tolist() if b not in placed]
+    tables = [[0], [1] + [free.pop() for _ in range(needs[1] - 1)],  # blocks 0-4: five rows' first blocks
+              run + [6 * span, 6 * span + 1], [2] + [free.pop() for _ in range(needs[3] - 1)]]
+    tables += [tables[3][:needs[4] - 1] + [6 * span + 2],  # row 4 shares row 3's prefix
+               [blocks - 1], [3], [6 * span + 3], [4]]  # span 6: rows 2, 4 and 7 (where a span is several blocks)
     layout = decode_layout(tables, lengths, block_size, blocks, g, torch.float32, "cpu")
-    assert layout.groups and (layout.tail_index is not None or span_blocks == 1)  # both paths are exercised
+    if span >= 5:  # every path is exercised
+        assert layout.tail_index is not None and 3 in [group.readers.shape[1] for group in layout.groups]
     query = torch.randn(len(lengths), hkv * g, 1, d)
     out = paged_decode_attention(query, pool_k[None], pool_v[None], layout, d ** -0.5)
     for r, (table, n) in enumerate(zip(tables, lengths)):

@@ -7,10 +7,11 @@ filled block each instead of a reservation for the longest row.
 
 Decode attention reads the pool in place, each row over its own tokens (kvlib.attention.paged_decode_attention): the
 pool is cut into aligned spans of SPAN_TOKENS slots, and all the spans the batch holds tokens in are attended in one
-call (the pool's last, shorter span in one more), each by the queries of the (at most MAX_READERS) rows holding tokens
-in it, masked to each row's own slots. The few tokens in spans read by more rows (the blocks rows grew by during
-decode, handed out to one row after another, sit side by side) are gathered for the whole batch into one small tensor
-and attended in one masked call; the parts are merged by their log-sum-exp. Prefill reads a row in place when its
+call (the pool's last, shorter span, and a span read by more than MEETING_READERS rows, in one more each), each span by
+the queries of the rows holding tokens in it, masked to each row's own slots. The few tokens in spans read by more
+than MAX_READERS rows (the blocks rows grew by during decode, handed out to one row after another, sit side by side)
+are gathered for the whole batch into one small tensor and attended in one masked call; the parts are merged by their
+log-sum-exp. Prefill reads a row in place when its
 blocks are one run (a fresh row's usually are) and gathers it otherwise.
 """
 
@@ -31,9 +32,15 @@ from kvlib.policies.registry import register
 # SmolLM2's 30 layers at batch 16 over rows of 128-1,024 tokens, best of 5: 1.16-1.19 vs 1.46-1.49 vs 1.31-1.34 ms a
 # layer; spans of 128 slots 1.30, of 64 1.56 (smaller spans are more, smaller work items for the flash kernel).
 SPAN_TOKENS = 256
-# A span read by more rows is gathered into the tail: every span of a call gets R x G queries, R the most rows any of
-# its spans serves. Rows of a batch meet in the span where one row's blocks end and the next row's begin: 2.
-MAX_READERS = 2
+# Every span of a call gets R x G queries, R the most rows any of its spans serves. Rows of a batch meet in the span
+# where one row's blocks end and the next row's begin: runs of spans read by up to MEETING_READERS rows are one call.
+# A row shorter than a span can lie inside one with its neighbours on both sides: a span read by more rows, up to
+# MAX_READERS, is a call of its own (one more call, ~40 us); a span read by more still (the blocks rows grow by during
+# decode are handed out one row after another, side by side) is gathered into the tail. Gathering the 3-reader span of
+# the benchmark's batch of 8 (a 172-token row) took paged decode from ~210 to 148-167 tok/s: the tail is padded to
+# its longest row, so one short row gathered is a copy for every row.
+MEETING_READERS = 2
+MAX_READERS = 4
 
 
 def block_runs(blocks: list[int], tokens: int, block_size: int) -> list[tuple[int, int]]:
@@ -78,7 +85,9 @@ def decode_layout(tables: list[list[int]], lengths: list[int], block_size: int, 
 
     runs = []
     for j in in_place:
-        if runs and runs[-1][-1] == j - 1 and blocks_in(j) == per_span:
+        meeting = len(holders[j]) <= MEETING_READERS
+        if (runs and runs[-1][-1] == j - 1 and blocks_in(j) == per_span and meeting
+                and len(holders[runs[-1][-1]]) <= MEETING_READERS):
             runs[-1].append(j)
         else:
             runs.append([j])
