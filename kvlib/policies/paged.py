@@ -36,9 +36,9 @@ SPAN_TOKENS = 256
 # where one row's blocks end and the next row's begin: runs of spans read by up to MEETING_READERS rows are one call.
 # A row shorter than a span can lie inside one with its neighbours on both sides: a span read by more rows, up to
 # MAX_READERS, is a call of its own (one more call, ~40 us); a span read by more still (the blocks rows grow by during
-# decode are handed out one row after another, side by side) is gathered into the tail. Gathering the 3-reader span of
-# the benchmark's batch of 8 (a 172-token row) took paged decode from ~210 to 148-167 tok/s: the tail is padded to
-# its longest row, so one short row gathered is a copy for every row.
+# decode are handed out one row after another, side by side) is gathered into the tail. The tail is padded to its
+# longest row: gathering the 172-token row of the benchmark's batch of 8 would copy 172 tokens for every row, in every
+# layer.
 MEETING_READERS = 2
 MAX_READERS = 4
 
@@ -62,9 +62,9 @@ def decode_layout(tables: list[list[int]], lengths: list[int], block_size: int, 
                   dtype: torch.dtype, device) -> PagedLayout:
     """Where a decode step's rows lie in a pool of pool_blocks blocks: the spans read in place, in groups of
     consecutive spans, and the other tokens' slots gathered (the tail). group: query heads per KV head."""
-    runs = block_runs(tables[0], lengths[0], block_size)
-    if len(tables) == 1 and len(runs) == 1:  # a lone row in one run: one call over the run itself, nothing to merge
-        (first, count), = runs
+    row_runs = block_runs(tables[0], lengths[0], block_size)
+    if len(tables) == 1 and len(row_runs) == 1:  # a lone row in one run: one call over the run, nothing to merge
+        (first, count), = row_runs
         return PagedLayout([SpanGroup(first, count, torch.zeros(1, 1, dtype=torch.long, device=device), None)],
                            None, None, torch.zeros(1, dtype=torch.long, device=device), one_each=True)
     per_span = max(SPAN_TOKENS, block_size) // block_size
@@ -83,16 +83,18 @@ def decode_layout(tables: list[list[int]], lengths: list[int], block_size: int, 
     def blocks_in(j):  # the pool's last span may be short
         return min(per_span, pool_blocks - j * per_span)
 
-    runs = []
+    def joins(j, run):  # span j extends a run of spans into one call
+        return (run[-1] == j - 1 and blocks_in(j) == per_span
+                and max(len(holders[j]), len(holders[run[-1]])) <= MEETING_READERS)
+
+    span_runs: list[list[int]] = []
     for j in in_place:
-        meeting = len(holders[j]) <= MEETING_READERS
-        if (runs and runs[-1][-1] == j - 1 and blocks_in(j) == per_span and meeting
-                and len(holders[runs[-1][-1]]) <= MEETING_READERS):
-            runs[-1].append(j)
+        if span_runs and joins(j, span_runs[-1]):
+            span_runs[-1].append(j)
         else:
-            runs.append([j])
+            span_runs.append([j])
     batch, groups, segments = len(tables), [], []
-    for run in runs:
+    for run in span_runs:
         width, span_blocks = max(len(holders[j]) for j in run), blocks_in(run[0])
         readers = [list(holders[j]) + [batch] * (width - len(holders[j])) for j in run]
         tokens = [[[0] * span_blocks for _ in range(width)] for _ in run]  # per reader, its tokens in each block
