@@ -105,6 +105,8 @@ def worker(spec: dict) -> None:
         # row count, in vLLM and in kvlib alike) cost vLLM 2.1 s at batch 8 (a 1-token run took 5.5 s, then 3.4 s),
         # which a warm-up on one short prompt left inside wall(1) and turned its throughput negative
         generate(spec["prompts"], 2)
+        # the method of kvlib.experiments.common.run_measured_from_outside, written out here: a `before:` worker runs
+        # on another checkout's kvlib, which may predate it
         walls = {n: [] for n in spec["new_tokens"]}
         for _ in range(spec["walls"]):
             for n in spec["new_tokens"]:

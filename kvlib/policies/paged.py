@@ -193,9 +193,10 @@ class PagedPolicy(KVPolicy):
         self.table = self.table.to(self.device)
         if step.phase == "decode":
             s = self.spec
-            self.layout = decode_layout([self.tables[row].blocks for row in step.rows.tolist()],
-                                        (step.start + 1).tolist(), bs, self.pool.num_blocks,
+            self.layout = decode_layout(tables, (step.start + 1).tolist(), bs, self.pool.num_blocks,
                                         s.num_attention_heads // s.num_kv_heads, s.dtype, self.device)
+            self.workspace = self.layout.workspace_bytes(s.num_kv_heads * s.head_dim * s.dtype_bytes,
+                                                         s.num_attention_heads * s.head_dim * s.dtype_bytes)
         self.peak_blocks = max(self.peak_blocks, self.pool.used)
 
     def release(self, row):
@@ -218,10 +219,10 @@ class PagedPolicy(KVPolicy):
             pool[layer].index_copy_(0, self.slots, new.transpose(1, 2).reshape(-1, s.num_kv_heads, s.head_dim))
         if step.phase == "decode":
             self.usage.add(layer, step.tokens_seen, step.tokens_seen, len(step.rows))
-            nbytes = self.layout.workspace_bytes(self.flat_pools[0][0, 0].nbytes, query[0].nbytes)
-            with self.ledger.transient("device", "activations", nbytes, f"paged decode workspace, layer {layer}"):
+            with self.ledger.transient("device", "activations", self.workspace,
+                                       f"paged decode workspace, layer {layer}"):
                 return paged_decode_attention(query, *self.flat_pools, self.layout, self.scale, layer)
-        flat_k, flat_v = kc.view(-1, s.num_kv_heads, s.head_dim), vc.view(-1, s.num_kv_heads, s.head_dim)
+        flat_k, flat_v = (pool[layer] for pool in self.flat_pools)
         row, begin = int(step.rows[0]), int(step.start[0])
         n = begin + step.q_len
         runs = block_runs(self.tables[row].blocks, n, self.block_size)
