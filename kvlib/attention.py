@@ -152,17 +152,17 @@ class SpanGroup:
 
 @dataclass
 class PagedLayout:
-    """Where a decode step's rows lie in a token-major pool [layers, slots, Hkv, D]: the pool cut into aligned spans,
+    """Where a decode step's rows lie in a head-major pool [layers, Hkv, slots, D]: the pool cut into aligned spans,
     attended in place (groups), and the slots of every other token gathered (tail_index [B, W], padded; tail_mask
     [B, 1, 1, W], additive). segments: the row each part of the result belongs to (the groups' spans x readers, then
-    the tail's rows, a row with no tail tokens as no row); one_each: every row has one part, in row order (nothing to
-    merge: a lone row whose blocks are one run)."""
+    the tail's rows, a row with no tail tokens as no row); lone_run: a lone row whose blocks are one run, the one
+    group's single span (nothing to merge)."""
 
     groups: list[SpanGroup]
     tail_index: torch.Tensor | None
     tail_mask: torch.Tensor | None
     segments: torch.Tensor
-    one_each: bool = False
+    lone_run: bool = False
 
     def workspace_bytes(self, token_bytes: int, query_bytes: int) -> int:
         """What a decode step's attention holds beside the pool: this layout, and in each layer the tail's K and V
@@ -176,16 +176,23 @@ class PagedLayout:
 
 def paged_decode_attention(query, keys, values, layout: PagedLayout, scale: float, layer: int = 0) -> torch.Tensor:
     """One decode step's attention over a paged pool, read in place: query [B, Hq, 1, D]; keys/values
-    [layers, slots, Hkv, D].
+    [layers, Hkv, slots, D] (head-major: a span of slots is one contiguous stretch per head).
 
-    GQA is folded into the query length (each KV head's G query heads are G queries), so the keys are read once per KV
-    head. Each group of spans is one call over a strided view of the pool (no copy, no padding to the longest row):
-    a span is a batch element, its queries those of the rows holding tokens in it, each masked to its own slots. The
-    gathered tail is one masked call for the whole batch, and every part is merged by log-sum-exp (merge_segments). Returns
+    A lone row in one run is one SDPA call over its slots, as `full` attends a row. Otherwise GQA is folded into the
+    query length (each KV head's G query heads are G queries), so the keys are read once per KV head, and each group
+    of spans is one call over a strided view of the pool (no copy, no padding to the longest row): a span is a batch
+    element, its queries those of the rows holding tokens in it, each masked to its own slots. The gathered tail is
+    one masked call for the whole batch, and every part is merged by log-sum-exp (merge_segments). Returns
     [B, Hq, 1, D].
     """
     b, hq, _, d = query.shape
-    hkv = keys.shape[2]
+    hkv = keys.shape[1]
+    if layout.lone_run:
+        # GQA unfolded: Hq work items for the flash kernel, not Hkv (one row at 265-1,024 tokens: 45-160 against
+        # 70-200 us a layer folded, 2 threads)
+        first, n = layout.groups[0].first_slot, layout.groups[0].span
+        k, v = (c[layer, :, first:first + n][None] for c in (keys, values))
+        return fused_attention(query, k, v, None, scale)
     g = hq // hkv
     q = query.reshape(b, hkv, g, d)
     padded_q = torch.cat([q, q.new_zeros(1, hkv, g, d)])  # what a reader slot that no row fills reads
@@ -194,18 +201,16 @@ def paged_decode_attention(query, keys, values, layout: PagedLayout, scale: floa
         n, r = group.readers.shape
         span_q = padded_q.index_select(0, group.readers.flatten()).view(n, r, hkv, g, d).transpose(1, 2)
         span_q = span_q.reshape(n, hkv, r * g, d)
-        k, v = (c[layer, group.first_slot:group.first_slot + n * group.span].view(n, group.span, hkv, d)
-                .transpose(1, 2) for c in (keys, values))
+        k, v = (c[layer, :, group.first_slot:group.first_slot + n * group.span].view(hkv, n, group.span, d)
+                .transpose(0, 1) for c in (keys, values))
         out, lse = attention_with_lse(span_q, k, v, scale, group.mask)
         outs.append(out.reshape(n, hkv, r, g, d).transpose(1, 2).reshape(n * r, hkv, g, d))
         lses.append(lse.reshape(n, hkv, r, g).transpose(1, 2).reshape(n * r, hkv, g))
     if layout.tail_index is not None:
         w = layout.tail_index.shape[1]
-        k, v = (c[layer].index_select(0, layout.tail_index.flatten()).view(b, w, hkv, d).transpose(1, 2)
+        k, v = (c[layer].index_select(1, layout.tail_index.flatten()).view(hkv, b, w, d).transpose(0, 1)
                 for c in (keys, values))
         out, lse = attention_with_lse(q, k, v, scale, layout.tail_mask)
         outs.append(out)
         lses.append(lse)
-    if layout.one_each:
-        return outs[0].reshape(b, hq, 1, d)
     return merge_segments(torch.cat(outs), torch.cat(lses), layout.segments, b).view(b, hq, 1, d)

@@ -51,7 +51,7 @@ def test_budget_one_scores_as_full_and_small_budgets_change_scores(smollm, tasks
     small = evaluate(KVLibLM(policy=name, budget=0.1, loaded=smollm), names, include_path=tasks)
     for task in names:
         for x, y in zip(scores(whole, task), scores(full, task)):
-            assert x == pytest.approx(y, abs=1e-4)
+            assert x == pytest.approx(y, abs=1e-4, rel=1e-6)  # as against transformers' own scores, above
         changed = [max(abs(a - b) for a, b in zip(x, y)) for x, y in zip(scores(small, task), scores(full, task))]
         assert max(changed) > 1e-2
 

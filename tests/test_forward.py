@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from kvlib.attention import attention_with_lse, merge_segments, paged_decode_attention
 from kvlib.models import PackedLinear, can_prepack, prepack_linears
-from kvlib.policies.paged import SPAN_TOKENS, block_runs, decode_layout
+from kvlib.policies.paged import MAX_READERS, SPAN_TOKENS, block_runs, decode_layout
 
 
 def test_block_runs_split_where_block_ids_jump():
@@ -18,9 +18,9 @@ def test_block_runs_split_where_block_ids_jump():
 @pytest.mark.parametrize("block_size", [4, 16, 512])
 def test_paged_decode_attention_equals_dense_attention_over_each_row(block_size):
     """Rows of different lengths equal SDPA over each row's own keys (its blocks in table order), wherever their
-    blocks lie: a long run, scattered blocks, a span read by 3 rows (a call of its own), a span read by more than
-    MAX_READERS rows (gathered as the tail), blocks shared by two rows (a common prefix), and a block in the pool's
-    last, partial span."""
+    blocks lie: a long run, scattered blocks, a span read by 3 rows (its run of spans padded to 3 readers), a span
+    read by more than MAX_READERS rows (gathered as the tail), blocks shared by two rows (a common prefix), and a block
+    in the pool's last, partial span."""
     torch.manual_seed(0)
     hkv, g, d = 3, 3, 16
     span = max(SPAN_TOKENS, block_size) // block_size  # blocks per span
@@ -36,10 +36,12 @@ def test_paged_decode_attention_equals_dense_attention_over_each_row(block_size)
     tables += [tables[3][:needs[4] - 1] + [6 * span + 2],  # row 4 shares row 3's prefix
                [blocks - 1], [3], [6 * span + 3], [4]]  # span 6: rows 2, 4 and 7 (where a span is several blocks)
     layout = decode_layout(tables, lengths, block_size, blocks, g, torch.float32, "cpu")
-    if span >= 5:  # every path is exercised
-        assert layout.tail_index is not None and 3 in [group.readers.shape[1] for group in layout.groups]
+    if span >= 5:  # every path is exercised: the tail, and a span of 3 readers among spans of fewer (padded slots)
+        readers = [int((span_readers < len(lengths)).sum()) for group in layout.groups for span_readers in group.readers]
+        assert layout.tail_index is not None and 3 in readers and 1 in readers
     query = torch.randn(len(lengths), hkv * g, 1, d)
-    out = paged_decode_attention(query, pool_k[None], pool_v[None], layout, d ** -0.5)
+    head_major = [c.transpose(0, 1).contiguous()[None] for c in (pool_k, pool_v)]  # the policy's [layers, Hkv, slots, D]
+    out = paged_decode_attention(query, *head_major, layout, d ** -0.5)
     for r, (table, n) in enumerate(zip(tables, lengths)):
         slots = torch.tensor([b * block_size + i for b in table for i in range(block_size)][:n])
         k, v = pool_k[slots].transpose(0, 1)[None], pool_v[slots].transpose(0, 1)[None]
@@ -47,13 +49,32 @@ def test_paged_decode_attention_equals_dense_attention_over_each_row(block_size)
         torch.testing.assert_close(out[r:r + 1], expected, atol=1e-5, rtol=1e-5)
 
 
+def test_a_row_holding_much_of_a_crowded_span_reads_it_in_place():
+    """A span read by more than MAX_READERS rows: where a long row's prompt ends and the batch's decode blocks begin.
+    The long row reads it in place; only the short rows' tokens are gathered, so the tail is as wide as they are."""
+    torch.manual_seed(4)
+    bs, hkv, g, d = 16, 3, 3, 16
+    pool_k, pool_v = torch.randn(64 * bs, hkv, d), torch.randn(64 * bs, hkv, d)
+    tables = [list(range(12))] + [[12 + r, 16 + r] for r in range(4)]  # row 0: 12 blocks of span 0; rows 1-4: 1 each
+    lengths = [190, 20, 17, 31, 25]
+    layout = decode_layout(tables, lengths, bs, 64, g, torch.float32, "cpu")
+    assert MAX_READERS < 5 and layout.tail_index.shape == (5, 16)
+    query = torch.randn(5, hkv * g, 1, d)
+    out = paged_decode_attention(query, *(c.transpose(0, 1).contiguous()[None] for c in (pool_k, pool_v)), layout, 0.25)
+    for r, (table, n) in enumerate(zip(tables, lengths)):
+        slots = torch.tensor([b * bs + i for b in table for i in range(bs)][:n])
+        k, v = pool_k[slots].transpose(0, 1)[None], pool_v[slots].transpose(0, 1)[None]
+        expected = F.scaled_dot_product_attention(query[r:r + 1], k, v, scale=0.25, enable_gqa=True)
+        torch.testing.assert_close(out[r:r + 1], expected, atol=1e-5, rtol=1e-5)
+
+
 def test_a_lone_row_in_one_run_is_one_call_over_the_run():
     torch.manual_seed(3)
     pool_k, pool_v = torch.randn(64 * 4, 3, 16), torch.randn(64 * 4, 3, 16)
     layout = decode_layout([[5, 6, 7, 8]], [14], 4, 64, 3, torch.float32, "cpu")
-    assert layout.one_each and [(g.first_slot, g.span) for g in layout.groups] == [(20, 14)]
+    assert layout.lone_run and [(g.first_slot, g.span) for g in layout.groups] == [(20, 14)]
     query = torch.randn(1, 9, 1, 16)
-    out = paged_decode_attention(query, pool_k[None], pool_v[None], layout, 0.25)
+    out = paged_decode_attention(query, *(c.transpose(0, 1).contiguous()[None] for c in (pool_k, pool_v)), layout, 0.25)
     k, v = pool_k[20:34].transpose(0, 1)[None], pool_v[20:34].transpose(0, 1)[None]
     expected = F.scaled_dot_product_attention(query, k, v, scale=0.25, enable_gqa=True)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
@@ -82,9 +103,25 @@ def test_packed_linear_matches_linear_within_tolerance():
     assert packed.weight.numel() == linear.weight.numel()  # the same bytes booked as weights
 
 
+def test_gated_mlp_computes_the_mlp_it_replaces():
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    from kvlib.models import GatedMLP, fuse_gate_up
+
+    torch.manual_seed(5)
+    mlp = LlamaMLP(LlamaConfig(hidden_size=64, intermediate_size=160, hidden_act="silu"))
+    x = torch.randn(3, 2, 64)
+    holder = torch.nn.Sequential(mlp)
+    assert fuse_gate_up(holder) == 1 and isinstance(holder[0], GatedMLP)
+    assert sum(p.numel() for p in holder.parameters()) == sum(p.numel() for p in mlp.parameters())
+    torch.testing.assert_close(holder[0](x), mlp(x), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.model
 def test_prepacked_model_keeps_greedy_tokens_and_logits_close(smollm, mixed_prompts):
-    """Prepacking changes the matmuls' summation order: logits move by ~1e-4, greedy tokens do not."""
+    """Prepacking and the fused gate/up change the matmuls' summation order: logits move by ~1e-4, greedy tokens do
+    not."""
     from kvlib.engine import Engine
     from kvlib.models import load_model
     from kvlib.policies import make_policy

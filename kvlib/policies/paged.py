@@ -6,13 +6,13 @@ before they are written, and memory grows a block at a time, so rows of differen
 filled block each instead of a reservation for the longest row.
 
 Decode attention reads the pool in place, each row over its own tokens (kvlib.attention.paged_decode_attention): the
-pool is cut into aligned spans of SPAN_TOKENS slots, and all the spans the batch holds tokens in are attended in one
-call (the pool's last, shorter span, and a span read by more than MEETING_READERS rows, in one more each), each span by
-the queries of the rows holding tokens in it, masked to each row's own slots. The few tokens in spans read by more
-than MAX_READERS rows (the blocks rows grew by during decode, handed out to one row after another, sit side by side)
-are gathered for the whole batch into one small tensor and attended in one masked call; the parts are merged by their
-log-sum-exp. Prefill reads a row in place when its
-blocks are one run (a fresh row's usually are) and gathers it otherwise.
+pool (head-major: each KV head's slots are one stretch) is cut into aligned spans of SPAN_TOKENS slots, and each run
+of consecutive spans the batch holds tokens in is attended in one call (the pool's last, shorter span in one more),
+each span by the queries of the rows holding tokens in it, masked to each row's own slots. The few tokens in spans
+read by more than MAX_READERS rows (the blocks rows grew by during decode, handed out to one row after another, sit
+side by side) are gathered for the whole batch into one small tensor and attended in one masked call; the parts are
+merged by their log-sum-exp. A lone row in one run is one SDPA call. Prefill reads a row in place when its blocks are
+one run (a fresh row's usually are) and gathers it otherwise.
 """
 
 from __future__ import annotations
@@ -32,14 +32,15 @@ from kvlib.policies.registry import register
 # SmolLM2's 30 layers at batch 16 over rows of 128-1,024 tokens, best of 5: 1.16-1.19 vs 1.46-1.49 vs 1.31-1.34 ms a
 # layer; spans of 128 slots 1.30, of 64 1.56 (smaller spans are more, smaller work items for the flash kernel).
 SPAN_TOKENS = 256
-# Every span of a call gets R x G queries, R the most rows any of its spans serves. Rows of a batch meet in the span
-# where one row's blocks end and the next row's begin: runs of spans read by up to MEETING_READERS rows are one call.
-# A row shorter than a span can lie inside one with its neighbours on both sides: a span read by more rows, up to
-# MAX_READERS, is a call of its own (one more call, ~40 us); a span read by more still (the blocks rows grow by during
-# decode are handed out one row after another, side by side) is gathered into the tail. The tail is padded to its
-# longest row: gathering the 172-token row of the benchmark's batch of 8 would copy 172 tokens for every row, in every
-# layer.
-MEETING_READERS = 2
+# Every span of a call gets R x G queries, R the most rows any of its spans serves (a reader slot no row fills is
+# masked). Rows of a batch meet in the span where one row's blocks end and the next row's begin (2 readers); a row
+# shorter than a span can lie inside one with its neighbours on both sides (3 or 4). Consecutive spans read by up to
+# MAX_READERS rows are one call: padding the batch's 2-reader spans to the widest one's readers cost less than a call
+# of its own for each wider span (batch 8: 0.95-1.19 against 1.13-1.43 ms a layer; batch 16 the same within 3 %). A
+# span read by more rows (the blocks rows grow by during decode are handed out one row after another, side by side) is
+# gathered into the tail, except for a row holding at least a quarter of it (where its prompt's last blocks meet the
+# batch's decode blocks), which still reads it in place. The tail is padded to its longest row: gathering the 172-token
+# row of the benchmark's batch of 8 would copy 172 tokens for every row, in every layer.
 MAX_READERS = 4
 
 
@@ -66,7 +67,7 @@ def decode_layout(tables: list[list[int]], lengths: list[int], block_size: int, 
     if len(tables) == 1 and len(row_runs) == 1:  # a lone row in one run: one call over the run, nothing to merge
         (first, count), = row_runs
         return PagedLayout([SpanGroup(first, count, torch.zeros(1, 1, dtype=torch.long, device=device), None)],
-                           None, None, torch.zeros(1, dtype=torch.long, device=device), one_each=True)
+                           None, None, torch.zeros(1, dtype=torch.long, device=device), lone_run=True)
     per_span = max(SPAN_TOKENS, block_size) // block_size
     holders: dict[int, dict[int, list[tuple[int, int]]]] = {}  # span -> row -> [(block within span, tokens)]
     for row, (blocks, n) in enumerate(zip(tables, lengths)):
@@ -74,32 +75,36 @@ def decode_layout(tables: list[list[int]], lengths: list[int], block_size: int, 
             block = blocks[i]
             holders.setdefault(block // per_span, {}).setdefault(row, []).append(
                 (block % per_span, min(block_size, n - i * block_size)))
-    in_place = sorted(j for j, rows in holders.items() if len(rows) <= MAX_READERS)
+    readers_of: dict[int, dict[int, list[tuple[int, int]]]] = {}  # span -> the rows that read it in place
     tails: list[list[int]] = [[] for _ in tables]
-    for j in set(holders) - set(in_place):
-        for row, held in holders[j].items():
-            tails[row] += [(j * per_span + pos) * block_size + t for pos, count in held for t in range(count)]
+    for j, rows in holders.items():
+        if len(rows) > MAX_READERS:
+            kept = {row: held for row, held in rows.items() if sum(c for _, c in held) * 4 >= per_span * block_size}
+            for row in rows.keys() - kept.keys():
+                tails[row] += [(j * per_span + pos) * block_size + t for pos, count in rows[row] for t in range(count)]
+            rows = kept
+        if rows:
+            readers_of[j] = rows
 
     def blocks_in(j):  # the pool's last span may be short
         return min(per_span, pool_blocks - j * per_span)
 
     def joins(j, run):  # span j extends a run of spans into one call
-        return (run[-1] == j - 1 and blocks_in(j) == per_span
-                and max(len(holders[j]), len(holders[run[-1]])) <= MEETING_READERS)
+        return run[-1] == j - 1 and blocks_in(j) == per_span
 
     span_runs: list[list[int]] = []
-    for j in in_place:
+    for j in sorted(readers_of):
         if span_runs and joins(j, span_runs[-1]):
             span_runs[-1].append(j)
         else:
             span_runs.append([j])
     batch, groups, segments = len(tables), [], []
     for run in span_runs:
-        width, span_blocks = max(len(holders[j]) for j in run), blocks_in(run[0])
-        readers = [list(holders[j]) + [batch] * (width - len(holders[j])) for j in run]
+        width, span_blocks = max(len(readers_of[j]) for j in run), blocks_in(run[0])
+        readers = [list(readers_of[j]) + [batch] * (width - len(readers_of[j])) for j in run]
         tokens = [[[0] * span_blocks for _ in range(width)] for _ in run]  # per reader, its tokens in each block
         for i, j in enumerate(run):
-            for k, held in enumerate(holders[j].values()):
+            for k, held in enumerate(readers_of[j].values()):
                 for pos, count in held:
                     tokens[i][k][pos] = count
         readers, tokens = torch.tensor(readers), torch.tensor(tokens)
@@ -150,13 +155,15 @@ class PagedPolicy(KVPolicy):
         block_bytes = s.kv_bytes(bs)
         self.prompt_tokens = self.hit_tokens = self.peak_blocks = 0
         if getattr(self, "pool", None) is None or self.pool.num_blocks != blocks:
-            # token-major blocks: gathering a row's blocks is one copy that is already [tokens, heads, dim]
-            shape = (s.num_layers, blocks, bs, s.num_kv_heads, s.head_dim)
+            # head-major, as vLLM's CPU cache: each head's slots are one stretch, so a span of blocks is a plain view per
+            # head (attention over it, SmolLM2's 30 layers, one row of 265-1,024 tokens: 73-206 us a layer against
+            # 83-280 token-major, 2 threads; 3-5 % at batch 8-16)
+            shape = (s.num_layers, s.num_kv_heads, blocks, bs, s.head_dim)
             self.pool = None  # until the pool fits the device
             self.ledger.add("device", "kv_reserved", blocks * block_bytes, where="paged KV pool")
             self.keys = torch.zeros(shape, dtype=s.dtype, device=self.device)
             self.values = torch.zeros_like(self.keys)
-            self.flat_pools = tuple(c.view(s.num_layers, -1, s.num_kv_heads, s.head_dim)
+            self.flat_pools = tuple(c.view(s.num_layers, s.num_kv_heads, -1, s.head_dim)
                                     for c in (self.keys, self.values))
             self.pool = BlockPool(blocks, bs, block_bytes)
         else:  # a pool kept from an earlier run keeps its cached prefixes
@@ -181,8 +188,8 @@ class PagedPolicy(KVPolicy):
         for row, start in zip(step.rows.tolist(), step.start.tolist()):
             self.pool.reserve(self.tables.setdefault(row, BlockTable()), start + step.q_len)
         for src, dst in self.pool.copies:  # copy-on-write of a shared block, in every layer
-            self.keys[:, dst] = self.keys[:, src]
-            self.values[:, dst] = self.values[:, src]
+            self.keys[:, :, dst] = self.keys[:, :, src]
+            self.values[:, :, dst] = self.values[:, :, src]
         self.pool.copies.clear()
         tables = [self.tables[row].blocks for row in step.rows.tolist()]
         width = max(map(len, tables))
@@ -216,7 +223,7 @@ class PagedPolicy(KVPolicy):
         kc, vc = self.keys[layer], self.values[layer]
         s = self.spec
         for pool, new in zip(self.flat_pools, (key, value)):
-            pool[layer].index_copy_(0, self.slots, new.transpose(1, 2).reshape(-1, s.num_kv_heads, s.head_dim))
+            pool[layer].index_copy_(1, self.slots, new.transpose(0, 1).reshape(s.num_kv_heads, -1, s.head_dim))
         if step.phase == "decode":
             self.usage.add(layer, step.tokens_seen, step.tokens_seen, len(step.rows))
             with self.ledger.transient("device", "activations", self.workspace,
@@ -228,13 +235,12 @@ class PagedPolicy(KVPolicy):
         runs = block_runs(self.tables[row].blocks, n, self.block_size)
         if len(runs) == 1:  # one run of consecutive blocks: a view into the pool
             first = runs[0][0]
-            k, v = (c[first:first + n].transpose(0, 1)[None] for c in (flat_k, flat_v))
+            k, v = (c[:, first:first + n][None] for c in (flat_k, flat_v))
             return prefill_attention(query, k, v, begin, step.prefill_mode, self.scale, self.ledger, layer)
         blocks = self.table[0, :-(-n // self.block_size)]
-        with self.ledger.transient("device", "activations", 2 * len(blocks) * kc[0].nbytes,
+        with self.ledger.transient("device", "activations", 2 * len(blocks) * kc[:, 0].nbytes,
                                    f"paged prefill gather, layer {layer}"):
-            k, v = (c.index_select(0, blocks).view(-1, s.num_kv_heads, s.head_dim)[:n].transpose(0, 1)[None]
-                    for c in (kc, vc))
+            k, v = (c.index_select(1, blocks).view(s.num_kv_heads, -1, s.head_dim)[:, :n][None] for c in (kc, vc))
             return prefill_attention(query, k, v, begin, step.prefill_mode, self.scale, self.ledger, layer)
 
     def after_pass(self, step: Step):
