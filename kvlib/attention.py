@@ -188,8 +188,8 @@ def paged_decode_attention(query, keys, values, layout: PagedLayout, scale: floa
     b, hq, _, d = query.shape
     hkv = keys.shape[1]
     if layout.lone_run:
-        # GQA unfolded: Hq work items for the flash kernel, not Hkv (one row at 265-1,024 tokens: 45-160 against
-        # 70-200 us a layer folded, 2 threads)
+        # GQA unfolded: Hq work items for the flash kernel, not Hkv (one row of 265-1,024 tokens: 48-168 against
+        # 73-206 us a layer folded, 2 threads)
         first, n = layout.groups[0].first_slot, layout.groups[0].span
         k, v = (c[layer, :, first:first + n][None] for c in (keys, values))
         return fused_attention(query, k, v, None, scale)

@@ -36,7 +36,7 @@ SPAN_TOKENS = 256
 # masked). Rows of a batch meet in the span where one row's blocks end and the next row's begin (2 readers); a row
 # shorter than a span can lie inside one with its neighbours on both sides (3 or 4). Consecutive spans read by up to
 # MAX_READERS rows are one call: padding the batch's 2-reader spans to the widest one's readers cost less than a call
-# of its own for each wider span (batch 8: 0.95-1.19 against 1.13-1.43 ms a layer; batch 16 the same within 3 %). A
+# of its own for each wider span (batch 8: 0.94-1.32 against 1.13-1.43 ms a layer; batch 16 the same within 3 %). A
 # span read by more rows (the blocks rows grow by during decode are handed out one row after another, side by side) is
 # gathered into the tail, except for a row holding at least a quarter of it (where its prompt's last blocks meet the
 # batch's decode blocks), which still reads it in place. The tail is padded to its longest row: gathering the 172-token
