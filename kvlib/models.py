@@ -154,11 +154,16 @@ def prepack_linears(model: torch.nn.Module) -> int:
     oneDNN matmul beside it). The copy is a parameter, so `weights_bytes` books it: 113 MB more for SmolLM2-135M's
     538 MB, for a head that took 12-15 ms of a batch-16 decode step dense and 3.7 ms packed (3.0 vs 7.5 ms at 1 row,
     benchmarks/bench_decode.py measures the whole step)."""
+    return replace_modules(model, lambda m: type(m) is torch.nn.Linear, PackedLinear)
+
+
+def replace_modules(model: torch.nn.Module, matches, replacement) -> int:
+    """Swap every submodule for which matches(module) holds for replacement(module), in place. Returns how many."""
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is torch.nn.Linear:
-                setattr(parent, name, PackedLinear(child))
+            if matches(child):
+                setattr(parent, name, replacement(child))
                 swapped += 1
     return swapped
 
@@ -188,14 +193,11 @@ class GatedMLP(torch.nn.Module):
 def fuse_gate_up(model: torch.nn.Module) -> int:
     """Swap every Llama-family MLP (gate_proj, up_proj, down_proj, act_fn; plain linear layers) for a GatedMLP, one
     layer at a time (the separate weights are freed as each is replaced). Returns how many were swapped."""
-    swapped = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            parts = [getattr(child, p, None) for p in ("gate_proj", "up_proj", "down_proj")]
-            if all(type(p) is torch.nn.Linear for p in parts) and hasattr(child, "act_fn"):
-                setattr(parent, name, GatedMLP(child))
-                swapped += 1
-    return swapped
+    def is_mlp(m):
+        parts = [getattr(m, p, None) for p in ("gate_proj", "up_proj", "down_proj")]
+        return all(type(p) is torch.nn.Linear for p in parts) and hasattr(m, "act_fn")
+
+    return replace_modules(model, is_mlp, GatedMLP)
 
 
 @dataclass

@@ -15,6 +15,21 @@ def test_block_runs_split_where_block_ids_jump():
     assert block_runs([7], 1, 4) == [(28, 1)]
 
 
+def paged_against_each_row(tables, lengths, block_size, group, pool_k, pool_v, scale):
+    """paged_decode_attention over token-indexed pools [slots, Hkv, D] (laid out head-major, as the policy's), and SDPA
+    over each row's own keys (its blocks in table order): both [B, Hq, 1, D]."""
+    layout = decode_layout(tables, lengths, block_size, pool_k.shape[0] // block_size, group, torch.float32, "cpu")
+    query = torch.randn(len(lengths), pool_k.shape[1] * group, 1, pool_k.shape[2])
+    head_major = [c.transpose(0, 1).contiguous()[None] for c in (pool_k, pool_v)]  # [layers, Hkv, slots, D]
+    out = paged_decode_attention(query, *head_major, layout, scale)
+    expected = []
+    for r, (table, n) in enumerate(zip(tables, lengths)):
+        slots = torch.tensor([b * block_size + i for b in table for i in range(block_size)][:n])
+        k, v = pool_k[slots].transpose(0, 1)[None], pool_v[slots].transpose(0, 1)[None]
+        expected.append(F.scaled_dot_product_attention(query[r:r + 1], k, v, scale=scale, enable_gqa=True))
+    return layout, out, torch.cat(expected)
+
+
 @pytest.mark.parametrize("block_size", [4, 16, 512])
 def test_paged_decode_attention_equals_dense_attention_over_each_row(block_size):
     """Rows of different lengths equal SDPA over each row's own keys (its blocks in table order), wherever their
@@ -35,18 +50,11 @@ def test_paged_decode_attention_equals_dense_attention_over_each_row(block_size)
               run + [6 * span, 6 * span + 1], [2] + [free.pop() for _ in range(needs[3] - 1)]]
     tables += [tables[3][:needs[4] - 1] + [6 * span + 2],  # row 4 shares row 3's prefix
                [blocks - 1], [3], [6 * span + 3], [4]]  # span 6: rows 2, 4 and 7 (where a span is several blocks)
-    layout = decode_layout(tables, lengths, block_size, blocks, g, torch.float32, "cpu")
+    layout, out, expected = paged_against_each_row(tables, lengths, block_size, g, pool_k, pool_v, d ** -0.5)
     if span >= 5:  # every path is exercised: the tail, and a span of 3 readers among spans of fewer (padded slots)
         readers = [int((span_readers < len(lengths)).sum()) for group in layout.groups for span_readers in group.readers]
         assert layout.tail_index is not None and 3 in readers and 1 in readers
-    query = torch.randn(len(lengths), hkv * g, 1, d)
-    head_major = [c.transpose(0, 1).contiguous()[None] for c in (pool_k, pool_v)]  # the policy's [layers, Hkv, slots, D]
-    out = paged_decode_attention(query, *head_major, layout, d ** -0.5)
-    for r, (table, n) in enumerate(zip(tables, lengths)):
-        slots = torch.tensor([b * block_size + i for b in table for i in range(block_size)][:n])
-        k, v = pool_k[slots].transpose(0, 1)[None], pool_v[slots].transpose(0, 1)[None]
-        expected = F.scaled_dot_product_attention(query[r:r + 1], k, v, scale=d ** -0.5, enable_gqa=True)
-        torch.testing.assert_close(out[r:r + 1], expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_a_row_holding_much_of_a_crowded_span_reads_it_in_place():
@@ -57,26 +65,16 @@ def test_a_row_holding_much_of_a_crowded_span_reads_it_in_place():
     pool_k, pool_v = torch.randn(64 * bs, hkv, d), torch.randn(64 * bs, hkv, d)
     tables = [list(range(12))] + [[12 + r, 16 + r] for r in range(4)]  # row 0: 12 blocks of span 0; rows 1-4: 1 each
     lengths = [190, 20, 17, 31, 25]
-    layout = decode_layout(tables, lengths, bs, 64, g, torch.float32, "cpu")
+    layout, out, expected = paged_against_each_row(tables, lengths, bs, g, pool_k, pool_v, 0.25)
     assert MAX_READERS < 5 and layout.tail_index.shape == (5, 16)
-    query = torch.randn(5, hkv * g, 1, d)
-    out = paged_decode_attention(query, *(c.transpose(0, 1).contiguous()[None] for c in (pool_k, pool_v)), layout, 0.25)
-    for r, (table, n) in enumerate(zip(tables, lengths)):
-        slots = torch.tensor([b * bs + i for b in table for i in range(bs)][:n])
-        k, v = pool_k[slots].transpose(0, 1)[None], pool_v[slots].transpose(0, 1)[None]
-        expected = F.scaled_dot_product_attention(query[r:r + 1], k, v, scale=0.25, enable_gqa=True)
-        torch.testing.assert_close(out[r:r + 1], expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_a_lone_row_in_one_run_is_one_call_over_the_run():
     torch.manual_seed(3)
     pool_k, pool_v = torch.randn(64 * 4, 3, 16), torch.randn(64 * 4, 3, 16)
-    layout = decode_layout([[5, 6, 7, 8]], [14], 4, 64, 3, torch.float32, "cpu")
+    layout, out, expected = paged_against_each_row([[5, 6, 7, 8]], [14], 4, 3, pool_k, pool_v, 0.25)
     assert layout.lone_run and [(g.first_slot, g.span) for g in layout.groups] == [(20, 14)]
-    query = torch.randn(1, 9, 1, 16)
-    out = paged_decode_attention(query, *(c.transpose(0, 1).contiguous()[None] for c in (pool_k, pool_v)), layout, 0.25)
-    k, v = pool_k[20:34].transpose(0, 1)[None], pool_v[20:34].transpose(0, 1)[None]
-    expected = F.scaled_dot_product_attention(query, k, v, scale=0.25, enable_gqa=True)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
