@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvlib import cpu_kernel
 from kvlib.attention import decode_mask, fused_attention, prefill_attention
 from kvlib.policies.base import KVPolicy, Step
 from kvlib.policies.registry import register
@@ -30,12 +31,23 @@ class FullPolicy(KVPolicy):
         self.keys = [torch.zeros(shape, dtype=s.dtype, device=self.device) for _ in range(s.num_layers)]
         self.values = [torch.zeros(shape, dtype=s.dtype, device=self.device) for _ in range(s.num_layers)]
         self.lengths = torch.zeros(batch_size, dtype=torch.long)
+        self.decode_kernel = None  # what decode attention runs: "c" (kvlib.cpu_kernel) or "torch"
 
     def prepare(self, step: Step):
         if step.phase == "decode":
-            # indices and mask moved to the cache's device once per step, not once per layer (on a GPU, 90 small
-            # synchronous copies a step for a 30-layer model otherwise)
-            self.visible, self.kv_len = decode_mask(step.start, self.keys[0].shape[2], self.device)
+            s = self.spec
+            # each row over its own length, in place (no padding to the longest row, no copy of the rows)
+            group = s.num_attention_heads // s.num_kv_heads
+            kernel = cpu_kernel.supports(self.device, s.dtype, group, s.head_dim)
+            self.decode_kernel = "c" if kernel else "torch"
+            if kernel:
+                self.decode_lengths = step.start + 1
+                self.workspace = cpu_kernel.workspace_bytes(len(step.rows), s.num_kv_heads, group, s.head_dim,
+                                                            int(self.decode_lengths.max()))
+            else:
+                # indices and mask moved to the cache's device once per step, not once per layer (on a GPU, 90 small
+                # synchronous copies a step for a 30-layer model otherwise)
+                self.visible, self.kv_len = decode_mask(step.start, self.keys[0].shape[2], self.device)
             self.slots = step.rows.to(self.device), step.start.to(self.device)
 
     def attend(self, layer, query, key, value, step: Step):
@@ -45,8 +57,11 @@ class FullPolicy(KVPolicy):
             rows, pos = self.slots
             kc[rows, :, pos] = key[:, :, 0]
             vc[rows, :, pos] = value[:, :, 0]
-            kv_len = self.kv_len
             self.usage.add(layer, step.tokens_seen, step.tokens_seen, len(step.rows))
+            if self.decode_kernel == "c":
+                with self.ledger.transient("device", "activations", self.workspace, f"decode workspace, layer {layer}"):
+                    return cpu_kernel.rows_decode(query, kc, vc, rows, self.decode_lengths, self.scale)
+            kv_len = self.kv_len
             with self.rows_of(step.rows, kc, vc, where=f"full decode rows, layer {layer}") as (k, v):
                 return fused_attention(query, k[:, :, :kv_len], v[:, :, :kv_len], self.visible, self.scale)
         row, begin = int(step.rows[0]), int(step.start[0])
@@ -73,6 +88,9 @@ class FullPolicy(KVPolicy):
         used = int(self.lengths.sum()) * per_token
         reserved = self.spec.kv_bytes(self.keys[0].shape[0] * self.keys[0].shape[2])
         self.ledger.set("device", kv=used, kv_reserved=reserved - used)
+
+    def stats(self):
+        return {"decode_attention": self.decode_kernel}
 
     def finish(self):
         self.keys = self.values = []

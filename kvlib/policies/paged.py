@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvlib import cpu_kernel
 from kvlib.attention import PagedLayout, SpanGroup, paged_decode_attention, prefill_attention
 from kvlib.block_pool import BlockPool, BlockTable
 from kvlib.errors import UserError
@@ -154,6 +155,8 @@ class PagedPolicy(KVPolicy):
                             f"({min(prompt_lens)} prompt tokens need {smallest} blocks)")
         block_bytes = s.kv_bytes(bs)
         self.prompt_tokens = self.hit_tokens = self.peak_blocks = 0
+        self.layout = None  # a decode step's span plan, where PyTorch's kernels attend (not the C kernel)
+        self.decode_kernel = None  # what decode attention runs: "c" (kvlib.cpu_kernel) or "torch"
         if getattr(self, "pool", None) is None or self.pool.num_blocks != blocks:
             # head-major, as vLLM's CPU cache: each head's slots are one stretch, so a span of blocks is a plain view per
             # head (attention over it, SmolLM2's 30 layers, one row of 265-1,024 tokens: 73-206 us a layer against
@@ -200,10 +203,18 @@ class PagedPolicy(KVPolicy):
         self.table = self.table.to(self.device)
         if step.phase == "decode":
             s = self.spec
-            self.layout = decode_layout(tables, (step.start + 1).tolist(), bs, self.pool.num_blocks,
-                                        s.num_attention_heads // s.num_kv_heads, s.dtype, self.device)
-            self.workspace = self.layout.workspace_bytes(s.num_kv_heads * s.head_dim * s.dtype_bytes,
-                                                         s.num_attention_heads * s.head_dim * s.dtype_bytes)
+            group = s.num_attention_heads // s.num_kv_heads
+            kernel = cpu_kernel.supports(self.device, s.dtype, group, s.head_dim)
+            self.decode_kernel = "c" if kernel else "torch"
+            if kernel:  # each row through its block table
+                self.decode_lengths = step.start + 1
+                self.workspace = cpu_kernel.workspace_bytes(len(tables), s.num_kv_heads, group, s.head_dim,
+                                                            int(self.decode_lengths.max()))
+            else:
+                self.layout = decode_layout(tables, (step.start + 1).tolist(), bs, self.pool.num_blocks, group,
+                                            s.dtype, self.device)
+                self.workspace = self.layout.workspace_bytes(s.num_kv_heads * s.head_dim * s.dtype_bytes,
+                                                             s.num_attention_heads * s.head_dim * s.dtype_bytes)
         self.peak_blocks = max(self.peak_blocks, self.pool.used)
 
     def release(self, row):
@@ -228,6 +239,9 @@ class PagedPolicy(KVPolicy):
             self.usage.add(layer, step.tokens_seen, step.tokens_seen, len(step.rows))
             with self.ledger.transient("device", "activations", self.workspace,
                                        f"paged decode workspace, layer {layer}"):
+                if self.layout is None:
+                    return cpu_kernel.paged_decode(query, *(c[layer] for c in self.flat_pools), self.table,
+                                                   self.decode_lengths, self.block_size, self.scale)
                 return paged_decode_attention(query, *self.flat_pools, self.layout, self.scale, layer)
         flat_k, flat_v = (pool[layer] for pool in self.flat_pools)
         row, begin = int(step.rows[0]), int(step.start[0])
@@ -264,4 +278,5 @@ class PagedPolicy(KVPolicy):
     def stats(self):
         return {"block_size": self.block_size, "num_blocks": self.pool.num_blocks if self.pool else 0,
                 "peak_blocks_used": self.peak_blocks,
-                "prefix_hit_rate": self.hit_tokens / max(self.prompt_tokens, 1), "prefix_hit_tokens": self.hit_tokens}
+                "prefix_hit_rate": self.hit_tokens / max(self.prompt_tokens, 1), "prefix_hit_tokens": self.hit_tokens,
+                "decode_attention": self.decode_kernel}
