@@ -206,6 +206,7 @@ def main() -> None:
     for batch in args.batches:
         prompts = prompts_for(batch)
         separate: dict[str, list[float]] = {e: [] for e in engines}
+        raw_walls: dict[str, list[dict]] = {e: [] for e in engines}  # each round's walls, for a reader to check
         together: dict[str, list[float]] = {e: [] for e in engines if not e.startswith("before:")}
         thread_records = {}
         for r in range(args.rounds):
@@ -214,6 +215,7 @@ def main() -> None:
                 old = name.startswith("before:")
                 walls, records = spawn([name.removeprefix("before:")], prompts, threads, before if old else None)
                 separate[name].append(throughput(walls[name.removeprefix("before:")], batch))
+                raw_walls[name].append(walls[name.removeprefix("before:")])
                 thread_records.setdefault(f"separate {name}", records)
             if args.one_process and together:
                 walls, records = spawn([e for e in order if e in together], prompts, threads)
@@ -225,7 +227,8 @@ def main() -> None:
                      if args.one_process else ""), flush=True)
         work = work_per_step(batch, [len(p) for p in prompts])
         row = {"batch": batch, "prompt_tokens": [len(p) for p in prompts],
-               "separate_processes": {e: summary(v) for e, v in separate.items()}, "threads": thread_records}
+               "separate_processes": {e: summary(v) for e, v in separate.items()}, "walls_s": raw_walls,
+               "threads": thread_records}
         for e, v in separate.items():
             step_s = batch / statistics.median(v)
             row["separate_processes"][e].update(gb_per_s=work["bytes"] / step_s / 1e9,

@@ -17,6 +17,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -34,28 +35,27 @@ LIBS = ["-lm"]
 KERNEL_ENV = "KVLIB_DECODE_KERNEL"  # "torch": never use the C kernel
 
 
-def _cpu_model() -> str:
+def _cpu() -> str:
+    """The CPU's model and features: -march=native builds for this one."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("model name", "flags")):
-                return line
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        pass
-    return platform.processor()
+        return platform.processor()
+    return "\n".join(dict.fromkeys(line for line in lines if line.startswith(("model name", "flags"))))
 
 
 def _build() -> Path:
     key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(FLAGS + LIBS).encode(),
-                                     platform.machine().encode(), _cpu_model().encode()])).hexdigest()[:16]
+                                     platform.machine().encode(), _cpu().encode()])).hexdigest()[:16]
     target = cache_dir() / "kernels" / f"decode_attention-{key}.so"
     if not target.exists():
-        compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-        if compiler is None:
+        compiler = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc") or ""]
+        if not compiler[0]:
             raise RuntimeError("no C compiler (cc) found")
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, then renamed: concurrent builds
             built = Path(tmp) / target.name                           # (Ray workers) never load a half-written file
-            subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE), *LIBS], check=True, capture_output=True,
+            subprocess.run([*compiler, *FLAGS, "-o", str(built), str(SOURCE), *LIBS], check=True, capture_output=True,
                            text=True)
             os.replace(built, target)
     return target
@@ -87,19 +87,13 @@ def available() -> bool:
     return os.environ.get(KERNEL_ENV, "") != "torch" and _library() is not None
 
 
-def name() -> str:
-    """What CPU decode attention runs, as result rows record it: "c" (kvlib's kernel) or "torch"."""
-    return "c" if available() else "torch"
-
-
 def supports(device, dtype: torch.dtype, group: int, head_dim: int) -> bool:
     """Whether decode steps of this shape run the kernel: fp32 on a CPU, within its limits (group: query heads per KV
     head)."""
-    if not available():
-        return False
+    if torch.device(device).type != "cpu" or dtype != torch.float32 or not available():
+        return False  # (a GPU run never builds it)
     lib = _library()
-    return (torch.device(device).type == "cpu" and dtype == torch.float32
-            and group <= lib.max_group and head_dim <= lib.max_dim and head_dim % lib.lanes == 0)
+    return group <= lib.max_group and head_dim <= lib.max_dim and head_dim % lib.lanes == 0
 
 
 def workspace_bytes(batch: int, kv_heads: int, group: int, head_dim: int, max_tokens: int) -> int:

@@ -1,7 +1,9 @@
 """The full-cache baseline: every key and value kept, contiguous per row, as Hugging Face's static cache does.
 
 Each row reserves room for its prompt plus max_new_tokens up front; the reserved-but-unused part is booked as
-`kv_reserved`, the fragmentation paged memory management removes.
+`kv_reserved`, the fragmentation paged memory management removes. Decode attends each row over its own length: on a
+CPU in fp32 with kvlib's C kernel (kvlib.cpu_kernel, the same one `paged` runs), elsewhere with SDPA over the rows
+padded to the longest, masked.
 """
 
 from __future__ import annotations

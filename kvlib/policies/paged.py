@@ -5,14 +5,15 @@ table. Full prompt blocks are shared between rows with the same prefix (kvlib.bl
 before they are written, and memory grows a block at a time, so rows of different lengths waste at most one partly
 filled block each instead of a reservation for the longest row.
 
-Decode attention reads the pool in place, each row over its own tokens (kvlib.attention.paged_decode_attention): the
-pool (head-major: each KV head's slots are one stretch) is cut into aligned spans of SPAN_TOKENS slots, and each run
-of consecutive spans the batch holds tokens in is attended in one call (the pool's last, shorter span in one more),
-each span by the queries of the rows holding tokens in it, masked to each row's own slots. The few tokens in spans
-read by more than MAX_READERS rows (the blocks rows grew by during decode, handed out to one row after another, sit
-side by side) are gathered for the whole batch into one small tensor and attended in one masked call; the parts are
-merged by their log-sum-exp. A lone row in one run is one SDPA call. Prefill reads a row in place when its blocks are
-one run (a fresh row's usually are) and gathers it otherwise.
+Decode attention reads the pool in place, each row over its own tokens. On a CPU in fp32 that is kvlib's C kernel
+(kvlib.cpu_kernel), which follows each row's block table. Elsewhere (a GPU, no C compiler) it is PyTorch's kernels
+(kvlib.attention.paged_decode_attention): the pool (head-major: each KV head's slots are one stretch) is cut into
+aligned spans of SPAN_TOKENS slots, and each run of consecutive spans the batch holds tokens in is attended in one
+call (the pool's last, shorter span in one more), each span by the queries of the rows holding tokens in it, masked to
+each row's own slots. The few tokens in spans read by more than MAX_READERS rows (the blocks rows grew by during
+decode, handed out to one row after another, sit side by side) are gathered for the whole batch into one small tensor
+and attended in one masked call; the parts are merged by their log-sum-exp. A lone row in one run is one SDPA call.
+Prefill reads a row in place when its blocks are one run (a fresh row's usually are) and gathers it otherwise.
 """
 
 from __future__ import annotations
