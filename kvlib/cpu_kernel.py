@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import tempfile
 import warnings
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
@@ -101,6 +102,25 @@ def workspace_bytes(batch: int, kv_heads: int, group: int, head_dim: int, max_to
     return batch * kv_heads * -(-max_tokens // _library().chunk) * group * (head_dim + 2) * 4
 
 
+@dataclass
+class DecodePlan:
+    """A decode step through the kernel: each row's length once the step's token is in (int64), and the scratch one
+    layer's call holds."""
+
+    lengths: torch.Tensor
+    workspace_bytes: int
+
+
+def plan_decode(spec, device, start: torch.Tensor) -> DecodePlan | None:
+    """The kernel's plan for a decode step whose rows hold start[b] tokens before it, for a model of this spec (its
+    dtype, heads, head dim) on this device; None where PyTorch's kernels attend instead."""
+    group = spec.num_attention_heads // spec.num_kv_heads
+    if not supports(device, spec.dtype, group, spec.head_dim):
+        return None
+    lengths = start + 1
+    return DecodePlan(lengths, workspace_bytes(len(start), spec.num_kv_heads, group, spec.head_dim, int(lengths.max())))
+
+
 def paged_decode(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, table: torch.Tensor,
                  lengths: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
     """query [B, Hq, 1, D] over a head-major block pool keys/values [Hkv, slots, D], row b over the first lengths[b]
@@ -133,9 +153,9 @@ def _call(query, keys, values, row_offset, table, lengths, block_size, head_stri
         raise ValueError("the C decode kernel takes fp32 queries, keys and values, and int64 indices")
     query = query.contiguous()
     out = torch.empty_like(query)
-    max_chunks = -(-int(lengths.max()) // lib.chunk)
-    partial = torch.empty(workspace_bytes(b, kv_heads, hq // kv_heads, d, int(lengths.max())) // 4)
+    longest = int(lengths.max())
+    partial = torch.empty(workspace_bytes(b, kv_heads, hq // kv_heads, d, longest) // 4)
     lib.decode_attention(query.data_ptr(), keys.data_ptr(), values.data_ptr(), out.data_ptr(), row_offset.data_ptr(),
                          table.data_ptr(), table.shape[1], lengths.data_ptr(), block_size, head_stride, b, kv_heads,
-                         hq // kv_heads, d, scale, partial.data_ptr(), max_chunks)
+                         hq // kv_heads, d, scale, partial.data_ptr(), -(-longest // lib.chunk))
     return out

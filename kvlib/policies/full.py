@@ -37,16 +37,10 @@ class FullPolicy(KVPolicy):
 
     def prepare(self, step: Step):
         if step.phase == "decode":
-            s = self.spec
             # each row over its own length, in place (no padding to the longest row, no copy of the rows)
-            group = s.num_attention_heads // s.num_kv_heads
-            kernel = cpu_kernel.supports(self.device, s.dtype, group, s.head_dim)
-            self.decode_kernel = "c" if kernel else "torch"
-            if kernel:
-                self.decode_lengths = step.start + 1
-                self.workspace = cpu_kernel.workspace_bytes(len(step.rows), s.num_kv_heads, group, s.head_dim,
-                                                            int(self.decode_lengths.max()))
-            else:
+            self.kernel_plan = cpu_kernel.plan_decode(self.spec, self.device, step.start)
+            self.decode_kernel = "torch" if self.kernel_plan is None else "c"
+            if self.kernel_plan is None:
                 # indices and mask moved to the cache's device once per step, not once per layer (on a GPU, 90 small
                 # synchronous copies a step for a 30-layer model otherwise)
                 self.visible, self.kv_len = decode_mask(step.start, self.keys[0].shape[2], self.device)
@@ -60,9 +54,10 @@ class FullPolicy(KVPolicy):
             kc[rows, :, pos] = key[:, :, 0]
             vc[rows, :, pos] = value[:, :, 0]
             self.usage.add(layer, step.tokens_seen, step.tokens_seen, len(step.rows))
-            if self.decode_kernel == "c":
-                with self.ledger.transient("device", "activations", self.workspace, f"decode workspace, layer {layer}"):
-                    return cpu_kernel.rows_decode(query, kc, vc, rows, self.decode_lengths, self.scale)
+            if self.kernel_plan is not None:
+                with self.ledger.transient("device", "activations", self.kernel_plan.workspace_bytes,
+                                           f"decode workspace, layer {layer}"):
+                    return cpu_kernel.rows_decode(query, kc, vc, rows, self.kernel_plan.lengths, self.scale)
             kv_len = self.kv_len
             with self.rows_of(step.rows, kc, vc, where=f"full decode rows, layer {layer}") as (k, v):
                 return fused_attention(query, k[:, :, :kv_len], v[:, :, :kv_len], self.visible, self.scale)

@@ -156,7 +156,7 @@ class PagedPolicy(KVPolicy):
                             f"({min(prompt_lens)} prompt tokens need {smallest} blocks)")
         block_bytes = s.kv_bytes(bs)
         self.prompt_tokens = self.hit_tokens = self.peak_blocks = 0
-        self.layout = None  # a decode step's span plan, where PyTorch's kernels attend (not the C kernel)
+        self.layout = self.kernel_plan = None  # a decode step's plan: the C kernel's, or PyTorch's spans
         self.decode_kernel = None  # what decode attention runs: "c" (kvlib.cpu_kernel) or "torch"
         if getattr(self, "pool", None) is None or self.pool.num_blocks != blocks:
             # head-major, as vLLM's CPU cache: each head's slots are one stretch, so a span of blocks is a plain view per
@@ -204,16 +204,13 @@ class PagedPolicy(KVPolicy):
         self.table = self.table.to(self.device)
         if step.phase == "decode":
             s = self.spec
-            group = s.num_attention_heads // s.num_kv_heads
-            kernel = cpu_kernel.supports(self.device, s.dtype, group, s.head_dim)
-            self.decode_kernel = "c" if kernel else "torch"
-            if kernel:  # each row through its block table
-                self.decode_lengths = step.start + 1
-                self.workspace = cpu_kernel.workspace_bytes(len(tables), s.num_kv_heads, group, s.head_dim,
-                                                            int(self.decode_lengths.max()))
+            self.kernel_plan = cpu_kernel.plan_decode(s, self.device, step.start)  # each row through its block table
+            self.decode_kernel = "torch" if self.kernel_plan is None else "c"
+            if self.kernel_plan is not None:
+                self.workspace = self.kernel_plan.workspace_bytes
             else:
-                self.layout = decode_layout(tables, (step.start + 1).tolist(), bs, self.pool.num_blocks, group,
-                                            s.dtype, self.device)
+                self.layout = decode_layout(tables, (step.start + 1).tolist(), bs, self.pool.num_blocks,
+                                            s.num_attention_heads // s.num_kv_heads, s.dtype, self.device)
                 self.workspace = self.layout.workspace_bytes(s.num_kv_heads * s.head_dim * s.dtype_bytes,
                                                              s.num_attention_heads * s.head_dim * s.dtype_bytes)
         self.peak_blocks = max(self.peak_blocks, self.pool.used)
@@ -240,9 +237,9 @@ class PagedPolicy(KVPolicy):
             self.usage.add(layer, step.tokens_seen, step.tokens_seen, len(step.rows))
             with self.ledger.transient("device", "activations", self.workspace,
                                        f"paged decode workspace, layer {layer}"):
-                if self.layout is None:
+                if self.kernel_plan is not None:
                     return cpu_kernel.paged_decode(query, *(c[layer] for c in self.flat_pools), self.table,
-                                                   self.decode_lengths, self.block_size, self.scale)
+                                                   self.kernel_plan.lengths, self.block_size, self.scale)
                 return paged_decode_attention(query, *self.flat_pools, self.layout, self.scale, layer)
         flat_k, flat_v = (pool[layer] for pool in self.flat_pools)
         row, begin = int(step.rows[0]), int(step.start[0])
@@ -262,7 +259,7 @@ class PagedPolicy(KVPolicy):
         with self.timers.section("block_management"):
             for row, start in zip(step.rows.tolist(), step.start.tolist()):
                 self.pool.commit(self.tables[row], self.prompts.get(row, []), start + step.q_len)
-            self.layout = None  # a step's plan, booked with its attention's workspace: not held between steps
+            self.layout = self.kernel_plan = None  # a step's plan, booked with its workspace: not held between steps
             self._book()
 
     def _book(self):
