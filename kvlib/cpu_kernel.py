@@ -1,14 +1,17 @@
-"""kvlib's decode-attention kernel for CPUs (csrc/decode_attention.c), built on first use and called through ctypes.
+"""kvlib's CPU kernels (csrc/), built on first use and called through ctypes: decode attention
+(csrc/decode_attention.c) and a Llama layer's small ops (csrc/layer_ops.c: RMSNorm with the residual add, RoPE,
+SiLU-and-multiply).
 
 PyTorch's CPU flash kernel pays ~60-90 us of fixed work a call and splits work by query blocks, which a decode step
 (one query a row) leaves nearly empty; the C kernel reads each row's keys and values where they lie, through a block
 table, in jobs of 256 tokens a KV head, and vectorizes the dot products, the exp and the weighted sum of values
-(book/methods.md, "The engine"). It is compiled with the machine's C compiler (`cc`, OpenMP; ~1 s) into the kvlib
-cache, keyed by its source, flags and CPU, so a machine builds it once. It links the same libgomp soname torch loads,
-so its threads are torch's OpenMP pool (torch.set_num_threads holds for it): no second runtime.
+(book/methods.md, "The engine"). The layer ops replace six to eight PyTorch ops each, whose dispatch, not arithmetic,
+is their cost at decode. The sources are compiled with the machine's C compiler (`cc`, OpenMP; ~1 s) into one library
+in the kvlib cache, keyed by the sources, flags and CPU, so a machine builds it once. It links the same libgomp soname
+torch loads, so its threads are torch's OpenMP pool (torch.set_num_threads holds for it): no second runtime.
 
-Where it cannot be built (no compiler), or KVLIB_DECODE_KERNEL=torch, `available()` is False and callers attend with
-PyTorch's kernels, which give the same result within fp32 rounding (tests/test_cpu_kernel.py).
+Where it cannot be built (no compiler), or KVLIB_CPU_KERNELS=torch, `available()` is False and callers use PyTorch's
+ops, which give the same result within fp32 rounding (tests/test_cpu_kernel.py).
 """
 
 from __future__ import annotations
@@ -30,10 +33,10 @@ import torch
 
 from kvlib.paths import cache_dir
 
-SOURCE = Path(__file__).parent / "csrc" / "decode_attention.c"
+SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.[ch]"))
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
 LIBS = ["-lm"]
-KERNEL_ENV = "KVLIB_DECODE_KERNEL"  # "torch": never use the C kernel
+KERNEL_ENV = "KVLIB_CPU_KERNELS"  # "torch": never use the C kernels
 
 
 def _cpu() -> str:
@@ -46,9 +49,9 @@ def _cpu() -> str:
 
 
 def _build() -> Path:
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(FLAGS + LIBS).encode(),
+    key = hashlib.sha256(b"\0".join([*(p.read_bytes() for p in SOURCES), " ".join(FLAGS + LIBS).encode(),
                                      platform.machine().encode(), _cpu().encode()])).hexdigest()[:16]
-    target = cache_dir() / "kernels" / f"decode_attention-{key}.so"
+    target = cache_dir() / "kernels" / f"kvlib_cpu-{key}.so"
     if not target.exists():
         compiler = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc") or ""]
         if not compiler[0]:
@@ -56,7 +59,8 @@ def _build() -> Path:
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, then renamed: concurrent builds
             built = Path(tmp) / target.name                           # (Ray workers) never load a half-written file
-            subprocess.run([*compiler, *FLAGS, "-o", str(built), str(SOURCE), *LIBS], check=True, capture_output=True,
+            sources = [str(p) for p in SOURCES if p.suffix == ".c"]
+            subprocess.run([*compiler, *FLAGS, "-o", str(built), *sources, *LIBS], check=True, capture_output=True,
                            text=True)
             os.replace(built, target)
     return target
@@ -70,13 +74,18 @@ def _library() -> ctypes.CDLL | None:
         lib = ctypes.CDLL(str(_build()))
     except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", "") or e
-        warnings.warn(f"kvlib's C decode-attention kernel could not be built ({detail}); decode attends with PyTorch's "
-                      f"kernels instead", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"kvlib's C kernels could not be built ({detail}); the engine uses PyTorch's ops instead",
+                      RuntimeWarning, stacklevel=3)
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.decode_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, i64,
                                      ctypes.c_float, ptr, i64]
     lib.decode_attention.restype = None
+    lib.add_rms_norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float]
+    lib.rope.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64]
+    lib.silu_mul.argtypes = [ptr, ptr, i64, i64]
+    for f in (lib.add_rms_norm, lib.rope, lib.silu_mul):
+        f.restype = None
     limits = [i64() for _ in range(4)]
     lib.decode_attention_limits(*map(ctypes.byref, limits))
     lib.chunk, lib.max_group, lib.max_dim, lib.lanes = (x.value for x in limits)
@@ -84,7 +93,7 @@ def _library() -> ctypes.CDLL | None:
 
 
 def available() -> bool:
-    """Whether decode attention on the CPU runs kvlib's C kernel (built now if it has not been)."""
+    """Whether the engine on a CPU runs kvlib's C kernels (built now if they have not been)."""
     return os.environ.get(KERNEL_ENV, "") != "torch" and _library() is not None
 
 
@@ -158,4 +167,37 @@ def _call(query, keys, values, row_offset, table, lengths, block_size, head_stri
     lib.decode_attention(query.data_ptr(), keys.data_ptr(), values.data_ptr(), out.data_ptr(), row_offset.data_ptr(),
                          table.data_ptr(), table.shape[1], lengths.data_ptr(), block_size, head_stride, b, kv_heads,
                          hq // kv_heads, d, scale, partial.data_ptr(), -(-longest // lib.chunk))
+    return out
+
+
+# -- a Llama layer's small ops (csrc/layer_ops.c) ------------------------------------------------------------------------
+def runs_layer_ops(x: torch.Tensor, *widths: int) -> bool:
+    """Whether the layer ops below take x: a contiguous fp32 CPU tensor outside autograd (they write through
+    pointers), every width a multiple of the vector width."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and not x.requires_grad and x.is_contiguous()
+            and available() and all(w % _library().lanes == 0 for w in widths))
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x += delta (in place, where delta is given), then RMSNorm of x's rows with weight. x, delta: contiguous
+    [..., n]."""
+    out = torch.empty_like(x)
+    n = x.shape[-1]
+    _library().add_rms_norm(x.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(),
+                            out.data_ptr(), x.numel() // n, n, eps)
+    return out
+
+
+def rope_(x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Llama's RoPE, in place, on the first `heads` vectors of head_dim of each row of x [..., width] (contiguous),
+    row r at cos[r], sin[r] ([..., head_dim], contiguous)."""
+    width = x.shape[-1]
+    _library().rope(x.data_ptr(), width, cos.data_ptr(), sin.data_ptr(), x.numel() // width, heads, head_dim)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) x up, gate and up the two halves of gate_up's last dimension (contiguous)."""
+    n = gate_up.shape[-1] // 2
+    out = gate_up.new_empty(*gate_up.shape[:-1], n)
+    _library().silu_mul(gate_up.data_ptr(), out.data_ptr(), out.numel() // n, n)
     return out

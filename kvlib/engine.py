@@ -51,11 +51,9 @@ class Engine:
             self.policy.prepare(step)
             with self.ledger.transient("device", "activations", activation_bytes(self.model, *input_ids.shape),
                                        f"{step.phase} forward"):
-                out = self.model.model(input_ids=input_ids.to(self.model.device),
-                                       position_ids=positions.to(self.model.device),
-                                       use_cache=False, logits_to_keep=1, kv_step=step)
+                logits = self.model.forward(input_ids, positions, step)
             self.policy.after_pass(step)
-        return out.logits[:, -1].float()
+        return logits.float()
 
     def validate(self, prompts, max_new_tokens, prefill_mode, chunk_size):
         """One clear error for a request this engine cannot run."""

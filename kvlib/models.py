@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from kvlib.errors import UserError
+from kvlib.llama_forward import LlamaForward, fuse_gate_up, fuse_qkv, replace_modules
 from kvlib.paths import cache_dir
 
 # Short names the study uses; value = how to obtain the weights.
@@ -118,10 +119,8 @@ def resolve_model_path(name: str) -> str:
 # memory, best of 5) took 489 vs 1,026 ms at 16 rows and 212 vs 440 ms at 8 with oneDNN's linear on weights reordered
 # once into its blocked layout vs torch's default sgemm, 47.5 vs 49 ms at 1 row (2-core CPU shared with other work, load
 # 7-10: absolute times inflated, the ratio is the point). vLLM's CPU backend prepacks the same way. The hint is the
-# batch the layout is tuned for; any batch runs. Q, K and V stay three linear layers: fused (N=960), SmolLM2's 30 took
-# 4.5 vs 6.5 ms at 1 row and 7.8 vs 9.4 at 16 (an earlier run, on a loaded host, had found it slower at 1 row), but
-# transformers' attention module calls each projection by itself, and so does InfiniGen's speculation (q_proj on the
-# next layer's input): fusing them takes a forward pass of kvlib's own (book/methods.md, "What did not pay").
+# batch the layout is tuned for; any batch runs. Q, K and V are fused too (kvlib.llama_forward.FusedAttention): SmolLM2's
+# 30 took 4.5 vs 6.5 ms at 1 row and 7.8 vs 9.4 at 16 as one linear layer of N=960.
 PACK_BATCH_HINT = 16
 
 
@@ -157,49 +156,6 @@ def prepack_linears(model: torch.nn.Module) -> int:
     return replace_modules(model, lambda m: type(m) is torch.nn.Linear, PackedLinear)
 
 
-def replace_modules(model: torch.nn.Module, matches, replacement) -> int:
-    """Swap every submodule for which matches(module) holds for replacement(module), in place. Returns how many."""
-    swapped = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if matches(child):
-                setattr(parent, name, replacement(child))
-                swapped += 1
-    return swapped
-
-
-class GatedMLP(torch.nn.Module):
-    """A Llama-family MLP, down(act(gate(x)) * up(x)), with gate and up as one linear layer: one matmul of twice the
-    width instead of two. SmolLM2's 30 MLPs, prepacked, 2 threads, best of 9: 11.3-12.6 vs 12.1-13.6 ms at 1 row,
-    14.9-15.1 vs 17.0-17.5 at 8 rows, 20.4-20.7 vs 22.5-22.6 at 16 (this host in a slow phase). The same weights
-    and bytes; the wider matmul may sum in another order (tests/test_forward.py)."""
-
-    def __init__(self, mlp: torch.nn.Module):
-        super().__init__()
-        gate, up = mlp.gate_proj, mlp.up_proj
-        self.gate_up = torch.nn.Linear(gate.in_features, 2 * gate.out_features, bias=gate.bias is not None,
-                                       device=gate.weight.device, dtype=gate.weight.dtype)
-        with torch.no_grad():
-            self.gate_up.weight.copy_(torch.cat([gate.weight, up.weight]))
-            if gate.bias is not None:
-                self.gate_up.bias.copy_(torch.cat([gate.bias, up.bias]))
-        self.down_proj, self.act_fn = mlp.down_proj, mlp.act_fn
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down_proj(self.act_fn(gate) * up)
-
-
-def fuse_gate_up(model: torch.nn.Module) -> int:
-    """Swap every Llama-family MLP (gate_proj, up_proj, down_proj, act_fn; plain linear layers) for a GatedMLP, one
-    layer at a time (the separate weights are freed as each is replaced). Returns how many were swapped."""
-    def is_mlp(m):
-        parts = [getattr(m, p, None) for p in ("gate_proj", "up_proj", "down_proj")]
-        return all(type(p) is torch.nn.Linear for p in parts) and hasattr(m, "act_fn")
-
-    return replace_modules(model, is_mlp, GatedMLP)
-
-
 @dataclass
 class LoadedModel:
     name: str
@@ -207,10 +163,23 @@ class LoadedModel:
     tokenizer: object
     spec: ModelSpec
     device: torch.device
+    # kvlib's own pass over the model's modules where they are Llama's, fused (kvlib.llama_forward); else None and
+    # transformers' forward runs
+    compact: LlamaForward | None = None
 
     @property
     def weights_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, step) -> torch.Tensor:
+        """The logits [B, V] after the last of the [B, T] new tokens, attention handed to step.policy: the one way the
+        model is run inside kvlib."""
+        input_ids, position_ids = input_ids.to(self.device), position_ids.to(self.device)
+        if self.compact is not None:
+            return self.compact(input_ids, position_ids, step)
+        out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=1,
+                         kv_step=step)
+        return out.logits[:, -1]
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
@@ -241,13 +210,22 @@ def load_model(name: str, device: str | torch.device | None = None, dtype: torch
                prepack: bool = True) -> LoadedModel:
     """weights="random": the model's shape from its config, seeded random weights, no tokenizer (prompts are random
     token ids, see kvlib.random_tokens); num_layers keeps only the first layers (tests). prepack: on a CPU in fp32,
-    each MLP's gate and up are one linear layer (GatedMLP) and linear layers run oneDNN's prepacked matmul
-    (PackedLinear)."""
+    each MLP's gate and up are one linear layer (GatedMLP), so are each attention's Q, K and V (FusedAttention),
+    linear layers run oneDNN's prepacked matmul (PackedLinear), and a Llama-family model runs kvlib's own forward
+    pass (LlamaForward)."""
     loaded = _load_model(name, device, dtype, weights, num_layers, seed)
     if prepack and can_prepack(loaded.model):
-        fuse_gate_up(loaded.model)
-        prepack_linears(loaded.model)
+        speed_up_for_cpu(loaded)
     return loaded
+
+
+def speed_up_for_cpu(loaded: LoadedModel) -> None:
+    """In place, for a CPU fp32 model: gate and up fused, Q, K and V fused, every linear layer prepacked, and kvlib's
+    own forward where the model is Llama-family. The same weights and bytes (the tied head's packed copy aside)."""
+    fuse_gate_up(loaded.model)
+    fuse_qkv(loaded.model)
+    prepack_linears(loaded.model)
+    loaded.compact = LlamaForward.of(loaded.model)
 
 
 def _load_model(name, device, dtype, weights, num_layers, seed) -> LoadedModel:

@@ -105,7 +105,7 @@ def test_gated_mlp_computes_the_mlp_it_replaces():
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaMLP
 
-    from kvlib.models import GatedMLP, fuse_gate_up
+    from kvlib.llama_forward import GatedMLP, fuse_gate_up
 
     torch.manual_seed(5)
     mlp = LlamaMLP(LlamaConfig(hidden_size=64, intermediate_size=160, hidden_act="silu"))

@@ -14,7 +14,7 @@ import kvlib
 LAYERS = [
     ["kvlib.errors", "kvlib.paths", "kvlib.settings", "kvlib.timing", "kvlib.ledger", "kvlib.machine_load", "kvlib.architectures",
      "kvlib.random_tokens"],                                     # leaves: no model, no policy
-    ["kvlib.models", "kvlib.random_weights", "kvlib.workloads", "kvlib.attention", "kvlib.cpu_kernel",
+    ["kvlib.models", "kvlib.llama_forward", "kvlib.random_weights", "kvlib.workloads", "kvlib.attention", "kvlib.cpu_kernel",
      "kvlib.block_pool", "kvlib.run_result"],                     # a model, text, attention kernels, the result type
     ["kvlib.policies"],                                          # KV-cache policies (one file each)
     ["kvlib.scheduler"],                                         # the loop that drives an engine's sessions

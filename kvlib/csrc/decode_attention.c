@@ -7,60 +7,19 @@
  * of a KV head share each key as it is read (grouped-query attention without repeating K/V). fp32 throughout, as
  * SDPA's scores are.
  *
- * The arithmetic is written with 16-float vectors (gcc's vector extension): left to the auto-vectorizer, the dot
+ * The arithmetic is written with 16-float vectors (vectors.h, gcc's vector extension): left to the auto-vectorizer, the dot
  * products stayed scalar (profiled: 42 ns a token and KV head on 2 threads, slower than PyTorch's flash kernel; 12 ns
  * written out). No -ffast-math: a shared library built with it sets flush-to-zero for the whole process that loads
  * it, so exp is a polynomial here, not libm's. */
 #include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
+
+#include "vectors.h"
 
 #define CHUNK 256
 #define MAX_GROUP 16
 #define MAX_DIM 256
-#define LANES 16 /* head_dim must be a multiple of it */
-
-/* Loads and stores through these need no alignment; the compiler splits them where vectors are narrower. */
-typedef float vf __attribute__((vector_size(LANES * sizeof(float)), aligned(4), may_alias));
-typedef int32_t vi __attribute__((vector_size(LANES * sizeof(int32_t)), aligned(4), may_alias));
-typedef float v8 __attribute__((vector_size(8 * sizeof(float))));
-typedef float v4 __attribute__((vector_size(4 * sizeof(float))));
-
-static inline float hsum(vf v) {
-    v8 lo, hi;
-    memcpy(&lo, &v, sizeof lo);
-    memcpy(&hi, (char *)&v + sizeof lo, sizeof hi);
-    lo += hi;
-    v4 a, b;
-    memcpy(&a, &lo, sizeof a);
-    memcpy(&b, (char *)&lo + sizeof a, sizeof b);
-    a += b;
-    return (a[0] + a[2]) + (a[1] + a[3]);
-}
-
-static inline float dot(const float *a, const float *b, int64_t dim) {
-    vf s = *(const vf *)a * *(const vf *)b;
-    for (int64_t d = LANES; d < dim; d += LANES) s += *(const vf *)(a + d) * *(const vf *)(b + d);
-    return hsum(s);
-}
-
-/* exp(x) for x <= 0 (a score minus its row's max): 2^k exp(r), k = round(x / ln 2), |r| <= ln 2 / 2, exp(r) by
- * Cephes' expf polynomial (within ~2 ulp). Below -87 it returns exp(-87) ~ 1.6e-38, as good as 0 beside the max's 1. */
-static inline vf vexp(vf x) {
-    const vi low = x < -87.f; /* -1 where true */
-    x = (vf)(((vi)x & ~low) | ((vi)((vf){} - 87.f) & low));
-    const vi k = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, vi); /* truncation: round for x <= 0 */
-    const vf kf = __builtin_convertvector(k, vf);
-    const vf r = x - kf * 0.693359375f + kf * 2.12194440e-4f;
-    vf p = 1.9875691500e-4f * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.f;
-    return p * (vf)((k + 127) << 23);
-}
+#define PREFETCH 16 /* tokens ahead whose K and V are prefetched */
 
 int decode_attention_limits(int64_t *chunk, int64_t *max_group, int64_t *max_dim, int64_t *lanes) {
     *chunk = CHUNK;
@@ -95,11 +54,21 @@ void decode_attention(const float *q, const float *k, const float *v, float *out
         float scores[MAX_GROUP][CHUNK] __attribute__((aligned(64)));
         float acc[MAX_GROUP][MAX_DIM] __attribute__((aligned(64)));
 
+        const int64_t *row_table = table + b * table_width;
         for (int64_t t = t0; t < t1;) { /* scores, a block's stretch of slots at a time */
             const int64_t off = t % block_size, run = block_size - off < t1 - t ? block_size - off : t1 - t;
-            const float *kr = k + base + (table[b * table_width + t / block_size] * block_size + off) * dim;
-            for (int64_t i = 0; i < run; i++, kr += dim)
+            const float *kr = k + base + (row_table[t / block_size] * block_size + off) * dim;
+            for (int64_t i = 0; i < run; i++, kr += dim) {
+                const int64_t ahead = t + i + PREFETCH;
+                if (ahead < t1) { /* this token's K and V, PREFETCH tokens ahead: V is read after the chunk's scores */
+                    const int64_t at = base + (row_table[ahead / block_size] * block_size + ahead % block_size) * dim;
+                    for (int64_t d = 0; d < dim; d += 64 / sizeof(float)) {
+                        __builtin_prefetch(k + at + d);
+                        __builtin_prefetch(v + at + d);
+                    }
+                }
                 for (int64_t g = 0; g < group; g++) scores[g][t - t0 + i] = dot(qh + g * dim, kr, dim) * scale;
+            }
             t += run;
         }
         float *mine = partial + ((b * kv_heads + h) * max_chunks + c) * part;

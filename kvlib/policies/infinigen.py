@@ -23,7 +23,6 @@ The budget is a cap, as in the official code: a head fetches as many tokens as s
 from __future__ import annotations
 
 import math
-import sys
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -31,6 +30,7 @@ import torch
 
 from kvlib.attention import decode_mask, fused_attention, matrix_attention, prefill_attention
 from kvlib.errors import UserError
+from kvlib.llama_forward import FusedAttention, query_projection
 from kvlib.policies.base import BudgetedPolicy, Step
 from kvlib.policies.infinigen_skew import load_or_compute_skew
 from kvlib.policies.registry import register
@@ -64,10 +64,10 @@ class InfiniGenPolicy(BudgetedPolicy):
         super().bind(model, ledger, timers)
         layers = getattr(getattr(model.model, "model", None), "layers", None)
         self.attn_modules = [getattr(layer, "self_attn", None) for layer in layers or []]
-        if not self.attn_modules or not all(hasattr(m, "q_proj") for m in self.attn_modules):
+        if not self.attn_modules or not all(isinstance(m, FusedAttention) or hasattr(m, "q_proj")
+                                            for m in self.attn_modules):
             raise UserError(f"policy 'infinigen' needs a model whose decoder layers have self_attn.q_proj "
                             f"(Llama-family attention); {type(model.model).__name__} does not")
-        self.rope = sys.modules[type(self.attn_modules[0]).__module__].apply_rotary_pos_emb
 
     def calibrate(self, prompt):
         skew = load_or_compute_skew(self.model, prompt[:self.calibration_tokens], self.partial_ratio, self.skew)
@@ -195,9 +195,8 @@ class InfiniGenPolicy(BudgetedPolicy):
         group = s.num_attention_heads // s.num_kv_heads
         with self.timers.section("selection"):
             hidden, (cos, sin) = self.captured.pop(layer)
-            q = self.attn_modules[nxt].q_proj(hidden).view(len(rows), 1, s.num_attention_heads, s.head_dim)
-            q = self.rope(q.transpose(1, 2), q.transpose(1, 2), cos, sin)[0][:, :, 0]  # [B, Hq, D]
-            q = q.view(len(rows), s.num_kv_heads, group, s.head_dim)
+            q = query_projection(self.attn_modules[nxt], hidden, (cos, sin))  # [B, Hq, 1, D]
+            q = q.reshape(len(rows), s.num_kv_heads, group, s.head_dim)
             q_skew = torch.einsum("bhgd,hde->bhge", q, self.skew_matrices[nxt])
             cols = self.columns[nxt][None, :, None, :].expand(len(rows), -1, group, -1)
             q_part = q_skew.gather(-1, cols)  # [B, Hkv, G, r]

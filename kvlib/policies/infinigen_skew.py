@@ -43,8 +43,7 @@ class QKRecorder(KVPolicy):
 def capture_qk(model: LoadedModel, prompt: list[int]) -> tuple[dict, dict]:
     capture = QKRecorder()
     step = Step(capture, torch.tensor([0]), torch.tensor([0]), len(prompt), "prefill")
-    model.model.model(input_ids=torch.tensor([prompt], device=model.device), use_cache=False, kv_step=step,
-                      position_ids=torch.arange(len(prompt), device=model.device)[None])
+    model.forward(torch.tensor([prompt]), torch.arange(len(prompt))[None], step)
     return capture.queries, capture.keys
 
 

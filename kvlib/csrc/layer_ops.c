@@ -1,0 +1,55 @@
+/* The small ops of a Llama decoder layer on a CPU, each one pass over its rows. At decode a row is a few thousand
+ * floats, and what these cost in PyTorch is the dispatch of the six to eight ops each is made of, not the arithmetic.
+ * fp32; widths are multiples of LANES (the caller checks). Large calls (prefill) run on the OpenMP threads. */
+#include <math.h>
+
+#include "vectors.h"
+
+/* x[r] += delta[r] where delta is given; out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight (RMSNorm). */
+void add_rms_norm(float *x, const float *delta, const float *weight, float *out, int64_t rows, int64_t n,
+                  float eps) {
+#pragma omp parallel for if (rows * n >= 1 << 16)
+    for (int64_t r = 0; r < rows; r++) {
+        float *xr = x + r * n, *o = out + r * n;
+        vf squares = {};
+        for (int64_t i = 0; i < n; i += LANES) {
+            vf v = *(vf *)(xr + i);
+            if (delta) *(vf *)(xr + i) = v += *(const vf *)(delta + r * n + i);
+            squares += v * v;
+        }
+        const float inv = 1.f / sqrtf(hsum(squares) / (float)n + eps);
+        for (int64_t i = 0; i < n; i += LANES) *(vf *)(o + i) = *(vf *)(xr + i) * inv * *(const vf *)(weight + i);
+    }
+}
+
+/* In place, Llama's RoPE on rows x heads vectors of dim (row r's head h at x + r * row_stride + h * dim):
+ * x = x cos[r] + rotate_half(x) sin[r], rotate_half(x) = (-x[dim/2:], x[:dim/2]). */
+void rope(float *x, int64_t row_stride, const float *cos, const float *sin, int64_t rows, int64_t heads,
+          int64_t dim) {
+    const int64_t half = dim / 2;
+#pragma omp parallel for if (rows * heads * dim >= 1 << 16)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *c = cos + r * dim, *s = sin + r * dim;
+        for (int64_t h = 0; h < heads; h++) {
+            float *v = x + r * row_stride + h * dim;
+            for (int64_t i = 0; i < half; i += LANES) {
+                const vf a = *(vf *)(v + i), b = *(vf *)(v + half + i);
+                *(vf *)(v + i) = a * *(const vf *)(c + i) - b * *(const vf *)(s + i);
+                *(vf *)(v + half + i) = b * *(const vf *)(c + half + i) + a * *(const vf *)(s + half + i);
+            }
+        }
+    }
+}
+
+/* out[r] = silu(gate_up[r, :n]) * gate_up[r, n:], silu(g) = g sigmoid(g). */
+void silu_mul(const float *gate_up, float *out, int64_t rows, int64_t n) {
+#pragma omp parallel for if (rows * n >= 1 << 16)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gate_up + r * 2 * n, *u = g + n;
+        for (int64_t i = 0; i < n; i += LANES) {
+            const vf x = *(const vf *)(g + i), e = vexp(-vabs(x)); /* exp(-|x|) <= 1: no overflow */
+            const vf sigmoid = vselect(x < 0.f, e / (1.f + e), 1.f / (1.f + e));
+            *(vf *)(out + r * n + i) = x * sigmoid * *(const vf *)(u + i);
+        }
+    }
+}
