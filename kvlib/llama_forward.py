@@ -21,7 +21,6 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kvlib import cpu_kernel
 
@@ -105,6 +104,9 @@ class FusedAttention(torch.nn.Module):
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.num_key_value_groups, self.is_causal = self.heads // self.kv_heads, True  # what attention functions read
         self.attention_dropout = getattr(attn, "attention_dropout", 0.0)
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # (loaded with the model already)
+
+        self.attention_functions = ALL_ATTENTION_FUNCTIONS
         self.eager_attention = sys.modules[type(attn).__module__].eager_attention_forward
         self.qkv_proj = torch.nn.Linear(q.in_features, q.out_features + k.out_features + v.out_features,
                                         bias=q.bias is not None, device=q.weight.device, dtype=q.weight.dtype)
@@ -132,7 +134,7 @@ class FusedAttention(torch.nn.Module):
         query, key, value = self.project(hidden_states, position_embeddings)
         if past_key_values is not None:
             key, value = past_key_values.update(key, value, self.layer_idx)
-        attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, self.eager_attention)
+        attend = self.attention_functions.get_interface(self.config._attn_implementation, self.eager_attention)
         out, weights = attend(self, query, key, value, attention_mask, scaling=self.scaling,
                               dropout=self.attention_dropout if self.training else 0.0, **kwargs)
         return self.o_proj(out.reshape(*hidden_states.shape[:-1], -1)), weights
@@ -175,7 +177,7 @@ class LlamaForward:
 
     @staticmethod
     def of(model: torch.nn.Module) -> LlamaForward | None:
-        """The compact forward of this model, or None where transformers' forward must run it."""
+        """kvlib's forward pass over this model, or None where transformers' forward must run it."""
         inner = getattr(model, "model", None)
         if getattr(model.config, "model_type", None) != "llama" or not hasattr(inner, "layers"):
             return None

@@ -165,7 +165,7 @@ class LoadedModel:
     device: torch.device
     # kvlib's own pass over the model's modules where they are Llama's, fused (kvlib.llama_forward); else None and
     # transformers' forward runs
-    compact: LlamaForward | None = None
+    kvlib_forward: LlamaForward | None = None
 
     @property
     def weights_bytes(self) -> int:
@@ -175,8 +175,8 @@ class LoadedModel:
         """The logits [B, V] after the last of the [B, T] new tokens, attention handed to step.policy: the one way the
         model is run inside kvlib."""
         input_ids, position_ids = input_ids.to(self.device), position_ids.to(self.device)
-        if self.compact is not None:
-            return self.compact(input_ids, position_ids, step)
+        if self.kvlib_forward is not None:
+            return self.kvlib_forward(input_ids, position_ids, step)
         out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=1,
                          kv_step=step)
         return out.logits[:, -1]
@@ -225,7 +225,7 @@ def speed_up_for_cpu(loaded: LoadedModel) -> None:
     fuse_gate_up(loaded.model)
     fuse_qkv(loaded.model)
     prepack_linears(loaded.model)
-    loaded.compact = LlamaForward.of(loaded.model)
+    loaded.kvlib_forward = LlamaForward.of(loaded.model)
 
 
 def _load_model(name, device, dtype, weights, num_layers, seed) -> LoadedModel:

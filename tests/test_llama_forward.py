@@ -59,8 +59,8 @@ def prompts():
 
 def test_the_sped_up_model_is_llama_forward_over_fused_modules(llamas):
     plain, fast = llamas
-    assert plain.compact is None and LlamaForward.of(plain.model) is None  # transformers' modules: its forward runs
-    assert isinstance(fast.compact, LlamaForward)
+    assert plain.kvlib_forward is None and LlamaForward.of(plain.model) is None  # transformers' modules: its forward runs
+    assert isinstance(fast.kvlib_forward, LlamaForward)
     layers = fast.model.model.layers
     assert all(isinstance(layer.self_attn, FusedAttention) and type(layer.mlp) is GatedMLP for layer in layers)
     assert fast.weights_bytes == plain.weights_bytes + plain.model.lm_head.weight.nbytes  # the tied head's copy
@@ -79,7 +79,7 @@ def test_kvlib_forward_equals_transformers_forward_over_the_same_modules(llamas,
     """The fused model run by transformers' forward (its decoder layers calling FusedAttention and GatedMLP) and by
     LlamaForward: only the RMSNorm differs (transformers' ops against one C pass), within 1e-5."""
     _, fast = llamas
-    through_transformers = dataclasses.replace(fast, compact=None)
+    through_transformers = dataclasses.replace(fast, kvlib_forward=None)
     (tokens, logits), (ours, our_logits) = decode(through_transformers, prompts, 6), decode(fast, prompts, 6)
     assert tokens == ours
     torch.testing.assert_close(our_logits, logits, atol=1e-5, rtol=1e-5)
