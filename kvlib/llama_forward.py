@@ -17,6 +17,7 @@ A model of any other shape (not Llama-family, not fused, not fp32) runs transfor
 
 from __future__ import annotations
 
+import inspect
 import sys
 
 import torch
@@ -130,10 +131,14 @@ class FusedAttention(torch.nn.Module):
         value = qkv[..., qk_heads * self.head_dim:].view(b, t, self.kv_heads, self.head_dim)
         return qk[:, :, :self.heads].transpose(1, 2), qk[:, :, self.heads:].transpose(1, 2), value.transpose(1, 2)
 
-    def forward(self, hidden_states, position_embeddings, attention_mask=None, past_key_values=None, **kwargs):
+    def forward(self, hidden_states, position_embeddings, attention_mask=None, **kwargs):
         query, key, value = self.project(hidden_states, position_embeddings)
-        if past_key_values is not None:
-            key, value = past_key_values.update(key, value, self.layer_idx)
+        # transformers 5.2x renamed past_key_values to cache and hands update the call's arguments; take either
+        cache, old_name = kwargs.pop("cache", None), kwargs.pop("past_key_values", None)
+        cache = old_name if cache is None else cache
+        if cache is not None:
+            passes = any(p.kind is p.VAR_KEYWORD for p in inspect.signature(cache.update).parameters.values())
+            key, value = cache.update(key, value, self.layer_idx, **({"kwargs": kwargs} if passes else {}))
         attend = self.attention_functions.get_interface(self.config._attn_implementation, self.eager_attention)
         out, weights = attend(self, query, key, value, attention_mask, scaling=self.scaling,
                               dropout=self.attention_dropout if self.training else 0.0, **kwargs)
