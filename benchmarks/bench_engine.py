@@ -14,8 +14,8 @@ from smoke import results_path, sized
 
 from kvlib.engine import Engine
 from kvlib.models import load_model
+from kvlib.models.workloads import mixed_length_prompts
 from kvlib.policies import make_policy
-from kvlib.workloads import mixed_length_prompts
 
 NEW_TOKENS = sized(32, 4)
 OUT = results_path("engine.json")

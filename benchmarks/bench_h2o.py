@@ -13,8 +13,8 @@ from smoke import results_path, sized
 
 from kvlib.engine import Engine
 from kvlib.models import load_model
+from kvlib.models.workloads import prompt_of_length
 from kvlib.policies import make_policy
-from kvlib.workloads import prompt_of_length
 
 OUT = results_path("h2o.json")
 NEW_TOKENS = sized(32, 4)

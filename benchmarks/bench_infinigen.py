@@ -17,9 +17,9 @@ from smoke import results_path, sized
 
 from kvlib.engine import Engine
 from kvlib.models import load_model
+from kvlib.models.workloads import prompt_of_length
 from kvlib.policies import make_policy
 from kvlib.policies.infinigen_skew import capture_qk, compute_skew
-from kvlib.workloads import prompt_of_length
 
 OUT = results_path("infinigen.json")
 

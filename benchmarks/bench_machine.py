@@ -19,7 +19,7 @@ import time
 import torch
 from smoke import results_path, sized
 
-from kvlib.models import PackedLinear, can_prepack
+from kvlib.models.loading import PackedLinear, can_prepack
 
 READ_MIB = sized(512, 8)
 MATMUL = sized(2048, 64)

@@ -17,10 +17,10 @@ from smoke import results_path, sized
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from kvlib.engine import Engine
+from kvlib.engine.scheduler import Sequence, run
 from kvlib.models import load_model, resolve_model_path
+from kvlib.models.workloads import mixed_length_prompts
 from kvlib.policies import make_policy
-from kvlib.scheduler import Sequence, run
-from kvlib.workloads import mixed_length_prompts
 
 OUT = results_path("paged.json")
 NEW_TOKENS = sized(24, 4)

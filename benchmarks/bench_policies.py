@@ -25,8 +25,8 @@ BUDGET = 0.3
 def one_run(policy: str) -> dict:
     from kvlib.engine import Engine
     from kvlib.models import load_model
+    from kvlib.models.workloads import prompt_of_length
     from kvlib.policies import make_policy, policy_settings
-    from kvlib.workloads import prompt_of_length
 
     model = load_model("smollm2-135m", device="cpu")
     settings = {"budget": BUDGET} if "budget" in policy_settings(policy) else {}

@@ -13,7 +13,7 @@ import argparse
 import json
 from pathlib import Path
 
-from kvlib import results
+from kvlib.study import results
 
 MEASURED = ["repeat", "ttft_s", "decode_tokens_per_s", "decode_tokens_per_s_q1", "decode_tokens_per_s_q3",
             "decode_step_s_mean", "device_peak_bytes", "device_kv_bytes", "host_peak_bytes", "oom",
@@ -37,7 +37,7 @@ def record(profile: str) -> dict:
         out[experiment] = json.loads(df.to_json(orient="records", double_precision=6))
     accuracy = results.load(profile, "accuracy")
     if not accuracy.empty:
-        from kvlib.tables import accuracy_table
+        from kvlib.report.tables import accuracy_table
 
         out["accuracy"] = json.loads(accuracy_table(accuracy).to_json(orient="records", double_precision=6))
     retention = results.load(profile, "retention")

@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def read_prompts(args, tokenizer) -> list[list[int]]:
-    from kvlib.workloads import prompt_of_length
+    from kvlib.models.workloads import prompt_of_length
 
     if not args.prompt_file and not args.prompt_tokens:
         raise UserError("give at least one --prompt-file or --prompt-tokens")
@@ -146,7 +146,7 @@ def run_backend(args, backend):
 
     from kvlib.backends.vllm import check_weights
     from kvlib.models import model_config, resolve_model_path
-    from kvlib.random_tokens import NoTextTokenizer
+    from kvlib.models.random_tokens import NoTextTokenizer
 
     random = args.weights == "random"
     check_weights(args.model, args.weights)  # before a tokenizer is looked for
@@ -164,7 +164,7 @@ def run_backend(args, backend):
 def cmd_run(args) -> int:
     from kvlib.engine import Engine
     from kvlib.models import load_model
-    from kvlib.runners import make_runner
+    from kvlib.study.runners import make_runner
 
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
@@ -176,7 +176,7 @@ def cmd_run(args) -> int:
     prompts = read_prompts(args, model.tokenizer)
     engine = Engine(model, runner, device_capacity_bytes=capacity)
     if args.schedule == "continuous":
-        from kvlib.scheduler import Sequence, run
+        from kvlib.engine.scheduler import Sequence, run
 
         sequences = [Sequence(p, args.max_new_tokens, arrival_step=i * args.arrival_interval)
                      for i, p in enumerate(prompts)]
@@ -206,7 +206,7 @@ def cmd_eval(args) -> int:
     from kvlib.evaluation import KVLibLM
     from kvlib.evaluation.tasks import OFFLINE_TASKS, evaluate, write_offline_tasks
     from kvlib.policies import make_policy
-    from kvlib.tables import accuracy_table
+    from kvlib.report.tables import accuracy_table
 
     settings = make_policy(args.policy, **settings_from_args(args)).settings()  # bad settings fail before loading
     lm = KVLibLM(pretrained=args.model, policy=args.policy, batch_size=args.batch_size, device=args.device,
@@ -226,7 +226,7 @@ def cmd_eval(args) -> int:
 def cmd_policies(args) -> int:
     from dataclasses import fields
 
-    from kvlib.runners import runner_class, runners
+    from kvlib.study.runners import runner_class, runners
 
     for name in runners():
         cls = runner_class(name)
@@ -240,7 +240,7 @@ def cmd_study(args) -> int:
 
     executor = None
     if args.executor == "ray":
-        from kvlib.ray_executor import RayExecutor
+        from kvlib.study.ray_executor import RayExecutor
 
         executor = RayExecutor(args.address, gpus_per_point=args.gpus_per_point, cpus_per_point=args.cpus_per_point)
     elif args.address is not None or args.gpus_per_point or args.cpus_per_point != 1:
@@ -253,9 +253,8 @@ def cmd_study(args) -> int:
 def cmd_choose(args) -> int:
     from dataclasses import asdict
 
-    from kvlib import results
-    from kvlib.choose import choose
-    from kvlib.study import load_profile
+    from kvlib.report.choose import choose
+    from kvlib.study import load_profile, results
 
     for flag in ("prompt_tokens", "batch", "output_tokens"):
         if getattr(args, flag) < 1:

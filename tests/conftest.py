@@ -7,7 +7,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest
 import torch
 
-from kvlib.attention import register_attention
+from kvlib.kernels.attention import register_attention
 from kvlib.models import LoadedModel, ModelSpec, load_model
 
 

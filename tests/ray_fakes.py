@@ -32,5 +32,5 @@ def dispatch(real, point):
 
 def install() -> None:
     for name in EXPERIMENTS:
-        module = importlib.import_module(f"kvlib.experiments.{name}")
+        module = importlib.import_module(f"kvlib.study.experiments.{name}")
         module.run_point = functools.partial(dispatch, module.run_point)

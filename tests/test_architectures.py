@@ -9,16 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvlib import architectures
-from kvlib.capacity import full_matrix_oom_boundary, full_matrix_prefill_bytes, parameter_count
 from kvlib.engine import Engine
+from kvlib.engine.capacity import full_matrix_oom_boundary, full_matrix_prefill_bytes, parameter_count
 from kvlib.errors import UserError
-from kvlib.models import ModelSpec, load_model
+from kvlib.models import ModelSpec, architectures, load_model
+from kvlib.models.random_tokens import NoTextTokenizer, random_token_ids
+from kvlib.models.random_weights import build_random_model
+from kvlib.models.workloads import mixed_length_prompts, prompt_of_length
 from kvlib.policies import available, make_policy
-from kvlib.profile import Point
-from kvlib.random_tokens import NoTextTokenizer, random_token_ids
-from kvlib.random_weights import build_random_model
-from kvlib.workloads import mixed_length_prompts, prompt_of_length
+from kvlib.study.profile import Point
 
 # D x H_kv x d_h x sizeof(bf16) x 2 for the whole model: 128 KiB and 320 KiB a token
 FULL_MODEL_KV_BYTES_PER_TOKEN = {"llama-3.1-8b": 32 * 8 * 128 * 2 * 2, "llama-3.1-70b": 80 * 8 * 128 * 2 * 2}
@@ -151,12 +150,12 @@ def test_named_architectures_have_no_trained_weights_here():
 def test_accuracy_and_retention_refuse_random_weights(experiment):
     import importlib
 
-    from kvlib.profile import validate_profile
+    from kvlib.study.profile import validate_profile
 
     point = Point(experiment, "full", {}, {"task": "kvlib_recall", "query_turns": [2], "buckets": [[8, 16]],
                                            "per_bucket": 1}, "llama-3.1-8b", weights="random")
     with pytest.raises(UserError, match=f"experiment '{experiment}' .* random weights"):
-        importlib.import_module(f"kvlib.experiments.{experiment}").run_point(point)
+        importlib.import_module(f"kvlib.study.experiments.{experiment}").run_point(point)
     raw = {"model": "llama-3.1-8b", "weights": "random", "experiments": {experiment: {"policies": ["full"]}}}
     with pytest.raises(UserError, match=re.escape("params/x.yaml: experiment")):
         validate_profile("x", raw)
@@ -178,8 +177,8 @@ def test_paper_shapes_profile_runs_the_systems_grids_with_random_weights():
 
 
 def test_result_rows_say_what_random_weights_are_for():
-    from kvlib.experiments.common import result_row
-    from kvlib.run_result import RunResult
+    from kvlib.engine.run_result import RunResult
+    from kvlib.study.experiments.common import result_row
 
     run = RunResult(outputs=[], metrics={}, memory={}, policy={"name": "full"})
     point = Point("ttft", "full", {}, {}, "llama-3.1-8b", weights="random")
@@ -188,10 +187,10 @@ def test_result_rows_say_what_random_weights_are_for():
 
 
 def test_cli_runs_a_named_architecture_with_random_weights(capsys, monkeypatch):
-    from kvlib import models
     from kvlib.cli import main
+    from kvlib.models import loading
 
-    monkeypatch.setattr(models, "default_dtype", lambda device: torch.bfloat16)  # 2.6 GB for one layer, not 5
+    monkeypatch.setattr(loading, "default_dtype", lambda device: torch.bfloat16)  # 2.6 GB for one layer, not 5
 
     assert main(["run", "--model", "llama-3.1-8b", "--weights", "random", "--num-layers", "1", "--device", "cpu",
                  "--prompt-tokens", "9", "--prompt-tokens", "5", "--max-new-tokens", "2", "--policy", "paged",
@@ -205,7 +204,7 @@ def test_cli_runs_a_named_architecture_with_random_weights(capsys, monkeypatch):
 
 
 def test_a_systems_point_runs_end_to_end_with_random_weights(monkeypatch):
-    from kvlib.experiments import common, decode_length, ttft
+    from kvlib.study.experiments import common, decode_length, ttft
 
     def one_layer(name, device=None, weights="pretrained"):
         return load_model(name, device="cpu", dtype=torch.bfloat16, weights=weights, num_layers=1)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvlib.block_pool import BlockPool, BlockTable, OutOfBlocks
+from kvlib.memory.block_pool import BlockPool, BlockTable, OutOfBlocks
 
 
 def filled(pool, tokens):

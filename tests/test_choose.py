@@ -3,7 +3,7 @@
 import pandas as pd
 import pytest
 
-from kvlib.choose import choose, read_at, regimes
+from kvlib.report.choose import choose, read_at, regimes
 
 GIB = 2**30
 

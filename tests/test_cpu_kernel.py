@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvlib import cpu_kernel
 from kvlib.engine import Engine
+from kvlib.kernels import cpu_kernel
 from kvlib.policies import make_policy
 
 needs_kernel = pytest.mark.skipif(not cpu_kernel.available(), reason="no C compiler: the kernel is not built")

@@ -3,7 +3,7 @@
 import pandas as pd
 import pytest
 
-from kvlib import findings, tables
+from kvlib.report import findings, tables
 
 
 def ttft_rows(policy, values, prompt_tokens=512):

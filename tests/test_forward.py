@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvlib.attention import attention_with_lse, merge_segments, paged_decode_attention
-from kvlib.models import PackedLinear, can_prepack, prepack_linears
+from kvlib.kernels.attention import attention_with_lse, merge_segments, paged_decode_attention
+from kvlib.models.loading import PackedLinear, can_prepack, prepack_linears
 from kvlib.policies.paged import MAX_READERS, SPAN_TOKENS, block_runs, decode_layout
 
 
@@ -105,7 +105,7 @@ def test_gated_mlp_computes_the_mlp_it_replaces():
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaMLP
 
-    from kvlib.llama_forward import GatedMLP, fuse_gate_up
+    from kvlib.models.llama_forward import GatedMLP, fuse_gate_up
 
     torch.manual_seed(5)
     mlp = LlamaMLP(LlamaConfig(hidden_size=64, intermediate_size=160, hidden_act="silu"))

@@ -10,23 +10,19 @@ from pathlib import Path
 
 import kvlib
 
-# lowest first; a module's layer is the entry of its longest matching prefix
+# lowest first; a module's layer is the entry of its longest matching prefix (a package: every module inside it)
 LAYERS = [
-    ["kvlib.errors", "kvlib.paths", "kvlib.settings", "kvlib.timing", "kvlib.ledger", "kvlib.machine_load", "kvlib.architectures",
-     "kvlib.random_tokens"],                                     # leaves: no model, no policy
-    ["kvlib.models", "kvlib.llama_forward", "kvlib.random_weights", "kvlib.workloads", "kvlib.attention", "kvlib.cpu_kernel",
-     "kvlib.block_pool", "kvlib.run_result"],                     # a model, text, attention kernels, the result type
-    ["kvlib.policies"],                                          # KV-cache policies (one file each)
-    ["kvlib.scheduler"],                                         # the loop that drives an engine's sessions
-    ["kvlib.engine", "kvlib.capacity"],                          # the engine; where its memory runs out
-    ["kvlib.backends", "kvlib.evaluation"],                      # outside engines; lm-eval and retention on the engine
-    ["kvlib.runners"],                                           # policies and backends behind one protocol
-    ["kvlib.profile", "kvlib.results", "kvlib.tables"],           # profiles and points; the results store; data tables
-    ["kvlib.experiments"],                                       # computing one point
-    ["kvlib.executor", "kvlib.ray_executor", "kvlib.findings", "kvlib.plots", "kvlib.choose"],  # the grid; reading results
-    ["kvlib.book"],
-    ["kvlib.study"],
-    ["kvlib.cli", "kvlib.__main__", "kvlib"],                    # the command line (and the package itself)
+    ["kvlib.errors", "kvlib.paths", "kvlib.settings"],          # leaves: errors, where things live, settings
+    ["kvlib.memory"],                                           # the ledger, the block pool, the timers
+    ["kvlib.kernels"],                                          # attention paths and the C kernels
+    ["kvlib.models"],                                           # loading, kvlib's forward, random weights, prompts
+    ["kvlib.policies"],                                         # KV-cache policies (one file each)
+    ["kvlib.engine"],                                           # the engine, its scheduler, run results, capacity
+    ["kvlib.backends", "kvlib.evaluation"],                     # outside engines; lm-eval and retention on the engine
+    ["kvlib.report"],                                           # tables, findings, figures, the chooser: pure
+                                                                # functions of results frames, below the study
+    ["kvlib.study"],                                            # profiles, points, executors, results, the book build
+    ["kvlib.cli", "kvlib.__main__", "kvlib"],                   # the command line (and the package itself)
 ]
 
 
@@ -89,3 +85,9 @@ def test_no_import_cycles():
         if module not in state:
             visit(module, [module])
     assert not cycles, "\n".join(cycles)
+
+
+def test_the_top_level_holds_only_the_command_line_settings_errors_and_paths():
+    root = Path(kvlib.__file__).parent
+    assert sorted(p.name for p in root.glob("*.py")) == ["__init__.py", "__main__.py", "cli.py", "errors.py",
+                                                         "paths.py", "settings.py"]

@@ -3,7 +3,7 @@
 import pytest
 
 from kvlib.errors import DeviceOOM
-from kvlib.ledger import MemoryLedger
+from kvlib.memory.ledger import MemoryLedger
 
 
 def test_moving_reserved_bytes_into_use_fits_a_tight_capacity():

@@ -1,4 +1,4 @@
-"""kvlib's own forward pass for Llama-family models (kvlib.llama_forward) and the C layer ops it runs on a CPU: the same
+"""kvlib's own forward pass for Llama-family models (kvlib.models.llama_forward) and the C layer ops it runs on a CPU: the same
 tokens as transformers' forward over transformers' own modules, logits within the tolerance the fused matmuls' and
 ops' summation order leaves (stated per test)."""
 
@@ -9,11 +9,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvlib import cpu_kernel
-from kvlib.attention import register_attention
 from kvlib.engine import Engine
-from kvlib.llama_forward import FusedAttention, GatedMLP, LlamaForward, fuse_gate_up, fuse_qkv, query_projection, rotate
-from kvlib.models import LoadedModel, ModelSpec, speed_up_for_cpu
+from kvlib.kernels import cpu_kernel
+from kvlib.kernels.attention import register_attention
+from kvlib.models.llama_forward import (
+    FusedAttention,
+    GatedMLP,
+    LlamaForward,
+    fuse_gate_up,
+    fuse_qkv,
+    query_projection,
+    rotate,
+)
+from kvlib.models.loading import LoadedModel, ModelSpec, speed_up_for_cpu
 from kvlib.policies import make_policy
 
 needs_kernels = pytest.mark.skipif(not cpu_kernel.available(), reason="no C compiler: the kernels are not built")

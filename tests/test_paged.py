@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from kvlib.engine import Engine
+from kvlib.engine.scheduler import Sequence, run
 from kvlib.errors import UserError
+from kvlib.models.workloads import mixed_length_prompts, prompt_of_length
 from kvlib.policies import make_policy
-from kvlib.scheduler import Sequence, run
-from kvlib.workloads import mixed_length_prompts, prompt_of_length
 
 
 def tokens(result):

@@ -10,9 +10,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from kvlib import cli, executor, results, study
+from kvlib import cli, study
 from kvlib.errors import UserError
-from kvlib.executor import UnitsFailed
+from kvlib.study import executor, results
+from kvlib.study.executor import UnitsFailed
 
 REPO = Path(__file__).resolve().parents[1]
 # columns that measure (time, the machine's load) or describe the process that computed the unit (a Ray worker
@@ -45,7 +46,7 @@ def ray_cluster():
 
 
 def ray_executor(**fake):
-    from kvlib.ray_executor import RayExecutor
+    from kvlib.study.ray_executor import RayExecutor
 
     return RayExecutor(runtime_env={"env_vars": {"KVLIB_FAKE": "1", **fake}})
 
@@ -54,7 +55,7 @@ def fake_serially(monkeypatch):
     import ray_fakes
 
     for name in ray_fakes.EXPERIMENTS:
-        monkeypatch.setattr(importlib.import_module(f"kvlib.experiments.{name}"), "run_point",
+        monkeypatch.setattr(importlib.import_module(f"kvlib.study.experiments.{name}"), "run_point",
                             ray_fakes.fake_run_point)
 
 
@@ -133,7 +134,7 @@ def test_an_exception_in_a_point_is_reported_with_its_message_and_the_rest_store
 def test_a_real_point_on_a_ray_worker_is_the_serial_row(root, tmp_path, monkeypatch, ray_cluster):
     import yaml
 
-    from kvlib.ray_executor import RayExecutor
+    from kvlib.study.ray_executor import RayExecutor
 
     profile = {"model": "smollm2-135m", "device_capacity_gb": None, "policy_settings": {},
                "experiments": {"ttft": {"policies": ["full"], "grid": {"prompt_tokens": [16], "prefill": ["full"]},

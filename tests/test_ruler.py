@@ -9,11 +9,11 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from kvlib import findings, tables
 from kvlib.errors import UserError
 from kvlib.evaluation import KVLibLM
 from kvlib.evaluation.ruler import OFFLINE_RULER_TASKS, evaluate_ruler, lengths_for, punkt_tab_dir
 from kvlib.models import resolve_model_path
+from kvlib.report import findings, tables
 
 # a fresh process, the network refused and nltk.download forbidden: every offline subtask builds its items
 BUILD_OFFLINE = r"""
@@ -160,7 +160,7 @@ def test_ruler_figure_draws_a_panel_per_length():
                        _rows("full", None, "niah_single_1", [1, 1], length) + _rows("h2o", 0.1, "niah_single_1", [0, 1],
                                                                                     length)
                        + _rows("h2o", 0.5, "niah_single_1", [1, 1], length)])
-    from kvlib import plots
+    from kvlib.report import plots
 
     fig = plots.ruler(tables.ruler_table(df))
     assert [ax.get_title() for ax in fig.axes] == ["512 tokens", "1,024 tokens"]

@@ -5,9 +5,10 @@ import pandas as pd
 import pytest
 import yaml
 
-from kvlib import executor, results, study
+from kvlib import study
 from kvlib.errors import UserError
-from kvlib.experiments import ttft
+from kvlib.study import executor, results
+from kvlib.study.experiments import ttft
 
 
 @pytest.fixture
@@ -183,8 +184,8 @@ def test_a_notebook_computes_what_is_missing_or_says_which_command_will(root, mo
 
 
 def test_a_budget_set_in_policy_settings_is_a_column_the_tables_read(root, monkeypatch):
-    from kvlib.experiments import accuracy
-    from kvlib.tables import accuracy_table
+    from kvlib.report.tables import accuracy_table
+    from kvlib.study.experiments import accuracy
 
     write_profile(root, "p", {**PROFILE, "experiments": {"accuracy": {"policies": ["full", "h2o"],
                                                                        "grid": {"task": ["a"]}}}})
@@ -240,7 +241,7 @@ def test_repeats_run_interleaved_and_every_repeat_is_stored(root, monkeypatch):
 
 
 def test_a_unit_measured_under_load_is_measured_again_then_flagged(root, monkeypatch):
-    from kvlib.machine_load import Load
+    from kvlib.study.machine_load import Load
 
     write_profile(root, "p", {**PROFILE, "experiments": {"ttft": {**PROFILE["experiments"]["ttft"],
                                                                    "policies": ["full"], "grid": {
@@ -270,7 +271,7 @@ def test_the_load_probe_sees_another_process_take_the_cpu():
     import subprocess
     import sys
 
-    from kvlib.machine_load import measured_load
+    from kvlib.study.machine_load import measured_load
 
     with measured_load() as quiet:
         sum(range(10**6))

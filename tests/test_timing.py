@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from kvlib.engine import Engine
+from kvlib.engine.run_result import CACHE_OPS, wall_split
+from kvlib.memory.timing import Timers
 from kvlib.policies import available, make_policy
-from kvlib.run_result import CACHE_OPS, wall_split
-from kvlib.timing import Timers
 
 
 def test_nested_sections_count_once():
@@ -50,8 +50,8 @@ def test_every_policy_reports_sections_that_add_up_to_its_run(tiny, name):
 def test_the_systems_experiments_measure_decode_from_outside_the_engine(monkeypatch):
     """batch_scaling and decode_length time whole runs with 1 and N new tokens (after an untimed warm-up), as
     bench_decode.py does: decode tok/s = (N - 1) x rows / (wall(N) - wall(1)), whatever the engine says of itself."""
-    from kvlib.experiments import common
-    from kvlib.run_result import RunResult
+    from kvlib.engine.run_result import RunResult
+    from kvlib.study.experiments import common
 
     clock = {"now": 0.0}
     calls = []

@@ -50,7 +50,7 @@ def test_params_name_vllm_next_to_all_kvlib_policies(tmp_path, monkeypatch):
 
 
 def test_an_experiment_point_runs_vllm_with_the_profiles_settings_and_capacity(monkeypatch):
-    from kvlib.experiments import common
+    from kvlib.study.experiments import common
 
     point = next(p for p in study.load_profile("embedded").points("batch_scaling") if p.runner == "vllm")
     seen = {}
@@ -102,7 +102,7 @@ def test_cli_run_policy_vllm_prints_one_json_object(tmp_path):
 def test_findings_compare_with_the_real_vllm_where_it_ran():
     import pandas as pd
 
-    from kvlib import findings
+    from kvlib.report import findings
 
     gib = 2**30
     vllm = "vllm (real)"  # rows name themselves: the findings read `outside` to know which engine is the baseline

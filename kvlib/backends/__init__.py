@@ -1,2 +1,2 @@
 """Outside inference engines, run on the same workloads as kvlib's policies and returning the same RunResult
-(kvlib.runners names them next to the policies)."""
+(kvlib.study.runners names them next to the policies)."""

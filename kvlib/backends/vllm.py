@@ -16,11 +16,10 @@ import time
 from dataclasses import asdict, dataclass
 from typing import ClassVar
 
-from kvlib import architectures
+from kvlib.engine.run_result import RunResult, build_metrics, decoded_outputs
 from kvlib.errors import UserError
-from kvlib.ledger import MemoryLedger
-from kvlib.models import ModelSpec, resolve_model_path
-from kvlib.run_result import RunResult, build_metrics, decoded_outputs
+from kvlib.memory.ledger import MemoryLedger
+from kvlib.models import ModelSpec, architectures, resolve_model_path
 
 # what worked on a 2-core AVX2 machine: no engine subprocess (the step loop and the KV gauge stay in this process),
 # every core for attention. The KV space is passed as kv_cache_memory_bytes (see _kv_space), not as
@@ -180,7 +179,7 @@ def _spec(model: str) -> ModelSpec:
     return ModelSpec.from_config(model, _spec_config(model), dtype)
 
 
-# A named architecture (kvlib.architectures) runs with vLLM's own random weights: a folder holding only its
+# A named architecture (kvlib.models.architectures) runs with vLLM's own random weights: a folder holding only its
 # config.json, load_format="dummy", token ids in and out (no tokenizer). Untested here: no vLLM on the machines that
 # wrote it.
 def _model_path(model: str) -> str:
@@ -192,7 +191,7 @@ def _random_weights(model: str) -> dict:
 
 
 def _tokenizer(llm, model: str):
-    from kvlib.random_tokens import NoTextTokenizer
+    from kvlib.models.random_tokens import NoTextTokenizer
 
     if architectures.is_architecture(model):
         return NoTextTokenizer(model, _spec_config(model).vocab_size)
@@ -211,7 +210,7 @@ def _weights_bytes(model: str) -> int:
     """The model's parameters, counted on the meta device (no memory, no weights read): any model whose config is
     reachable, a hub id included. Not vLLM's own modules: on a CPU they hold prepacked oneDNN weights outside
     `parameters()` (counting those gave 113 MB for SmolLM2-135M's 538 MB)."""
-    from kvlib.capacity import parameter_count
+    from kvlib.engine.capacity import parameter_count
 
     return parameter_count(_spec_config(model)) * _spec(model).dtype_bytes
 

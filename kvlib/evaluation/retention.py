@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from kvlib.engine import Engine
 from kvlib.errors import UserError
 from kvlib.evaluation.facts import Fact, draw
-from kvlib.workloads import corpus_ids
+from kvlib.models.workloads import corpus_ids
 
 ACK = "Got it, I will remember that."
 ASK = " Answer in a few words."
@@ -91,7 +91,7 @@ def dataset_conversations(tokenizer, source: dict, buckets: list[list[int]], per
                           max_turns: int = 12, seed: int = 0, scan: int = 20000) -> list[Conversation]:
     """Conversations shaped like LMSYS-Chat-1M (`conversation`: [{role, content}, ...]) from a `datasets` source,
     English only, bucketed by their token length with the fact exchange; streamed, at most `scan` records read."""
-    from kvlib.workloads import dataset_records
+    from kvlib.models.workloads import dataset_records
 
     rng = random.Random(seed)
     wanted = {tuple(b): per_bucket for b in buckets}

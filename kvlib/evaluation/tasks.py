@@ -18,8 +18,8 @@ import yaml
 
 from kvlib.errors import UserError
 from kvlib.evaluation.facts import draw
+from kvlib.models.workloads import corpus_ids
 from kvlib.paths import cache_dir
-from kvlib.workloads import corpus_ids
 
 OFFLINE_TASKS = ("kvlib_recall", "kvlib_pydoc_perplexity")
 

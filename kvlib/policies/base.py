@@ -16,9 +16,9 @@ from typing import ClassVar
 import torch
 
 from kvlib.errors import UserError
-from kvlib.ledger import MemoryLedger
+from kvlib.memory.ledger import MemoryLedger
+from kvlib.memory.timing import Timers
 from kvlib.models import LoadedModel
-from kvlib.timing import Timers
 
 PREFILL_MODES = ("full", "fused", "chunked")
 
@@ -76,7 +76,7 @@ class KVPolicy:
 
     name: ClassVar[str] = ""
     label: ClassVar[str] = ""  # how result rows name it: its name, unless a subclass says otherwise
-    outside: ClassVar[bool] = False  # a kvlib policy (kvlib.runners.Runner)
+    outside: ClassVar[bool] = False  # a kvlib policy (kvlib.study.runners.Runner)
     lossless: ClassVar[bool] = False  # keeps and attends every entry: its outputs are the full cache's
     supported_prefill: ClassVar[tuple[str, ...]] = PREFILL_MODES
     preferred_prefill: ClassVar[str] = "fused"  # what experiments use when they do not vary the prefill mode

@@ -2,7 +2,7 @@
 
 Each row reserves room for its prompt plus max_new_tokens up front; the reserved-but-unused part is booked as
 `kv_reserved`, the fragmentation paged memory management removes. Decode attends each row over its own length: on a
-CPU in fp32 with kvlib's C kernel (kvlib.cpu_kernel, the same one `paged` runs), elsewhere with SDPA over the rows
+CPU in fp32 with kvlib's C kernel (kvlib.kernels.cpu_kernel, the same one `paged` runs), elsewhere with SDPA over the rows
 padded to the longest, masked.
 """
 
@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlib import cpu_kernel
-from kvlib.attention import decode_mask, fused_attention, prefill_attention
+from kvlib.kernels import cpu_kernel
+from kvlib.kernels.attention import decode_mask, fused_attention, prefill_attention
 from kvlib.policies.base import KVPolicy, Step
 from kvlib.policies.registry import register
 
@@ -33,7 +33,7 @@ class FullPolicy(KVPolicy):
         self.keys = [torch.zeros(shape, dtype=s.dtype, device=self.device) for _ in range(s.num_layers)]
         self.values = [torch.zeros(shape, dtype=s.dtype, device=self.device) for _ in range(s.num_layers)]
         self.lengths = torch.zeros(batch_size, dtype=torch.long)
-        self.decode_kernel = None  # what decode attention runs: "c" (kvlib.cpu_kernel) or "torch"
+        self.decode_kernel = None  # what decode attention runs: "c" (kvlib.kernels.cpu_kernel) or "torch"
 
     def prepare(self, step: Step):
         if step.phase == "decode":

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvlib.attention import causal_mask, matrix_attention, matrix_bytes
 from kvlib.errors import UserError
+from kvlib.kernels.attention import causal_mask, matrix_attention, matrix_bytes
 from kvlib.policies.registry import register
 from kvlib.policies.scored_eviction import ScoredEvictionPolicy
 

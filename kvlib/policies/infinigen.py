@@ -28,9 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlib.attention import decode_mask, fused_attention, matrix_attention, prefill_attention
 from kvlib.errors import UserError
-from kvlib.llama_forward import FusedAttention, query_projection
+from kvlib.kernels.attention import decode_mask, fused_attention, matrix_attention, prefill_attention
+from kvlib.models.llama_forward import FusedAttention, query_projection
 from kvlib.policies.base import BudgetedPolicy, Step
 from kvlib.policies.infinigen_skew import load_or_compute_skew
 from kvlib.policies.registry import register

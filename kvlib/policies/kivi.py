@@ -40,8 +40,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlib.attention import decode_mask, fused_attention, prefill_attention
 from kvlib.errors import UserError
+from kvlib.kernels.attention import decode_mask, fused_attention, prefill_attention
 from kvlib.policies.base import KVPolicy, Step
 from kvlib.policies.registry import register
 

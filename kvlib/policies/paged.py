@@ -1,13 +1,13 @@
 """The memory-management paradigm (vLLM's PagedAttention) inside kvlib's engine.
 
 Every key and value stays on the device, in a pool of fixed-size blocks preallocated up front; each row has a block
-table. Full prompt blocks are shared between rows with the same prefix (kvlib.block_pool), shared blocks are copied
+table. Full prompt blocks are shared between rows with the same prefix (kvlib.memory.block_pool), shared blocks are copied
 before they are written, and memory grows a block at a time, so rows of different lengths waste at most one partly
 filled block each instead of a reservation for the longest row.
 
 Decode attention reads the pool in place, each row over its own tokens. On a CPU in fp32 that is kvlib's C kernel
-(kvlib.cpu_kernel), which follows each row's block table. Elsewhere (a GPU, no C compiler) it is PyTorch's kernels
-(kvlib.attention.paged_decode_attention): the pool (head-major: each KV head's slots are one stretch) is cut into
+(kvlib.kernels.cpu_kernel), which follows each row's block table. Elsewhere (a GPU, no C compiler) it is PyTorch's kernels
+(kvlib.kernels.attention.paged_decode_attention): the pool (head-major: each KV head's slots are one stretch) is cut into
 aligned spans of SPAN_TOKENS slots, and each run of consecutive spans the batch holds tokens in is attended in one
 call (the pool's last, shorter span in one more), each span by the queries of the rows holding tokens in it, masked to
 each row's own slots. The few tokens in spans read by more than MAX_READERS rows (the blocks rows grew by during
@@ -22,10 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlib import cpu_kernel
-from kvlib.attention import PagedLayout, SpanGroup, paged_decode_attention, prefill_attention
-from kvlib.block_pool import BlockPool, BlockTable
 from kvlib.errors import UserError
+from kvlib.kernels import cpu_kernel
+from kvlib.kernels.attention import PagedLayout, SpanGroup, paged_decode_attention, prefill_attention
+from kvlib.memory.block_pool import BlockPool, BlockTable
 from kvlib.policies.base import KVPolicy, Step
 from kvlib.policies.registry import register
 
@@ -157,7 +157,7 @@ class PagedPolicy(KVPolicy):
         block_bytes = s.kv_bytes(bs)
         self.prompt_tokens = self.hit_tokens = self.peak_blocks = 0
         self.layout = self.kernel_plan = None  # a decode step's plan: the C kernel's, or PyTorch's spans
-        self.decode_kernel = None  # what decode attention runs: "c" (kvlib.cpu_kernel) or "torch"
+        self.decode_kernel = None  # what decode attention runs: "c" (kvlib.kernels.cpu_kernel) or "torch"
         if getattr(self, "pool", None) is None or self.pool.num_blocks != blocks:
             # head-major, as vLLM's CPU cache: each head's slots are one stretch, so a span of blocks is a plain view per
             # head (attention over it, SmolLM2's 30 layers, one row of 265-1,024 tokens: 73-206 us a layer against

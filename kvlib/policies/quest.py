@@ -1,6 +1,6 @@
 """Quest (Tang et al., ICML 2024): query-aware selection of KV pages; all of the cache is kept, a budget of it is read.
 
-Keys and values live in a paged pool (kvlib.block_pool: fixed-size blocks, a block table per row, blocks allocated as
+Keys and values live in a paged pool (kvlib.memory.block_pool: fixed-size blocks, a block table per row, blocks allocated as
 a row grows). For every block Quest also keeps, per KV head, the channel-wise minimum and maximum of its keys. At each
 decode step, in every layer after the first `dense_layers`, the query bounds each block's attention logit from above:
 sum over channels of max(q_d x max_d, q_d x min_d) >= q.k for any key of the block. Each KV head reads the top
@@ -33,9 +33,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlib.attention import decode_mask, fused_attention, matrix_attention, prefill_attention
-from kvlib.block_pool import BlockPool, BlockTable
 from kvlib.errors import UserError
+from kvlib.kernels.attention import decode_mask, fused_attention, matrix_attention, prefill_attention
+from kvlib.memory.block_pool import BlockPool, BlockTable
 from kvlib.policies.base import BudgetedPolicy, Step
 from kvlib.policies.registry import register
 

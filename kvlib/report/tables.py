@@ -1,0 +1,158 @@
+"""Data tables read from results frames: spreads of repeated measurements, accuracy and retention scores with their
+intervals, and the rounded tables the book shows. The findings (kvlib.report.findings), the figures (kvlib.report.plots), the
+chooser and the command line all read these; none of them computes a number of its own.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+MIB = 2**20
+
+
+def outside_label(df: pd.DataFrame) -> str | None:
+    """The label of an outside engine's rows (the real vLLM), where the frame has them: rows say so themselves."""
+    if "outside" not in df:
+        return None
+    labels = df.loc[df["outside"].fillna(False).astype(bool), "policy"].unique()
+    return labels[0] if len(labels) else None
+
+
+@dataclass
+class Spread:
+    """A measured figure: the median and the range it was seen in (over repeats, or over the steps of a run)."""
+
+    median: float
+    low: float
+    high: float
+    n: int = 1  # measurements the range comes from (repeats, or decode steps)
+
+    def overlaps(self, other: Spread) -> bool:
+        return self.low <= other.high and other.low <= self.high
+
+    def __format__(self, spec: str) -> str:
+        if f"{self.low:{spec}}" == f"{self.high:{spec}}":
+            return f"{self.median:{spec}}"
+        return f"{self.median:{spec}} ({self.low:{spec}}-{self.high:{spec}})"
+
+
+def ttft_spread(g: pd.DataFrame) -> Spread:
+    """TTFT over the repeats of a point (min to max)."""
+    return Spread(g["ttft_s"].median(), g["ttft_s"].min(), g["ttft_s"].max(), len(g))
+
+
+def decode_spread(g: pd.DataFrame) -> Spread:
+    """Decode throughput: the median over repeats; the range spans every repeat's interquartile range of per-step
+    throughput (and the repeats themselves)."""
+    tps = g["decode_tokens_per_s"]
+    q1, q3 = g.get("decode_tokens_per_s_q1"), g.get("decode_tokens_per_s_q3")
+    steps = q1 is not None and q1.notna().all()
+    low = min(tps.min(), q1.min()) if steps else tps.min()
+    high = max(tps.max(), q3.max()) if steps else tps.max()
+    return Spread(tps.median(), low, high, int(g["decode_steps"].sum()) if steps and "decode_steps" in g else len(g))
+
+
+def ratio(a: Spread, b: Spread) -> Spread:
+    return Spread(a.median / b.median, a.low / b.high, a.high / b.low, min(a.n, b.n))
+
+
+
+def wilson(correct: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95 % Wilson interval of a share of n binary outcomes (honest for small n: 12 recall items, one is 8 pp)."""
+    if n == 0:
+        return (math.nan, math.nan)
+    p = correct / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(centre - half, 0.0), min(centre + half, 1.0)
+
+
+def _perplexity_interval(g: pd.DataFrame, draws: int = 1000, seed: int = 0) -> tuple[float, float]:
+    """95 % bootstrap interval of word perplexity, resampling the documents."""
+    rng = np.random.default_rng(seed)
+    loglik, words = g["loglik"].to_numpy(), g["words"].to_numpy()
+    picks = rng.integers(0, len(g), size=(draws, len(g)))
+    values = np.exp(-loglik[picks].sum(axis=1) / words[picks].sum(axis=1))
+    return float(np.quantile(values, 0.025)), float(np.quantile(values, 0.975))
+
+
+def accuracy_table(df: pd.DataFrame) -> pd.DataFrame:
+    """One score per (task, policy, budget) with its 95 % interval: accuracy (Wilson) for multiple-choice tasks, word
+    perplexity (bootstrap over documents) for rolling ones; and the KV share the policy actually attended while
+    scoring. The full cache has no budget: it is listed at budget 1.0. RULER's rows are left to `ruler_table`."""
+    df = df[df["ruler_score"].isna()] if "ruler_score" in df else df
+    d = df.assign(budget=df["budget"].fillna(1.0) if "budget" in df else 1.0)
+    rows = []
+    for (task, policy, budget), g in d.groupby(["task", "policy", "budget"]):
+        attended = g["kv_share_attended"].median() if "kv_share_attended" in g else math.nan
+        if "correct" in g and g["correct"].notna().any():
+            low, high = wilson(g["correct"].sum(), len(g))
+            rows.append((task, policy, budget, attended, "accuracy", g["correct"].mean(), low, high, len(g)))
+        else:
+            score = math.exp(-g["loglik"].sum() / g["words"].sum())
+            rows.append((task, policy, budget, attended, "word perplexity", score, *_perplexity_interval(g), len(g)))
+    return pd.DataFrame(rows, columns=["task", "policy", "budget", "kv_share_attended", "metric", "score", "low",
+                                       "high", "items"])
+
+
+
+def retention_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Share of questions answered correctly per policy with its 95 % Wilson interval and the KV share attended."""
+    rows = []
+    for policy, g in df.groupby("policy"):
+        attended = g["kv_share_attended"].median() if "kv_share_attended" in g else math.nan
+        rows.append((policy, g["correct"].mean(), *wilson(g["correct"].sum(), len(g)), len(g), attended))
+    return pd.DataFrame(rows, columns=["policy", "score", "low", "high", "items", "kv_share_attended"]).assign(
+        metric="accuracy").set_index("policy")
+
+
+
+
+def _bootstrap_mean(groups: list[np.ndarray], draws: int = 1000, seed: int = 0) -> tuple[float, float]:
+    """95 % bootstrap interval of the mean over groups of the groups' mean item score, resampling items within each
+    group (one group: one subtask's items at one length)."""
+    rng = np.random.default_rng(seed)
+    means = np.mean([s[rng.integers(0, len(s), size=(draws, len(s)))].mean(axis=1) for s in groups], axis=0)
+    return float(np.quantile(means, 0.025)), float(np.quantile(means, 0.975))
+
+
+def ruler_table(df: pd.DataFrame) -> pd.DataFrame:
+    """RULER: one score per (task, length, policy, budget), the mean string-match score of its items (RULER's metric,
+    per item the share of expected strings found in the answer), with a 95 % bootstrap interval over the items; and a
+    `mean` task per (length, policy, budget), the unweighted mean over the subtasks run there (as RULER averages its
+    tasks). The full cache is listed at budget 1.0."""
+    columns = ["task", "length", "policy", "budget", "kv_share_attended", "metric", "score", "low", "high", "items"]
+    if "ruler_score" not in df or df["ruler_score"].isna().all():
+        return pd.DataFrame(columns=columns)
+    d = df[df["ruler_score"].notna()]
+    d = d.assign(budget=d["budget"].fillna(1.0) if "budget" in d else 1.0)
+    rows = []
+    for (length, policy, budget), point in d.groupby(["length", "policy", "budget"]):
+        attended = point["kv_share_attended"].median() if "kv_share_attended" in point else math.nan
+        groups = {task: g["ruler_score"].to_numpy(float) for task, g in point.groupby("task")}
+        for task, scores in groups.items():
+            rows.append((task, length, policy, budget, attended, "string match", scores.mean(),
+                         *_bootstrap_mean([scores]), len(scores)))
+        rows.append(("mean", length, policy, budget, attended, "string match",
+                     float(np.mean([s.mean() for s in groups.values()])), *_bootstrap_mean(list(groups.values())),
+                     sum(map(len, groups.values()))))
+    return pd.DataFrame(rows, columns=columns)
+
+
+def book_table(df: pd.DataFrame, index, columns: str, value: str, label: str, fmt: str = "{:.3g}",
+               aggfunc="median", scale: float = 1.0) -> pd.DataFrame:
+    """A table as the book shows it: `value` per `index` x `columns` (the median of the repeats unless told),
+    rounded by `fmt`, under a header naming it with its unit; a point that ran out of device memory reads "OOM"."""
+    oom = df["oom"].astype(bool) if "oom" in df else pd.Series(False, index=df.index)
+    table = df[~oom].pivot_table(index=index, columns=columns, values=value, aggfunc=aggfunc) * scale
+    table = table.map(lambda x: "" if pd.isna(x) else fmt.format(x))
+    if oom.any():
+        failed = df.assign(oom=oom).pivot_table(index=index, columns=columns, values="oom", aggfunc="any")
+        table = table.reindex(index=failed.index, columns=failed.columns, fill_value="")
+        table = table.mask(failed.fillna(False).astype(bool), "OOM")
+    table.columns = pd.MultiIndex.from_product([[label], table.columns], names=[None, columns.replace("_", " ")])
+    return table

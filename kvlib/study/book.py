@@ -1,0 +1,48 @@
+"""The book: each chapter notebook executed by papermill with its parameters (it reads results/ and computes
+nothing), then jupyter-book over the executed copies. The executed copies show code one click away: input hidden,
+and the parameters papermill injects not shown at all."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+
+from kvlib.study.results import repo_root
+
+CHAPTERS = ("ttft", "batch_scaling", "decode_length", "accuracy", "retention", "choose", "findings")
+HIDDEN = {"parameters", "injected-parameters"}
+
+
+def execute(notebook: str, profile: str) -> Path:
+    import papermill
+
+    root = repo_root()
+    out = root / "book" / "executed" / f"{notebook}.ipynb"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    papermill.execute_notebook(str(root / "notebooks" / f"{notebook}.ipynb"), str(out),
+                               parameters={"profile": profile, "compute_missing": False},
+                               cwd=str(root / "notebooks"), progress_bar=False)
+    for_reading(out)
+    return out
+
+
+def for_reading(path: Path) -> None:
+    """Tag the executed notebook's cells for the book: parameter cells removed, every other code cell's input
+    hidden behind a click (jupyter-book's `hide-input`)."""
+    nb = nbformat.read(path, as_version=4)
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        tags = set(cell.metadata.get("tags", []))
+        tags |= {"remove-cell"} if tags & HIDDEN else {"hide-input"}
+        cell.metadata["tags"] = sorted(tags)
+    nbformat.write(nb, path)
+
+
+def build() -> None:
+    subprocess.run(["jupyter-book", "build", str(repo_root() / "book")], check=True,
+                   env={**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})

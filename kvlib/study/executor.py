@@ -1,0 +1,171 @@
+"""Computing a profile's grid: one function computes a unit of work (a point's repeat) into its result rows; an
+executor runs the units that are not stored yet and hands each finished unit back to be written.
+
+An exception in a unit never stops the others, in any executor: it is reported as it happens, nothing of that unit
+is written, and once every other unit is stored the run fails with `UnitsFailed`, naming each failed unit with its
+error, so a rerun computes exactly those.
+
+Repeats run interleaved: every point once, then every point again, so a slow minute of the machine does not land on
+one policy's repeats. Each unit records the machine's load while it ran (kvlib.study.machine_load); one measured while other
+processes took the CPU is measured once more, and flagged `disturbed` if it still was.
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing
+import platform
+import subprocess
+import sys
+import traceback
+from collections.abc import Callable, Iterable
+from concurrent.futures import ProcessPoolExecutor
+from datetime import UTC, datetime
+from typing import Protocol
+
+import pandas as pd
+from tqdm import tqdm
+
+import kvlib
+from kvlib.errors import UserError
+from kvlib.study import results
+from kvlib.study.machine_load import measured_load
+from kvlib.study.profile import Point, Profile
+from kvlib.study.runners import runner_class, runners
+
+ATTEMPTS = 2  # a unit measured while other processes took the CPU is measured once more
+
+Unit = tuple[Point, int]  # a point and the index of its repeat
+
+
+def compute_unit(point: Point, repeat: int, meta: dict) -> pd.DataFrame:
+    """The result rows of one repeat of one point: the point's columns, what the experiment measured, the run's
+    metadata and the machine's load while it ran.
+
+    A point of an outside engine (the real vLLM) is computed in a fresh process of its own. Starting vLLM changes the
+    process it runs in: two more OpenMP runtimes, `torch.set_num_threads` made a no-op, NUMA binding (book/methods.md,
+    "Why engines are not compared in one process"); every kvlib point computed after it in the same process would be
+    measured in that process."""
+    if runner_class(point.runner).outside:
+        return in_fresh_process(_compute_unit, point, repeat, meta)
+    return _compute_unit(point, repeat, meta)
+
+
+def in_fresh_process(fn, *args):
+    """fn(*args) in a new interpreter (spawned, not forked: nothing of this process's threads or libraries comes
+    along); its exception, if any, is raised here."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
+
+
+def _compute_unit(point: Point, repeat: int, meta: dict) -> pd.DataFrame:
+    experiment = importlib.import_module(f"kvlib.study.experiments.{point.experiment}")
+    for attempt in range(1, ATTEMPTS + 1):
+        with measured_load() as load:
+            rows = experiment.run_point(point)
+        if not load.disturbed:
+            break
+    return pd.DataFrame([{**point.columns(), **row, **meta, "repeat": repeat, "attempts": attempt,
+                          **load.columns()} for row in rows])
+
+
+class UnitsFailed(UserError):
+    """Units whose computation raised (or whose Ray worker died more often than retried): `failures` holds
+    (point, repeat, message) for each."""
+
+    def __init__(self, failures: list, total: int):
+        self.failures, self.total = failures, total
+        lines = [f"  {p.experiment} {p.runner} {p.key} r{r}: {message.strip().splitlines()[-1]}"
+                 for p, r, message in failures]
+        super().__init__(f"{len(failures)} of {total} unit(s) failed; every other unit is stored and a rerun "
+                         f"computes only these:\n" + "\n".join(lines))
+
+
+def error_text(exc: BaseException) -> str:
+    return "".join(traceback.format_exception(exc))
+
+
+def report_failure(point: Point, repeat: int, error: str) -> None:
+    tqdm.write(f"kvlib: {point.experiment} {point.runner} {point.key} r{repeat} failed:\n{error}", file=sys.stderr)
+
+
+class Executor(Protocol):
+    def run(self, units: list[Unit], meta: dict, done: Callable[[Point, int, pd.DataFrame], None]) -> None:
+        """Compute every unit and call done(point, repeat, rows) as each finishes (in any order); raise UnitsFailed
+        at the end if any unit raised."""
+
+
+class Serial:
+    """Every unit in this process, one after the other (the default)."""
+
+    def run(self, units, meta, done):
+        failures = []
+        for point, repeat in units:
+            try:
+                rows = compute_unit(point, repeat, meta)
+            except Exception as exc:  # noqa: BLE001 -- any exception of a unit is that unit's recorded error
+                failures.append((point, repeat, error_text(exc)))
+                report_failure(*failures[-1])
+                continue
+            done(point, repeat, rows)
+        if failures:
+            raise UnitsFailed(failures, len(units))
+
+
+def machine_metadata() -> dict:
+    """What the machine that computes a unit brings to its rows (a Ray worker reports its own)."""
+    import torch
+    import transformers
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
+    return {"torch_version": torch.__version__, "transformers_version": transformers.__version__,
+            "device_name": device, "cpu_threads": torch.get_num_threads()}
+
+
+def run_metadata(profile: str) -> dict:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=results.repo_root(), capture_output=True,
+                             check=False, text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        sha = None
+    machine = machine_metadata()
+    return {"profile": profile, "kvlib_version": kvlib.__version__, "torch_version": machine["torch_version"],
+            "transformers_version": machine["transformers_version"], "git_sha": sha,
+            "device_name": machine["device_name"], "cpu_threads": machine["cpu_threads"],
+            "finished_at": datetime.now(UTC).isoformat()}
+
+
+def selected_points(points: list[Point], policies: Iterable[str] | None = None) -> list[Point]:
+    if policies is not None:
+        unknown = sorted(set(policies) - set(runners()))
+        if unknown:
+            raise UserError(f"unknown policies {unknown}: choose from {runners()}")
+        points = [p for p in points if p.runner in policies]
+    return points
+
+
+def run_experiment(profile: Profile, experiment: str, force: bool = False, progress: bool = True,
+                   policies: Iterable[str] | None = None, executor: Executor | None = None) -> None:
+    """Store every missing unit of one experiment (of the given policies only, if any), and the manifest of the
+    profile's grid."""
+    if experiment not in profile.experiments:
+        raise UserError(f"profile {profile.name!r} has no experiment {experiment!r}; "
+                        f"it has {sorted(profile.experiments)}")
+    grid = profile.points(experiment)
+    points = selected_points(grid, policies)
+    repeats = profile.repeats(experiment)
+    results.write_manifest(profile.name, experiment, [p.key for p in grid], repeats)
+    units = [(p, r) for r in range(repeats) for p in points]
+    todo = [(p, r) for p, r in units
+            if force or not results.unit_path(profile.name, experiment, p.key, r).exists()]
+    bar = tqdm(total=len(units), initial=len(units) - len(todo), desc=f"{profile.name}/{experiment}", unit="run",
+               disable=not progress)
+
+    def done(point: Point, repeat: int, rows: pd.DataFrame) -> None:
+        results.write_unit(profile.name, experiment, point.key, repeat, rows)
+        bar.update(1)
+
+    try:
+        (executor or Serial()).run(todo, run_metadata(profile.name), done)
+    finally:
+        bar.close()

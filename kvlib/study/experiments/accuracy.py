@@ -1,0 +1,20 @@
+"""Accuracy per task and KV budget through lm-eval (paper Fig. 7): one row per item."""
+
+from kvlib.evaluation import KVLibLM
+from kvlib.evaluation.ruler import RULER_TASKS, evaluate_ruler
+from kvlib.evaluation.tasks import evaluate, write_offline_tasks
+from kvlib.models.workloads import calibration_prompt
+from kvlib.study.experiments.common import model_of
+
+
+def run_point(point) -> list[dict]:
+    v = point.values
+    loaded = model_of(point)
+    lm = KVLibLM(policy=point.runner, loaded=loaded, batch_size=v.get("batch_size", 8),
+                 calibration=calibration_prompt(loaded, v.get("calibration_source")), **point.settings)
+    if v["task"] in RULER_TASKS:  # lm-eval's RULER: items sized per length (kvlib.evaluation.ruler)
+        return evaluate_ruler(lm, v["task"], loaded.tokenizer.name_or_path, **(v.get("ruler") or {}))
+    offline = v.get("offline_tasks")
+    folder = write_offline_tasks(loaded.tokenizer, **offline) if offline else None
+    rows = evaluate(lm, [v["task"]], include_path=folder, limit=v.get("limit"))
+    return [{**row, "kv_share_attended": lm.kv_share_attended} for row in rows]

@@ -1,0 +1,54 @@
+"""The whole study, one way: profile -> points -> results -> notebooks -> book.
+
+`kvlib study --profile P` computes every missing unit of P's experiments (kvlib.study.executor), then executes each
+chapter's notebook with papermill (it only reads results/) and builds the book. A notebook opened interactively on
+a profile whose results are missing computes them through the same executor, with a progress bar.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from kvlib.study import book, results
+from kvlib.study.executor import Executor, UnitsFailed, run_experiment
+from kvlib.study.profile import EXPERIMENTS, Profile
+from kvlib.study.profile import load_profile as _load_profile
+
+
+def load_profile(name_or_path: str) -> Profile:
+    """params/<name>.yaml of this checkout, or a path to a YAML file."""
+    return _load_profile(name_or_path, results.repo_root())
+
+
+def run_study(profile: str, experiments: list[str] | None = None, force: bool = False, build: bool = False,
+              policies: list[str] | None = None, notebooks: bool = True, executor: Executor | None = None) -> None:
+    prof = load_profile(profile)
+    names = experiments or [e for e in EXPERIMENTS if e in prof.experiments]
+    failed = []
+    for name in names:  # a unit that fails stops nothing: the other experiments are computed before the run fails
+        try:
+            run_experiment(prof, name, force=force, policies=policies, executor=executor)
+        except UnitsFailed as exc:
+            failed.append(exc)
+    if failed:
+        raise UnitsFailed([f for exc in failed for f in exc.failures], sum(exc.total for exc in failed))
+    if notebooks:  # the chapters of the experiments run, and those that read every experiment
+        for chapter in [c for c in book.CHAPTERS if c in names or c not in EXPERIMENTS]:
+            book.execute(chapter, prof.name)
+    if build:
+        book.build()
+
+
+def load(profile: str, experiment: str, compute_missing: bool = True) -> pd.DataFrame:
+    """A notebook's results: the stored rows of the profile's grid. Where units are missing, they are computed here
+    (with a progress bar) if compute_missing, else the rows stored so far come back with a note of what is not."""
+    missing = results.missing_units(profile, experiment)
+    if missing is None or missing:
+        command = f"kvlib study --profile {profile} --experiments {experiment} --compute-only"
+        count = "no results" if missing is None else f"{len(missing)} unit(s) missing"
+        if not compute_missing:
+            print(f"{profile}/{experiment}: {count}; `{command}` computes them")
+        else:
+            print(f"{profile}/{experiment}: {count}; computing them now, as `{command}` would")
+            run_experiment(load_profile(profile), experiment)
+    return results.load(profile, experiment)
