@@ -19,7 +19,8 @@ def frames():
                 batch.append({"policy": policy, "lossless": lossless, "batch_size": b, "oom": tps[b] is None,
                               "decode_tokens_per_s": tps[b], "device_peak_bytes": (peak[b] or 9) * GIB,
                               "min_prompt_tokens": 128, "max_prompt_tokens": 1024, "max_new_tokens": 32,
-                              "budget": 0.3 if policy == "sparse" else None, "repeat": repeat})
+                              "budget": 0.3 if policy == "sparse" else None, "repeat": repeat,
+                              "stat_decode_attention": "c"})
     ttft = [{"policy": p, "lossless": p != "sparse", "prompt_tokens": n, "prefill": mode, "oom": False,
              "ttft_s": base * n / 1000 * (1.5 if mode == "full" else 1.0), "device_peak_bytes": GIB}
             for p, base in [("full", 1.0), ("fast", 0.8), ("sparse", 0.5)] for n in (512, 2048)
@@ -73,3 +74,12 @@ def test_a_prompt_length_fits_when_any_prefill_mode_fits_and_a_ruled_out_policy_
     assert "full" not in c.excluded and c.ttft["full"].value == pytest.approx(2.048)
     assert "does not fit at prompt tokens 2048" in c.excluded["fast"]
     assert "fast" not in c.decode and c.fastest_decode == "sparse"
+
+
+def test_the_fastest_decode_is_chosen_among_policies_of_one_kernel():
+    f = frames()
+    batch = f["batch_scaling"].copy()
+    batch.loc[batch["policy"] == "fast", "stat_decode_attention"] = "torch"  # the fastest ran another kernel
+    c = choose({**f, "batch_scaling": batch}, 512, 4, 32)
+    assert c.fastest_decode == "sparse" and "fast" not in c.decode
+    assert any("torch: fast" in note and "chosen among those that ran `c`" in note for note in c.notes)

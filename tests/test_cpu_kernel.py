@@ -10,9 +10,14 @@ import torch.nn.functional as F
 
 from kvlib.engine import Engine
 from kvlib.kernels import cpu_kernel
+from kvlib.kernels.decode import DecodeReads, decode_attention
 from kvlib.policies import make_policy
 
 needs_kernel = pytest.mark.skipif(not cpu_kernel.available(), reason="no C compiler: the kernel is not built")
+
+
+def c_kernel(query, reads, scale):
+    return decode_attention("c", query, reads, scale)[0]
 
 
 def sdpa_over_rows(query, keys_of_row, values_of_row, scale):
@@ -40,7 +45,7 @@ def test_paged_decode_equals_sdpa_over_each_row(block_size, kv_heads, group, hea
     pool_k, pool_v = (torch.randn(kv_heads, blocks * block_size, head_dim) for _ in range(2))
     query = torch.randn(len(lengths), kv_heads * group, 1, head_dim)
     scale = head_dim ** -0.5
-    out = cpu_kernel.paged_decode(query, pool_k, pool_v, table, torch.tensor(lengths), block_size, scale)
+    out = c_kernel(query, DecodeReads(pool_k, pool_v, torch.tensor(lengths), table=table, block_size=block_size), scale)
     slots = [(torch.tensor(t)[:, None] * block_size + torch.arange(block_size)).flatten()[:n]
              for t, n in zip(tables, lengths)]
     expected = sdpa_over_rows(query, [pool_k[:, s] for s in slots], [pool_v[:, s] for s in slots], scale)
@@ -55,7 +60,7 @@ def test_rows_decode_reads_any_rows_of_a_contiguous_cache_in_place():
     keys, values = (torch.randn(5, kv_heads, capacity, d) for _ in range(2))
     rows, lengths = torch.tensor([4, 0, 2]), torch.tensor([600, 1, 257])
     query = torch.randn(3, kv_heads * group, 1, d)
-    out = cpu_kernel.rows_decode(query, keys, values, rows, lengths, 0.2)
+    out = c_kernel(query, DecodeReads(keys, values, lengths, rows=rows), 0.2)
     expected = sdpa_over_rows(query, [keys[r, :, :n] for r, n in zip(rows, lengths)],
                               [values[r, :, :n] for r, n in zip(rows, lengths)], 0.2)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
@@ -65,11 +70,11 @@ def test_rows_decode_reads_any_rows_of_a_contiguous_cache_in_place():
 def test_the_kernel_refuses_what_it_cannot_read():
     keys = torch.randn(2, 2, 8, 16)
     with pytest.raises(ValueError, match="int64"):
-        cpu_kernel.rows_decode(torch.randn(1, 2, 1, 16), keys, keys, torch.tensor([0], dtype=torch.int32),
-                               torch.tensor([3]), 1.0)
+        c_kernel(torch.randn(1, 2, 1, 16), DecodeReads(keys, keys, torch.tensor([3]),
+                                                       rows=torch.tensor([0], dtype=torch.int32)), 1.0)
     with pytest.raises(ValueError, match="contiguous"):
-        cpu_kernel.rows_decode(torch.randn(1, 2, 1, 16), keys.transpose(2, 3), keys, torch.tensor([0]),
-                               torch.tensor([3]), 1.0)
+        c_kernel(torch.randn(1, 2, 1, 16), DecodeReads(keys.transpose(2, 3), keys, torch.tensor([3]),
+                                                       rows=torch.tensor([0])), 1.0)
     assert not cpu_kernel.supports("cpu", torch.bfloat16, 2, 64)
     assert not cpu_kernel.supports("cpu", torch.float32, 2, 24)  # not a multiple of the kernel's vector width
 
@@ -89,7 +94,7 @@ def test_the_engine_decodes_the_same_with_the_kernel_and_with_pytorch(tiny, mixe
                 logits.append(s.decode(list(range(len(mixed_prompts))), tokens))
                 tokens = logits[-1].argmax(-1).tolist()
                 generated.append(tokens)
-        return generated, torch.stack(logits), kv.stats()["decode_attention"]
+        return generated, torch.stack(logits), kv.decode_kernel
 
     tokens, logits, ran = run()
     monkeypatch.setenv(cpu_kernel.KERNEL_ENV, "torch")

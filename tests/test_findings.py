@@ -21,11 +21,25 @@ def test_ttft_verdict_only_when_the_repeats_do_not_overlap():
 
 def test_decode_throughput_spread_comes_from_the_steps():
     rows = [{"policy": p, "batch_size": 8, "oom": False, "decode_tokens_per_s": tps, "decode_tokens_per_s_q1": q1,
-             "decode_tokens_per_s_q3": q3, "decode_steps": 31, "device_peak_bytes": 2**30, "host_peak_bytes": 0}
+             "decode_tokens_per_s_q3": q3, "decode_steps": 31, "device_peak_bytes": 2**30, "host_peak_bytes": 0,
+             "stat_decode_attention": "c"}
             for p, tps, q1, q3 in [("full", 50.0, 45.0, 55.0), ("paged", 53.0, 48.0, 58.0), ("h2o", 80.0, 75.0, 85.0)]]
     lines = findings.batch_scaling(pd.DataFrame(rows))
     assert any("h2o is faster than paged on decode throughput" in line for line in lines)
     assert any(line.startswith("Ours: paged vs full") and "within noise" in line for line in lines)
+
+
+def test_throughputs_from_different_decode_kernels_are_not_compared():
+    rows = [{"policy": p, "batch_size": 8, "oom": False, "decode_tokens_per_s": tps, "decode_steps": 31,
+             "device_peak_bytes": 2**30, "host_peak_bytes": 0, "stat_decode_attention": kernel}
+            for p, tps, kernel in [("full", 50.0, "c"), ("paged", 53.0, "c"), ("h2o", 20.0, "torch")]
+            for _ in range(2)]
+    lines = findings.batch_scaling(pd.DataFrame(rows))
+    assert any("did not all decode with the same attention kernel (c: full, paged; torch: h2o)" in line
+               for line in lines)
+    assert any(line.startswith("Ours: h2o vs full") and "not compared" in line for line in lines)
+    assert not any(line.startswith("Ours: h2o vs full") and "throughput per GiB" in line for line in lines)
+    assert any(line.startswith("Ours: paged vs full") and "throughput per GiB" in line for line in lines)
 
 
 @pytest.mark.parametrize("correct, n, low, high", [(12, 12, 0.757, 1.0), (6, 12, 0.254, 0.746), (0, 36, 0.0, 0.096)])

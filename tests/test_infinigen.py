@@ -51,8 +51,8 @@ def test_tiers_and_bytes_moved_match_the_selection(tiny):
 
     def recording(layer, step):
         speculate(layer, step)
-        k, _, keep, _ = policy.fetched[layer + 1]
-        fetched.append(int(keep[:, 0].sum()))  # entries per head, summed over rows
+        k, _, count, _ = policy.fetched[layer + 1]
+        fetched.append(int(count.sum()))  # entries per head, summed over rows
         gathered.append(k.shape[0] * k.shape[2])  # what the gather copied: the longest selection, every row
 
     policy._speculate_and_fetch = recording

@@ -35,22 +35,6 @@ def causal_mask(q_len: int, kv_len: int, device) -> torch.Tensor:
     return torch.arange(kv_len, device=device)[None, :] <= q_pos
 
 
-DECODE_LENGTH_STEP = 128
-
-
-def decode_mask(start: torch.Tensor, capacity: int, device) -> tuple[torch.Tensor, int]:
-    """(visible [B, 1, 1, L], L) for a decode step whose new tokens sit at positions start [B], over a contiguous
-    per-row cache of `capacity` slots. On CUDA, L is the longest row rounded up to a multiple of DECODE_LENGTH_STEP
-    (the mask hides the extra slots): a length that grows by one every step would be a new shape every step, and SDPA's
-    cuDNN backend builds a plan per shape (profiled on an H100: 2.1 ms of CPU per call against 0.08 ms for paged
-    blocks' stable lengths; full-cache decode went from 24 to 105 tok/s once the plans were cached). A CPU kernel
-    has no such plans: there L is the longest row, and no work is wasted on masked slots."""
-    step = DECODE_LENGTH_STEP if torch.device(device).type == "cuda" else 1
-    length = min(capacity, -(-(int(start.max()) + 1) // step) * step)
-    visible = torch.arange(length)[None, :] <= start[:, None]
-    return visible[:, None, None, :].to(device), length
-
-
 def grouped_scores(query: torch.Tensor, key: torch.Tensor, scale: float) -> torch.Tensor:
     """Q [B, Hq, T, D] x K [B, Hkv, L, D] -> scores [B, Hkv, G, T, L] without repeating K for GQA."""
     b, hq, t, d = query.shape

@@ -25,7 +25,6 @@ import shutil
 import subprocess
 import tempfile
 import warnings
-from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
@@ -78,9 +77,9 @@ def _library() -> ctypes.CDLL | None:
                       RuntimeWarning, stacklevel=3)
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.decode_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, i64,
-                                     ctypes.c_float, ptr, i64]
-    lib.decode_attention.restype = None
+    lib.decode_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, i64, i64, i64, i64, i64, i64,
+                                     i64, ctypes.c_float, ptr, i64, ptr, ptr, i64]
+    lib.decode_attention.restype = ctypes.c_int
     lib.add_rms_norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float]
     lib.rope.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64]
     lib.silu_mul.argtypes = [ptr, ptr, i64, i64]
@@ -106,68 +105,66 @@ def supports(device, dtype: torch.dtype, group: int, head_dim: int) -> bool:
     return group <= lib.max_group and head_dim <= lib.max_dim and head_dim % lib.lanes == 0
 
 
-def workspace_bytes(batch: int, kv_heads: int, group: int, head_dim: int, max_tokens: int) -> int:
-    """The scratch one call holds: each job's softmax max, sum and weighted values."""
-    return batch * kv_heads * -(-max_tokens // _library().chunk) * group * (head_dim + 2) * 4
+def workspace_bytes(batch: int, kv_heads: int, group: int, head_dim: int, max_tokens: int, probs: bool) -> int:
+    """The scratch one call holds: each job's softmax max, sum and weighted values; with probabilities, each query
+    head's exps and the group's sums."""
+    partial = batch * kv_heads * -(-max_tokens // _library().chunk) * group * (head_dim + 2)
+    return 4 * (partial + (batch * kv_heads * (group + 1) * max_tokens if probs else 0))
 
 
-@dataclass
-class DecodePlan:
-    """A decode step through the kernel: each row's length once the step's token is in (int64), and the scratch one
-    layer's call holds."""
-
-    lengths: torch.Tensor
-    workspace_bytes: int
+REFUSED = {-1: "a shape outside its limits (query heads per KV head <= {max_group}, head dim a multiple of {lanes} "
+               "up to {max_dim}, block size >= 1)",
+           -2: "a length below 0 or past its table, its workspace or its probabilities",
+           -3: "a block outside the keys and values (a table entry or offset past the cache)",
+           -4: "no memory for its job list"}
 
 
-def plan_decode(spec, device, start: torch.Tensor) -> DecodePlan | None:
-    """The kernel's plan for a decode step whose rows hold start[b] tokens before it, for a model of this spec (its
-    dtype, heads, head dim) on this device; None where PyTorch's kernels attend instead."""
-    group = spec.num_attention_heads // spec.num_kv_heads
-    if not supports(device, spec.dtype, group, spec.head_dim):
-        return None
-    lengths = start + 1
-    return DecodePlan(lengths, workspace_bytes(len(start), spec.num_kv_heads, group, spec.head_dim, int(lengths.max())))
-
-
-def paged_decode(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, table: torch.Tensor,
-                 lengths: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
-    """query [B, Hq, 1, D] over a head-major block pool keys/values [Hkv, slots, D], row b over the first lengths[b]
-    tokens of its block table table[b] (int64, [B, blocks])."""
-    offsets = torch.zeros(len(lengths), dtype=torch.int64)
-    return _call(query, keys, values, offsets, table, lengths, block_size, keys.shape[1] * keys.shape[2], scale)
-
-
-def rows_decode(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor,
-                lengths: torch.Tensor, scale: float) -> torch.Tensor:
-    """query [B, Hq, 1, D] over a contiguous per-row cache keys/values [N, Hkv, capacity, D], query row b over cache
-    row rows[b]'s first lengths[b] tokens (rows, lengths: int64): no copy of the rows, whichever they are."""
-    capacity = keys.shape[2]
-    offsets = rows * keys[0].numel()
-    table = torch.zeros(len(rows), 1, dtype=torch.int64)  # a row's cache is one block of `capacity` tokens
-    return _call(query, keys, values, offsets, table, lengths, capacity, capacity * keys.shape[3], scale)
-
-
-def _call(query, keys, values, row_offset, table, lengths, block_size, head_stride, scale):
-    """Token t of row b, KV head h, lies at element row_offset[b] + h x head_stride + (table[b, t // block_size] x
-    block_size + t % block_size) x D of keys (and values). Returns [B, Hq, 1, D]."""
+def decode(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, row_offset: torch.Tensor,
+           table: torch.Tensor, lengths: torch.Tensor, block_size: int, head_stride: int, scale: float,
+           per_head_table: bool = False, probs: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One decode step's attention: query [B, Hq, 1, D]; token t of row b, KV head h at element row_offset[b] + h x
+    head_stride + (tbl[t // block_size] x block_size + t % block_size) x D from keys' (and values') first element,
+    tbl = table[b] ([B, W]) or table[b, h] ([B, Hkv, W], per_head_table); lengths [B, Hkv] tokens read. Keys and
+    values may be views whose tokens are D contiguous floats apart (a slice of a longer cache). Returns (out [B, Hq, 1,
+    D], the probabilities summed over each KV head's group [B, Hkv, max length] where probs, else None)."""
     lib = _library()
     b, hq, _, d = query.shape
-    kv_heads = keys.shape[-3]
-    for t in (keys, values, row_offset, table, lengths):
-        if not t.is_contiguous() or t.device.type != "cpu":
+    kv_heads = lengths.shape[1]
+    for x in (row_offset, table, lengths):
+        if not x.is_contiguous() or x.device.type != "cpu":
             raise ValueError("the C decode kernel takes contiguous CPU tensors")
+    for x in (keys, values):
+        if x.device.type != "cpu" or x.stride(-1) != 1 or (x.dim() > 1 and x.stride(-2) != d):
+            raise ValueError("the C decode kernel takes CPU keys and values whose tokens are contiguous, D floats "
+                             "apart")
     if not (keys.dtype == values.dtype == query.dtype == torch.float32
             and row_offset.dtype == table.dtype == lengths.dtype == torch.int64):
         raise ValueError("the C decode kernel takes fp32 queries, keys and values, and int64 indices")
+    if keys.shape != values.shape or keys.stride() != values.stride() or hq % kv_heads or lengths.shape[0] != b \
+            or len(row_offset) != b or table.shape[:1 + per_head_table] != (b, kv_heads)[:1 + per_head_table]:
+        raise ValueError(f"the C decode kernel got mismatched shapes: query {tuple(query.shape)}, keys "
+                         f"{tuple(keys.shape)}, values {tuple(values.shape)}, lengths {tuple(lengths.shape)}, "
+                         f"table {tuple(table.shape)}, row offsets {tuple(row_offset.shape)}")
+    # the elements from the first one that the kernel may read: what its bounds check holds every read within
+    extent = 1 + sum((n - 1) * s for n, s in zip(keys.shape, keys.stride())) if keys.numel() else 0
     query = query.contiguous()
     out = torch.empty_like(query)
-    longest = int(lengths.max())
-    partial = torch.empty(workspace_bytes(b, kv_heads, hq // kv_heads, d, longest) // 4)
-    lib.decode_attention(query.data_ptr(), keys.data_ptr(), values.data_ptr(), out.data_ptr(), row_offset.data_ptr(),
-                         table.data_ptr(), table.shape[1], lengths.data_ptr(), block_size, head_stride, b, kv_heads,
-                         hq // kv_heads, d, scale, partial.data_ptr(), -(-longest // lib.chunk))
-    return out
+    longest = int(lengths.max()) if lengths.numel() else 0
+    group, width = hq // kv_heads, table.shape[-1]
+    partial = torch.empty(b * kv_heads * -(-longest // lib.chunk) * group * (d + 2))
+    probs_width = max(longest, 1)  # an empty tensor's data pointer may be NULL, which the kernel reads as "no probs"
+    summed = torch.empty(b, kv_heads, probs_width) if probs else None
+    scratch = torch.empty(b, kv_heads, group, probs_width) if probs else None
+    code = lib.decode_attention(query.data_ptr(), keys.data_ptr(), values.data_ptr(), out.data_ptr(),
+                                row_offset.data_ptr(), table.data_ptr(), table.stride(0),
+                                table.stride(1) if per_head_table else 0, width, lengths.data_ptr(), block_size,
+                                head_stride, extent, b, kv_heads, group, d, scale, partial.data_ptr(),
+                                -(-longest // lib.chunk), summed.data_ptr() if probs else None,
+                                scratch.data_ptr() if probs else None, probs_width if probs else -1)
+    if code:
+        reason = REFUSED.get(code, f"code {code}").format(max_group=lib.max_group, lanes=lib.lanes, max_dim=lib.max_dim)
+        raise ValueError(f"the C decode kernel refused its input: {reason}")
+    return out, summed
 
 
 # -- a Llama layer's small ops (csrc/layer_ops.c) ------------------------------------------------------------------------

@@ -9,13 +9,13 @@ and returns the attention output. Everything the policy holds is booked in the l
 from __future__ import annotations
 
 import functools
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
 from kvlib.errors import UserError
+from kvlib.kernels.decode import DecodeReads, decode_attention, kernel_for, workspace_bytes
 from kvlib.memory.ledger import MemoryLedger
 from kvlib.memory.timing import Timers
 from kvlib.models import LoadedModel
@@ -96,6 +96,16 @@ class KVPolicy:
         self.device = model.device
         self.scale = self.spec.head_dim ** -0.5
         self.usage = KVUsage(self.spec.num_layers)
+        self.decode_kernel = kernel_for(self.spec, self.device)  # the machine's and model's choice, not the policy's
+
+    def decode_attention(self, layer: int, query: torch.Tensor, reads: DecodeReads
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Decode attention over what this step's rows read: the one kernel every policy runs
+        (kvlib.kernels.decode), its workspace booked while it lives. Returns (out, probabilities summed over each KV
+        head's group where reads.probs, else None)."""
+        nbytes = workspace_bytes(self.decode_kernel, reads, query)
+        with self.ledger.transient("device", "activations", nbytes, f"{self.name} decode attention, layer {layer}"):
+            return decode_attention(self.decode_kernel, query, reads, self.scale)
 
     def calibrate(self, prompt: list[int]) -> None:
         """After bind, for a policy that `calibrates`: learn from these token ids (the caller's text)."""
@@ -103,18 +113,6 @@ class KVPolicy:
     @property
     def can_release(self) -> bool:
         return type(self).release is not KVPolicy.release
-
-    @contextmanager
-    def rows_of(self, rows: torch.Tensor, *caches: torch.Tensor, where: str):
-        """cache[rows] along dim 0 of each cache, for the duration of a block: views when rows are every row in order
-        (the usual decode batch; indexing by a row tensor copies, and on a CPU that copy of the whole cache per layer
-        costs as much as the attention), else copies, booked as activations while they live."""
-        if len(rows) == caches[0].shape[0] and bool((rows == torch.arange(len(rows))).all()):
-            yield caches
-            return
-        nbytes = sum(c[0].nbytes for c in caches) * len(rows)
-        with self.ledger.transient("device", "activations", nbytes, where):
-            yield tuple(c[rows] for c in caches)
 
     def check_prefill(self, mode: str) -> None:
         if mode not in self.supported_prefill:

@@ -1,9 +1,8 @@
 """The full-cache baseline: every key and value kept, contiguous per row, as Hugging Face's static cache does.
 
 Each row reserves room for its prompt plus max_new_tokens up front; the reserved-but-unused part is booked as
-`kv_reserved`, the fragmentation paged memory management removes. Decode attends each row over its own length: on a
-CPU in fp32 with kvlib's C kernel (kvlib.kernels.cpu_kernel, the same one `paged` runs), elsewhere with SDPA over the rows
-padded to the longest, masked.
+`kv_reserved`, the fragmentation paged memory management removes. Decode reads each row in place over its own length,
+through the decode attention every policy shares (kvlib.kernels.decode).
 """
 
 from __future__ import annotations
@@ -12,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlib.kernels import cpu_kernel
-from kvlib.kernels.attention import decode_mask, fused_attention, prefill_attention
+from kvlib.kernels.attention import prefill_attention
+from kvlib.kernels.decode import DecodeReads
 from kvlib.policies.base import KVPolicy, Step
 from kvlib.policies.registry import register
 
@@ -33,18 +32,13 @@ class FullPolicy(KVPolicy):
         self.keys = [torch.zeros(shape, dtype=s.dtype, device=self.device) for _ in range(s.num_layers)]
         self.values = [torch.zeros(shape, dtype=s.dtype, device=self.device) for _ in range(s.num_layers)]
         self.lengths = torch.zeros(batch_size, dtype=torch.long)
-        self.decode_kernel = None  # what decode attention runs: "c" (kvlib.kernels.cpu_kernel) or "torch"
 
     def prepare(self, step: Step):
         if step.phase == "decode":
-            # each row over its own length, in place (no padding to the longest row, no copy of the rows)
-            self.kernel_plan = cpu_kernel.plan_decode(self.spec, self.device, step.start)
-            self.decode_kernel = "torch" if self.kernel_plan is None else "c"
-            if self.kernel_plan is None:
-                # indices and mask moved to the cache's device once per step, not once per layer (on a GPU, 90 small
-                # synchronous copies a step for a 30-layer model otherwise)
-                self.visible, self.kv_len = decode_mask(step.start, self.keys[0].shape[2], self.device)
+            # moved to the cache's device once per step, not once per layer (on a GPU, 90 small synchronous copies a
+            # step for a 30-layer model otherwise)
             self.slots = step.rows.to(self.device), step.start.to(self.device)
+            self.read = step.start + 1  # each row's length once its new token is in
 
     def attend(self, layer, query, key, value, step: Step):
         kc, vc = self.keys[layer], self.values[layer]
@@ -54,13 +48,7 @@ class FullPolicy(KVPolicy):
             kc[rows, :, pos] = key[:, :, 0]
             vc[rows, :, pos] = value[:, :, 0]
             self.usage.add(layer, step.tokens_seen, step.tokens_seen, len(step.rows))
-            if self.kernel_plan is not None:
-                with self.ledger.transient("device", "activations", self.kernel_plan.workspace_bytes,
-                                           f"decode workspace, layer {layer}"):
-                    return cpu_kernel.rows_decode(query, kc, vc, rows, self.kernel_plan.lengths, self.scale)
-            kv_len = self.kv_len
-            with self.rows_of(step.rows, kc, vc, where=f"full decode rows, layer {layer}") as (k, v):
-                return fused_attention(query, k[:, :, :kv_len], v[:, :, :kv_len], self.visible, self.scale)
+            return self.decode_attention(layer, query, DecodeReads(kc, vc, self.read, rows=step.rows))[0]
         row, begin = int(step.rows[0]), int(step.start[0])
         end = begin + t
         kc[row, :, begin:end] = key[0]
@@ -85,9 +73,6 @@ class FullPolicy(KVPolicy):
         used = int(self.lengths.sum()) * per_token
         reserved = self.spec.kv_bytes(self.keys[0].shape[0] * self.keys[0].shape[2])
         self.ledger.set("device", kv=used, kv_reserved=reserved - used)
-
-    def stats(self):
-        return {"decode_attention": self.decode_kernel}
 
     def finish(self):
         self.keys = self.values = []

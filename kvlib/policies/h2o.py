@@ -39,6 +39,7 @@ class HeavyHitterPolicy(ScoredEvictionPolicy):
     name = "h2o"
     supported_prefill = ("full", "chunked")
     preferred_prefill = "chunked"  # with cross-chunk accumulation: full prefill's kept set without its L x L matrix
+    decode_scores = True
 
     recent_ratio: float = 0.5  # share of the budget given to the recent window (the H2O paper splits it evenly)
     chunk_scoring: str = "accumulate"
@@ -82,6 +83,6 @@ class HeavyHitterPolicy(ScoredEvictionPolicy):
                     scores += received
         return out
 
-    def update_scores(self, layer, rows, used, probs):
+    def update_scores(self, layer, rows, probs):
         with self.timers.section("eviction"):
-            self.scores[layer, rows, :, :used] += probs.sum(dim=(2, 3))  # no head_dim axis: a cheap copy
+            self.scores[layer, rows, :, :probs.shape[-1]] += probs

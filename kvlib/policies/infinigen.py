@@ -29,7 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from kvlib.errors import UserError
-from kvlib.kernels.attention import decode_mask, fused_attention, matrix_attention, prefill_attention
+from kvlib.kernels.attention import prefill_attention
+from kvlib.kernels.decode import DecodeReads
 from kvlib.models.llama_forward import FusedAttention, query_projection
 from kvlib.policies.base import BudgetedPolicy, Step
 from kvlib.policies.infinigen_skew import load_or_compute_skew
@@ -99,7 +100,7 @@ class InfiniGenPolicy(BudgetedPolicy):
         self.host_v = torch.zeros((sparse, *shape), dtype=s.dtype, pin_memory=cuda)
         self.partial_k = torch.zeros((sparse, *shape[:3], r), dtype=s.dtype, device=self.device)
         self.lengths = torch.zeros(batch_size, dtype=torch.long)
-        self.fetched: dict[int, tuple] = {}  # layer -> (keys, values, visible, attended) fetched for this step
+        self.fetched: dict[int, tuple] = {}  # layer -> (keys, values, count per row, attended) fetched for this step
         self.captured: dict[int, tuple] = {}  # layer -> (attention input, (cos, sin)) of the current pass
         self.stream = torch.cuda.Stream() if cuda else None
         # only the layers that speculate for a sparse next layer need their input
@@ -166,22 +167,24 @@ class InfiniGenPolicy(BudgetedPolicy):
     # -- decode ----------------------------------------------------------------------------------------------------
     def _decode_attention(self, layer, query, key, value, step):
         rows = step.rows
-        if layer < self.dense:
-            visible, kv_len = decode_mask(step.start, self.dense_k.shape[3], self.device)
+        if layer < self.dense:  # read as `full` reads its rows
             self.usage.add(layer, step.tokens_seen, step.tokens_seen, len(rows))
-            with self.rows_of(rows, self.dense_k[layer], self.dense_v[layer],
-                              where=f"infinigen decode rows, layer {layer}") as (k, v):
-                return fused_attention(query, k[:, :, :kv_len], v[:, :, :kv_len], visible, self.scale)
+            reads = DecodeReads(self.dense_k[layer], self.dense_v[layer], step.start + 1, rows=rows)
+            return self.decode_attention(layer, query, reads)[0]
         if self.stream is not None:
             torch.cuda.current_stream().wait_stream(self.stream)
-        k_sel, v_sel, visible, attended = self.fetched.pop(layer)
-        # the current token's own key/value was computed just now: it is always attended
+        k_sel, v_sel, count, attended = self.fetched.pop(layer)
+        # the current token's own key/value was computed just now: it is always attended, right after each row's
+        # fetched entries (a row fetched count[b] of the count.max() gathered), so a row reads its first count + 1
         with self.ledger.transient("device", "activations", k_sel.nbytes + v_sel.nbytes + key.nbytes + value.nbytes,
                                    f"infinigen fetched and new entries, layer {layer}"):
             k_all = torch.cat([k_sel, key], dim=2)
             v_all = torch.cat([v_sel, value], dim=2)
-            mask = torch.cat([visible, visible.new_ones(*visible.shape[:2], 1)], dim=2)
-            out, _ = matrix_attention(query, k_all, v_all, mask[:, :, None, None, :], self.scale)
+            own = torch.arange(len(rows))
+            at = count.to(self.device)
+            k_all[own.to(self.device), :, at] = key[:, :, 0]
+            v_all[own.to(self.device), :, at] = value[:, :, 0]
+            out, _ = self.decode_attention(layer, query, DecodeReads(k_all, v_all, count + 1, rows=own))
         self.ledger.add("device", "kv", -(k_sel.nbytes + v_sel.nbytes))  # the fetched entries are dropped now
         self.usage.add(layer, attended + len(rows), step.tokens_seen, len(rows))
         if self.measure_coverage:
@@ -210,7 +213,6 @@ class InfiniGenPolicy(BudgetedPolicy):
             cap = torch.tensor([self.tokens_allowed(int(n)) for n in cached])
             count = torch.minimum(candidates.round().long(), cap).clamp(min=1)
             chosen = approx.topk(int(count.max()), dim=-1).indices  # [B, Hkv, n]
-            keep = (torch.arange(chosen.shape[-1])[None, None, :] < count[:, None, None]).to(self.device)
         with self.timers.section("fetch"):
             i = nxt - self.dense
             r, heads = rows[:, None, None], torch.arange(s.num_kv_heads)[None, :, None]
@@ -222,9 +224,10 @@ class InfiniGenPolicy(BudgetedPolicy):
             with stream:
                 k_sel = self.host_k[i][r, heads, idx].to(self.device, non_blocking=True)
                 v_sel = self.host_v[i][r, heads, idx].to(self.device, non_blocking=True)
-            self.fetched[nxt] = (k_sel, v_sel, keep, int(count.sum()))
+            self.fetched[nxt] = (k_sel, v_sel, count, int(count.sum()))
         self.bytes_moved += moved
         if self.measure_coverage:
+            keep = (torch.arange(chosen.shape[-1])[None, None, :] < count[:, None, None]).to(self.device)
             self.selections[nxt] = (chosen, keep)
 
     def _record_coverage(self, layer, query, key, step, selection):

@@ -10,8 +10,8 @@ codes to a uint8 (a 16-bit code takes two bytes), beside scales and zero points 
 those bytes (the codes, scales and zero points of the quantized tokens, and the residual's full-precision entries) as
 `kv`, the rest of each row's allocation as `kv_reserved`.
 
-Attention dequantizes a row's cache into a working copy, booked as activations while it lives, and runs the same
-kernel as `full` over it. `quantize=False` runs the same mechanism (key groups flushed from the residual, values
+Attention dequantizes a row's cache into a working copy, booked as activations while it lives; decode then reads that
+copy through the decode attention every policy shares (kvlib.kernels.decode). `quantize=False` runs the same mechanism (key groups flushed from the residual, values
 leaving it one at a time, byte arrays, reassembly for attention) with each value's raw bytes instead of codes: the
 check that the mechanism is exact, token for token equal to `full`. `bits=16` quantizes with an error below 2^-16 of
 each group's range (teacher-forced log-probabilities within 1e-3 of full's; greedy output can still part at a near
@@ -41,7 +41,8 @@ from dataclasses import dataclass
 import torch
 
 from kvlib.errors import UserError
-from kvlib.kernels.attention import decode_mask, fused_attention, prefill_attention
+from kvlib.kernels.attention import prefill_attention
+from kvlib.kernels.decode import DecodeReads
 from kvlib.policies.base import KVPolicy, Step
 from kvlib.policies.registry import register
 
@@ -192,7 +193,8 @@ class KIVIPolicy(KVPolicy):
     # -- reading ---------------------------------------------------------------------------------------------------
     def _dequantized(self, layer: int, rows: torch.Tensor, lengths: torch.Tensor, kq: torch.Tensor):
         """Full-precision keys and values [B, Hkv, max(lengths), D] of rows holding `lengths` tokens, of which `kq`
-        keys are quantized (the rest of the keys, and the last `residual` values, are in the residuals)."""
+        keys are quantized (the rest of the keys, and the last `residual` values, are in the residuals): views of
+        [B, Hkv, max(lengths) + residual, D] buffers."""
         g, r, d = self.group_size, self.residual, self.spec.head_dim
         n = int(lengths.max())
         kq_max, vq = int(kq.max()), (lengths - r).clamp(min=0)
@@ -246,14 +248,13 @@ class KIVIPolicy(KVPolicy):
                 begin = int(step.start[i])
                 self.next_quantized[row] = self._store_keys(layer, row, begin, key[i])
                 self._store_values(layer, row, begin, value[i])
-        held = 2 * len(rows) * s.num_kv_heads * int(n.max()) * s.head_dim * s.dtype_bytes
+        held = 2 * len(rows) * s.num_kv_heads * (int(n.max()) + self.residual) * s.head_dim * s.dtype_bytes
         with self.ledger.transient("device", "activations", held, f"kivi dequantized cache, layer {layer}"):
             # this layer's store may have just flushed the residual into codes: read up to what it holds now
             flushed = torch.tensor([self.next_quantized[r] for r in rows.tolist()])
             k, v = self._dequantized(layer, rows, n, flushed)
-            visible, _ = decode_mask(step.start, int(n.max()), self.device)
             self.usage.add(layer, step.tokens_seen, step.tokens_seen, len(rows))
-            return fused_attention(query, k, v, visible, self.scale)
+            return self.decode_attention(layer, query, DecodeReads(k, v, n, rows=torch.arange(len(rows))))[0]
 
     def after_pass(self, step: Step):
         for row, kq in self.next_quantized.items():

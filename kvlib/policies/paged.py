@@ -5,9 +5,10 @@ table. Full prompt blocks are shared between rows with the same prefix (kvlib.me
 before they are written, and memory grows a block at a time, so rows of different lengths waste at most one partly
 filled block each instead of a reservation for the longest row.
 
-Decode attention reads the pool in place, each row over its own tokens. On a CPU in fp32 that is kvlib's C kernel
-(kvlib.kernels.cpu_kernel), which follows each row's block table. Elsewhere (a GPU, no C compiler) it is PyTorch's kernels
-(kvlib.kernels.attention.paged_decode_attention): the pool (head-major: each KV head's slots are one stretch) is cut into
+Decode attention reads the pool in place, each row over its own tokens. On a CPU in fp32 that is the C kernel every
+policy decodes with (kvlib.kernels.decode), following each row's block table. Elsewhere (a GPU, no C compiler) it is
+PyTorch's kernels (kvlib.kernels.attention.paged_decode_attention), not the shared PyTorch path, which would gather the
+blocks into a padded copy each layer: the pool (head-major: each KV head's slots are one stretch) is cut into
 aligned spans of SPAN_TOKENS slots, and each run of consecutive spans the batch holds tokens in is attended in one
 call (the pool's last, shorter span in one more), each span by the queries of the rows holding tokens in it, masked to
 each row's own slots. The few tokens in spans read by more than MAX_READERS rows (the blocks rows grew by during
@@ -23,8 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from kvlib.errors import UserError
-from kvlib.kernels import cpu_kernel
 from kvlib.kernels.attention import PagedLayout, SpanGroup, paged_decode_attention, prefill_attention
+from kvlib.kernels.decode import DecodeReads
 from kvlib.memory.block_pool import BlockPool, BlockTable
 from kvlib.policies.base import KVPolicy, Step
 from kvlib.policies.registry import register
@@ -156,8 +157,7 @@ class PagedPolicy(KVPolicy):
                             f"({min(prompt_lens)} prompt tokens need {smallest} blocks)")
         block_bytes = s.kv_bytes(bs)
         self.prompt_tokens = self.hit_tokens = self.peak_blocks = 0
-        self.layout = self.kernel_plan = None  # a decode step's plan: the C kernel's, or PyTorch's spans
-        self.decode_kernel = None  # what decode attention runs: "c" (kvlib.kernels.cpu_kernel) or "torch"
+        self.layout = None  # a decode step's plan of PyTorch's spans
         if getattr(self, "pool", None) is None or self.pool.num_blocks != blocks:
             # head-major, as vLLM's CPU cache: each head's slots are one stretch, so a span of blocks is a plain view per
             # head (attention over it, SmolLM2's 30 layers, one row of 265-1,024 tokens: 73-206 us a layer against
@@ -203,13 +203,10 @@ class PagedPolicy(KVPolicy):
         self.slots = (self.table.gather(1, pos // bs) * bs + pos % bs).flatten().to(self.device)  # [B x T]
         self.table = self.table.to(self.device)
         if step.phase == "decode":
-            s = self.spec
-            self.kernel_plan = cpu_kernel.plan_decode(s, self.device, step.start)  # each row through its block table
-            self.decode_kernel = "torch" if self.kernel_plan is None else "c"
-            if self.kernel_plan is not None:
-                self.workspace = self.kernel_plan.workspace_bytes
-            else:
-                self.layout = decode_layout(tables, (step.start + 1).tolist(), bs, self.pool.num_blocks,
+            self.read = step.start + 1
+            if self.decode_kernel == "torch":  # PyTorch's kernels read the pool in place through spans (below)
+                s = self.spec
+                self.layout = decode_layout(tables, self.read.tolist(), bs, self.pool.num_blocks,
                                             s.num_attention_heads // s.num_kv_heads, s.dtype, self.device)
                 self.workspace = self.layout.workspace_bytes(s.num_kv_heads * s.head_dim * s.dtype_bytes,
                                                              s.num_attention_heads * s.head_dim * s.dtype_bytes)
@@ -235,11 +232,12 @@ class PagedPolicy(KVPolicy):
             pool[layer].index_copy_(1, self.slots, new.transpose(0, 1).reshape(s.num_kv_heads, -1, s.head_dim))
         if step.phase == "decode":
             self.usage.add(layer, step.tokens_seen, step.tokens_seen, len(step.rows))
+            if self.decode_kernel == "c":
+                pools = (c[layer] for c in self.flat_pools)
+                return self.decode_attention(layer, query, DecodeReads(*pools, self.read, table=self.table,
+                                                                       block_size=self.block_size))[0]
             with self.ledger.transient("device", "activations", self.workspace,
                                        f"paged decode workspace, layer {layer}"):
-                if self.kernel_plan is not None:
-                    return cpu_kernel.paged_decode(query, *(c[layer] for c in self.flat_pools), self.table,
-                                                   self.kernel_plan.lengths, self.block_size, self.scale)
                 return paged_decode_attention(query, *self.flat_pools, self.layout, self.scale, layer)
         flat_k, flat_v = (pool[layer] for pool in self.flat_pools)
         row, begin = int(step.rows[0]), int(step.start[0])
@@ -259,7 +257,7 @@ class PagedPolicy(KVPolicy):
         with self.timers.section("block_management"):
             for row, start in zip(step.rows.tolist(), step.start.tolist()):
                 self.pool.commit(self.tables[row], self.prompts.get(row, []), start + step.q_len)
-            self.layout = self.kernel_plan = None  # a step's plan, booked with its workspace: not held between steps
+            self.layout = None  # a step's plan, booked with its workspace: not held between steps
             self._book()
 
     def _book(self):
@@ -276,5 +274,4 @@ class PagedPolicy(KVPolicy):
     def stats(self):
         return {"block_size": self.block_size, "num_blocks": self.pool.num_blocks if self.pool else 0,
                 "peak_blocks_used": self.peak_blocks,
-                "prefix_hit_rate": self.hit_tokens / max(self.prompt_tokens, 1), "prefix_hit_tokens": self.hit_tokens,
-                "decode_attention": self.decode_kernel}
+                "prefix_hit_rate": self.hit_tokens / max(self.prompt_tokens, 1), "prefix_hit_tokens": self.hit_tokens}

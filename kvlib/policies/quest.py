@@ -21,8 +21,9 @@ layers 0 and 1 dense). Deviations:
   would then not bound.
 - The budget is kvlib's share of the tokens seen (or `budget_tokens`), rounded up to whole blocks, instead of an
   absolute token_budget; budget 1.0 reads every block.
-- On a CPU the selected blocks are gathered and attended with a mask over the row's blocks (the official CUDA kernels
-  read only the selected pages): the bytes read are booked as Quest's kernel would read them, not as this CPU copy does.
+- The pool is head-major (each KV head's slots one stretch, as `paged`'s): decode attention (kvlib.kernels.decode, the
+  kernel every policy shares) reads each KV head's selected blocks in place through a block list per row and head,
+  as the official CUDA kernels read only the selected pages; the dense layers read each row's whole block table.
 - No prefix sharing between rows (kvlib's `paged` policy has it); forks share blocks copy-on-write through the pool.
 """
 
@@ -34,7 +35,8 @@ from dataclasses import dataclass
 import torch
 
 from kvlib.errors import UserError
-from kvlib.kernels.attention import decode_mask, fused_attention, matrix_attention, prefill_attention
+from kvlib.kernels.attention import prefill_attention
+from kvlib.kernels.decode import DecodeReads
 from kvlib.memory.block_pool import BlockPool, BlockTable
 from kvlib.policies.base import BudgetedPolicy, Step
 from kvlib.policies.registry import register
@@ -65,7 +67,7 @@ class QuestPolicy(BudgetedPolicy):
         meta_shape = (s.num_layers, blocks, s.num_kv_heads, s.head_dim)
         self.ledger.add("device", "kv_reserved", blocks * self.block_bytes, where="quest KV pool")
         self.ledger.add("device", "overhead", 2 * math.prod(meta_shape) * s.dtype_bytes, where="quest block min/max")
-        self.keys = torch.zeros((s.num_layers, blocks, bs, s.num_kv_heads, s.head_dim), dtype=s.dtype,
+        self.keys = torch.zeros((s.num_layers, s.num_kv_heads, blocks * bs, s.head_dim), dtype=s.dtype,
                                 device=self.device)
         self.values = torch.zeros_like(self.keys)
         self.key_min = torch.zeros(meta_shape, dtype=s.dtype, device=self.device)
@@ -78,7 +80,9 @@ class QuestPolicy(BudgetedPolicy):
             for row, start in zip(step.rows.tolist(), step.start.tolist()):
                 self.pool.reserve(self.tables.setdefault(row, BlockTable()), start + step.q_len)
             for src, dst in self.pool.copies:  # copy-on-write of a block shared by a fork, metadata included
-                for cache in (self.keys, self.values, self.key_min, self.key_max):
+                for cache in (self.keys, self.values):
+                    cache[:, :, dst * bs:(dst + 1) * bs] = cache[:, :, src * bs:(src + 1) * bs]
+                for cache in (self.key_min, self.key_max):
                     cache[:, dst] = cache[:, src]
             self.pool.copies.clear()
             tables = [self.tables[row].blocks for row in step.rows.tolist()]
@@ -90,17 +94,17 @@ class QuestPolicy(BudgetedPolicy):
             self.table = table.to(self.device)
             self.row_blocks = torch.tensor([len(t) for t in tables])
             if step.phase == "decode":
-                self.visible, self.kv_len = decode_mask(step.start, width * bs, self.device)
-                seen = step.start + 1
-                self.pages = torch.tensor([-(-self.tokens_allowed(int(n)) // bs) for n in seen])
+                self.seen = step.start + 1
+                self.pages = torch.tensor([-(-self.tokens_allowed(int(n)) // bs) for n in self.seen])
 
     def _write(self, layer, key, value):
         """Store the pass's keys/values and fold them into their blocks' channel-wise min/max."""
         s = self.spec
         blocks, offsets = self.slot_block.flatten(), self.slot_offset.flatten()
+        slots = blocks * self.block_size + offsets
+        self.keys[layer].index_copy_(1, slots, key.transpose(0, 1).reshape(s.num_kv_heads, -1, s.head_dim))
+        self.values[layer].index_copy_(1, slots, value.transpose(0, 1).reshape(s.num_kv_heads, -1, s.head_dim))
         k = key.transpose(1, 2).reshape(-1, s.num_kv_heads, s.head_dim)
-        self.keys[layer, blocks, offsets] = k
-        self.values[layer, blocks, offsets] = value.transpose(1, 2).reshape(-1, s.num_kv_heads, s.head_dim)
         fresh = blocks[offsets == 0]  # a block's first token: its bounds start afresh
         self.key_min[layer, fresh] = float("inf")
         self.key_max[layer, fresh] = float("-inf")
@@ -112,31 +116,43 @@ class QuestPolicy(BudgetedPolicy):
     def attend(self, layer, query, key, value, step: Step):
         self._write(layer, key, value)
         b, s, bs = len(step.rows), self.spec, self.block_size
-        blocks = self.table.flatten()
-        with self.ledger.transient("device", "activations", 2 * len(blocks) * self.keys[layer, 0].nbytes,
-                                   f"quest gather, layer {layer}"):
-            k = self.keys[layer].index_select(0, blocks).view(b, -1, s.num_kv_heads, s.head_dim).transpose(1, 2)
-            v = self.values[layer].index_select(0, blocks).view(b, -1, s.num_kv_heads, s.head_dim).transpose(1, 2)
-            if step.phase == "prefill":
-                n = int(step.start[0]) + step.q_len
-                return prefill_attention(query, k[:, :, :n], v[:, :, :n], int(step.start[0]), step.prefill_mode,
-                                         self.scale, self.ledger, layer)
-            n = self.kv_len
-            per_token = 2 * s.head_dim * s.dtype_bytes  # one token's key and value, one KV head
-            full_read = step.tokens_seen * s.num_kv_heads * per_token
-            self.bytes_read_full += full_read
-            if layer < self.dense_layers:
-                self.bytes_read += full_read
-                self.usage.add(layer, step.tokens_seen, step.tokens_seen, b)
-                return fused_attention(query, k[:, :, :n], v[:, :, :n], self.visible, self.scale)
-            with self.timers.section("selection"):
-                chosen = self.select_blocks(query, blocks.view(b, -1), self.key_min[layer], self.key_max[layer])
-                tokens = chosen.repeat_interleave(bs, dim=-1)[..., :n] & self.visible[:, 0, 0, None, :]
-            attended = int(tokens.sum()) / s.num_kv_heads
-            self.usage.add(layer, round(attended), step.tokens_seen, b)
-            self.bytes_read += round(attended * s.num_kv_heads * per_token
-                                     + int(self.row_blocks.sum()) * s.num_kv_heads * per_token)  # min/max scanned
-            return matrix_attention(query, k[:, :, :n], v[:, :, :n], tokens[:, :, None, None, :], self.scale)[0]
+        if step.phase == "prefill":
+            n = int(step.start[0]) + step.q_len
+            slots = (self.table[0, :-(-n // bs), None] * bs + torch.arange(bs, device=self.device)).flatten()[:n]
+            with self.ledger.transient("device", "activations", n * s.kv_bytes_per_token // s.num_layers,
+                                       f"quest prefill gather, layer {layer}"):
+                k, v = (c[layer][:, slots][None] for c in (self.keys, self.values))
+                return prefill_attention(query, k, v, int(step.start[0]), step.prefill_mode, self.scale, self.ledger,
+                                         layer)
+        per_token = 2 * s.head_dim * s.dtype_bytes  # one token's key and value, one KV head
+        full_read = step.tokens_seen * s.num_kv_heads * per_token
+        self.bytes_read_full += full_read
+        keys, values = self.keys[layer], self.values[layer]
+        if layer < self.dense_layers:
+            self.bytes_read += full_read
+            self.usage.add(layer, step.tokens_seen, step.tokens_seen, b)
+            reads = DecodeReads(keys, values, self.seen, table=self.table, block_size=bs)
+            return self.decode_attention(layer, query, reads)[0]
+        with self.timers.section("selection"):
+            chosen = self.select_blocks(query, self.table, self.key_min[layer], self.key_max[layer])
+            table, lengths = self.selected_blocks(chosen)
+        attended = int(lengths.sum()) / s.num_kv_heads
+        self.usage.add(layer, round(attended), step.tokens_seen, b)
+        self.bytes_read += round(attended * s.num_kv_heads * per_token
+                                 + int(self.row_blocks.sum()) * s.num_kv_heads * per_token)  # min/max scanned
+        return self.decode_attention(layer, query, DecodeReads(keys, values, lengths, table=table, block_size=bs))[0]
+
+    def selected_blocks(self, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block list [B, Hkv, n] in position order, tokens read [B, Hkv]) of each KV head's chosen blocks: whole
+        blocks, and the row's last block (always chosen, and last in order) up to the row's length."""
+        width = chosen.shape[-1]
+        index = torch.arange(width, device=chosen.device)
+        order = torch.where(chosen, index, width + index).sort(dim=-1).values  # chosen first, in position order
+        picked = chosen.sum(dim=-1).cpu()
+        order = order[..., :int(picked.max())].clamp(max=width - 1)  # past a head's picks: never read
+        table = self.table[:, None, :].expand(-1, chosen.shape[1], -1).gather(2, order).contiguous()
+        last = self.seen - (self.row_blocks - 1) * self.block_size  # tokens in each row's last block
+        return table, (picked - 1) * self.block_size + last[:, None]
 
     def select_blocks(self, query, table, kmin, kmax) -> torch.Tensor:
         """Boolean [B, Hkv, blocks]: per KV head the blocks whose upper bound of q.k ranks in the row's top

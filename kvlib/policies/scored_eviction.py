@@ -10,20 +10,26 @@ than `limits` allows, each (layer, row, head) drops its lowest-scored token outs
 reused. Every byte is booked: the kept entries as `kv`, the rest of the slots and buffers as `kv_reserved`, scores and
 positions (4 + 8 bytes an entry) as `overhead`.
 
+Decode reads each row's slots in place through the decode attention every policy shares (kvlib.kernels.decode): the
+slots a row holds are always its first ones (a new token fills the hole the last eviction left, or the next slot), so a
+row's length is all the kernel needs, the same for each of its KV heads.
+
 A subclass gives `limits` (tokens kept and protected-recent for a row) and, where it scores, the hooks: the score a new
 entry starts with (`initial_scores`), the prefill attention (`prefill_attention_of`, which may score the buffer), and
-`update_scores` with each decode step's attention probabilities.
+`update_scores` with each decode step's attention probabilities (`decode_scores`: it asks the kernel for them).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from kvlib.errors import UserError
-from kvlib.kernels.attention import matrix_attention, prefill_attention
+from kvlib.kernels.attention import prefill_attention
+from kvlib.kernels.decode import DecodeReads
 from kvlib.policies.base import BudgetedPolicy, Step
 
 
@@ -43,6 +49,7 @@ class PromptBuffer:
 class ScoredEvictionPolicy(BudgetedPolicy):
     """Keep the top tokens per KV head given scores and a budget; evicted entries are freed for good."""
 
+    decode_scores: ClassVar[bool] = False  # update_scores needs each decode step's attention probabilities
 
     # -- what a subclass decides ------------------------------------------------------------------------------------
     def limits(self, seen: int, prompt: int) -> tuple[int, int]:
@@ -60,12 +67,14 @@ class ScoredEvictionPolicy(BudgetedPolicy):
         return prefill_attention(query, keys[None], values[None], filled, step.prefill_mode, self.scale,
                                  self.ledger, layer)
 
-    def decode_inputs(self, layer: int, query, keys, positions, rows) -> tuple[torch.Tensor, torch.Tensor]:
-        """(query, keys) as decode attention uses them: StreamingLLM re-rotates them to positions within the cache."""
-        return query, keys
+    def decode_reads(self, layer: int, query, rows, lengths) -> tuple[torch.Tensor, DecodeReads]:
+        """(query, what each row reads) in a decode step: the rows' first `lengths` slots, in place. StreamingLLM's
+        `cache` positions re-rotate a copy of them."""
+        return query, DecodeReads(self.keys[layer], self.values[layer], lengths, rows=rows, probs=self.decode_scores)
 
-    def update_scores(self, layer: int, rows: torch.Tensor, used: int, probs: torch.Tensor) -> None:
-        """After a decode step's attention: probs [B, Hkv, G, 1, used] over the rows' first `used` slots."""
+    def update_scores(self, layer: int, rows: torch.Tensor, probs: torch.Tensor) -> None:
+        """After a decode step's attention (where decode_scores): probs [B, Hkv, L], each slot's attention summed over
+        the KV head's query group, zeros past a row's length."""
 
     def select(self, scores: torch.Tensor, heavy: int, recent: int) -> torch.Tensor:
         """Per head, the last `recent` entries and the `heavy` best-scored earlier ones, sorted. scores: [..., n]."""
@@ -185,13 +194,15 @@ class ScoredEvictionPolicy(BudgetedPolicy):
         new_pos = step.start[:, None].to(self.device).expand(-1, len(heads))
         self.scores[layer, r, heads, slot] = self.initial_scores(new_pos)
         self.positions[layer, r, heads, slot] = new_pos
-        used = int(self.region[rows].max()) + 1
-        with self.rows_of(rows, kc, vc, self.positions[layer], where=f"{self.name} decode rows, layer {layer}") as (
-                k, v, pos):
-            visible = pos[:, :, :used] >= 0  # [B, Hkv, used]: per-head kept sets
-            q, k = self.decode_inputs(layer, query, k[:, :, :used], pos[:, :, :used], rows)
-            out, probs = matrix_attention(q, k, v[:, :, :used], visible[:, :, None, None, :], self.scale)
-        self.update_scores(layer, rows, used, probs)
+        # a row reads its first slots: the hole an eviction left is filled by now, else the next slot was taken
+        lengths = torch.maximum(self.region[rows], self.write_slot[layer, rows, 0] + 1)
+        q, reads = self.decode_reads(layer, query, rows, lengths)
+        copied = 0 if reads.keys.untyped_storage().data_ptr() == self.keys.untyped_storage().data_ptr() else \
+            reads.keys.nbytes + reads.values.nbytes
+        with self.ledger.transient("device", "activations", copied, f"{self.name} decode rows, layer {layer}"):
+            out, probs = self.decode_attention(layer, q, reads)
+        if probs is not None:
+            self.update_scores(layer, rows, probs[..., :self.cap])
         self.usage.add(layer, self.attended, step.tokens_seen, len(rows))
         return out
 

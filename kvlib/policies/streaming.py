@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlib.errors import UserError
+from kvlib.kernels.decode import DecodeReads
 from kvlib.policies.registry import register
 from kvlib.policies.scored_eviction import ScoredEvictionPolicy
 
@@ -97,16 +98,22 @@ class StreamingPolicy(ScoredEvictionPolicy):
             query = rotate(query, torch.tensor(filled - begin, device=self.device), self.inv_freq)
         return super().prefill_attention_of(layer, query, keys, values, scores, begin, filled, step)
 
-    def decode_inputs(self, layer, query, keys, positions, rows):
+    def decode_reads(self, layer, query, rows, lengths):
+        query, reads = super().decode_reads(layer, query, rows, lengths)
         if self.inv_freq is None:
-            return query, keys
+            return query, reads
+        used = int(lengths.max())
+        keys, values = reads.keys[rows, :, :used], reads.values[rows, :, :used]  # copies: these keys are re-rotated
+        positions = self.positions[layer, rows, :, :used]
         valid = positions >= 0
         order = positions.masked_fill(~valid, torch.iinfo(positions.dtype).max).argsort(dim=-1)
         rank = order.argsort(dim=-1)  # [B, Hkv, used]: 0.. in position order; empty slots rank last
         newest = positions.max(dim=-1).values[:, 0]  # the query's own token, stored before attention
         query_delta = valid[:, 0].sum(dim=-1) - 1 - newest  # [B]
-        keys = rotate(keys, rank - positions, self.inv_freq)
-        return rotate(query, query_delta[:, None, None], self.inv_freq), keys
+        keys = rotate(keys, rank - positions, self.inv_freq).contiguous()
+        own_rows = torch.arange(len(rows))
+        return rotate(query, query_delta[:, None, None], self.inv_freq), DecodeReads(keys, values, lengths,
+                                                                                     rows=own_rows, probs=reads.probs)
 
     def stats(self):
         return {"sink": self.sink, "position_scheme": self.position_scheme}

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from kvlib.report.tables import accuracy_table
+from kvlib.report.tables import accuracy_table, decode_kernels, kernel_note
 
 
 @dataclass
@@ -142,6 +142,14 @@ def choose(frames: dict[str, pd.DataFrame], prompt_tokens: int, batch: int, outp
     for p in choice.excluded:  # ruled out by one question, out of both answers
         choice.decode.pop(p, None)
         choice.ttft.pop(p, None)
+    kernels = decode_kernels(decode_df) if not decode_df.empty else {}
+    note = kernel_note(kernels, choice.decode)
+    if note:  # the answer is drawn among the policies of the kernel most of them ran
+        counts = pd.Series([kernels[p] for p in choice.decode if p in kernels]).value_counts()
+        main = counts.index[0]
+        choice.notes.append(f"{note[0].upper()}{note[1:]}; the fastest is chosen among those that ran `{main}`.")
+        for p in [p for p in choice.decode if p in kernels and kernels[p] != main]:
+            choice.decode.pop(p)
     if choice.decode:
         choice.fastest_decode = max(choice.decode, key=lambda p: choice.decode[p].value)
     if choice.ttft:

@@ -12,11 +12,14 @@ import pandas as pd
 from kvlib.report.tables import (
     Spread,
     accuracy_table,
+    decode_kernels,
     decode_spread,
+    kernel_note,
     outside_label,
     ratio,
     retention_table,
     ruler_table,
+    same_kernel,
     ttft_spread,
 )
 
@@ -115,9 +118,13 @@ def batch_scaling(df: pd.DataFrame) -> list[str]:
     host = big.groupby("policy")["host_peak_bytes"].median()
     per_gib = {p: Spread(*(x / (device[p] / 2**30) for x in (t.median, t.low, t.high)), t.n) for p, t in tps.items()}
     ranked = sorted(tps, key=lambda p: tps[p].median, reverse=True)
+    kernels = decode_kernels(big)
+    note = kernel_note(kernels, ranked)
+    if note:
+        out.append(f"Ours: at batch {biggest}, {note}.")
     out.append(f"Ours: at batch {biggest} the highest median decode throughput is {ranked[0]} "
                f"({tps[ranked[0]]:.1f} tok/s; range: the interquartile range of its decode steps).")
-    if len(ranked) > 1:
+    if len(ranked) > 1 and same_kernel(kernels, ranked[0], ranked[1]):
         out.append(f"Ours: at batch {biggest}, " + compare(ranked[0], tps[ranked[0]], ranked[1], tps[ranked[1]], True,
                                                            "decode throughput") + ".")
     for policy in ranked:
@@ -132,6 +139,10 @@ def batch_scaling(df: pd.DataFrame) -> list[str]:
     references = [r for r in ("full", outside) if r and r in tps]
     for i, reference in enumerate(references):
         for policy in [p for p in ranked if p not in references[:i + 1]]:
+            if not same_kernel(kernels, policy, reference):
+                out.append(f"Ours: {policy} vs {reference} at batch {biggest}: not compared, they decoded with "
+                           f"different attention kernels ({kernels[policy]}, {kernels[reference]}).")
+                continue
             speed = ratio(tps[policy], tps[reference])
             out.append(f"Ours: {policy} vs {reference} at batch {biggest}: {speed:.2f}x throughput, "
                        f"{ratio(per_gib[policy], per_gib[reference]):.2f}x throughput per GiB of device memory"

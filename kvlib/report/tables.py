@@ -22,6 +22,40 @@ def outside_label(df: pd.DataFrame) -> str | None:
     return labels[0] if len(labels) else None
 
 
+def decode_kernels(df: pd.DataFrame) -> dict[str, str]:
+    """The decode attention each kvlib policy's rows record (`c`, `torch`; `mixed` where its rows differ,
+    `unrecorded` where none says: results from before every policy recorded it). An outside engine decodes with its
+    own kernels and is compared as an engine, not as a policy: it has no entry."""
+    outside, kernels = outside_label(df), {}
+    for policy, g in df.groupby("policy"):
+        if policy == outside:
+            continue
+        values = set(g["stat_decode_attention"].dropna()) if "stat_decode_attention" in g else set()
+        kernels[policy] = values.pop() if len(values) == 1 else ("mixed" if values else "unrecorded")
+    return kernels
+
+
+def same_kernel(kernels: dict[str, str], a: str, b: str) -> bool:
+    """Whether a throughput comparison of a and b compares policies: both decoded with one recorded kernel, the same.
+    An outside engine against anything is an engine comparison, which the kernels are part of."""
+    if a not in kernels or b not in kernels:
+        return True
+    return kernels[a] == kernels[b] and kernels[a] not in ("mixed", "unrecorded")
+
+
+def kernel_note(kernels: dict[str, str], policies) -> str | None:
+    """A sentence saying which policies decoded with which kernel, where they are not all one."""
+    used = {p: kernels[p] for p in policies if p in kernels}
+    if len(set(used.values())) <= 1 and not set(used.values()) & {"mixed", "unrecorded"}:
+        return None
+    groups = {}
+    for p, k in sorted(used.items()):
+        groups.setdefault(k, []).append(p)
+    return ("these policies did not all decode with the same attention kernel (" + "; ".join(
+        f"{k}: {', '.join(ps)}" for k, ps in sorted(groups.items())) + "): their throughputs are compared only "
+        "between policies of one kernel, since across kernels the difference would be the kernels'")
+
+
 @dataclass
 class Spread:
     """A measured figure: the median and the range it was seen in (over repeats, or over the steps of a run)."""

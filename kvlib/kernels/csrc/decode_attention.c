@@ -1,9 +1,11 @@
-/* Decode attention on a CPU: one new token per row, attending that row's cached keys and values where they lie (a
- * paged pool through its block table, or a contiguous per-row cache), each row over its own length: no copy, no
- * padding to the longest row.
+/* Decode attention on a CPU, the one every kvlib policy decodes with: one new token per row, attending what that row
+ * and KV head reads where it lies (a row of a contiguous cache, a paged pool through a block table per row, a block
+ * list per row and KV head, an index list), each over its own length: no copy, no padding to the longest row.
+ * Optionally it also returns each token's attention probability summed over the KV head's query group (H2O's score).
  *
  * Work is split into (row, KV head, chunk of CHUNK tokens) jobs, so one long row still keeps every core busy; each
- * job writes its softmax's max, sum and weighted values, and a second pass merges a row's chunks. The G query heads
+ * job writes its softmax's max, sum and weighted values, and a second pass merges a row's chunks. Every read is
+ * checked against the cache's extent before any work, and what the kernel refuses it returns as a code. The G query heads
  * of a KV head share each key as it is read (grouped-query attention without repeating K/V). fp32 throughout, as
  * SDPA's scores are.
  *
@@ -29,39 +31,91 @@ int decode_attention_limits(int64_t *chunk, int64_t *max_group, int64_t *max_dim
     return 0;
 }
 
-/* q, out: [batch, kv_heads * group, dim]. Token t of row b, KV head h, lies at
- *   k + row_offset[b] + h * head_stride + (table[b * table_width + t / block_size] * block_size + t % block_size) * dim
- * (the same for v). partial: [batch, kv_heads, max_chunks, group, dim + 2] floats of scratch. */
-void decode_attention(const float *q, const float *k, const float *v, float *out, const int64_t *row_offset,
-                      const int64_t *table, int64_t table_width, const int64_t *lengths, int64_t block_size,
-                      int64_t head_stride, int64_t batch, int64_t kv_heads, int64_t group, int64_t dim, float scale,
-                      float *partial, int64_t max_chunks) {
-    int64_t *first_job = malloc((batch + 1) * sizeof(int64_t)); /* the first job of each row */
-    first_job[0] = 0;
+/* What the kernel refuses, before it reads anything (kvlib.kernels.cpu_kernel turns each into one error). */
+enum { OK = 0, BAD_SHAPE = -1, BAD_LENGTH = -2, OUT_OF_BOUNDS = -3, NO_MEMORY = -4 };
+
+/* The keys and values row b, KV head h reads: tokens t < lengths[b * kv_heads + h], token t at element
+ *   row_offset[b] + h * head_stride + (tbl[t / block_size] * block_size + t % block_size) * dim
+ * of k (and v), tbl = table + b * table_row_stride + h * table_head_stride. One layout covers a contiguous per-row
+ * cache (a row is one block), a paged pool (one table per row: table_head_stride 0), a block list per row and head
+ * (Quest's selection) and an index list (block_size 1). */
+typedef struct {
+    const int64_t *row_offset, *table, *lengths;
+    int64_t table_row_stride, table_head_stride, table_width, block_size, head_stride, kv_heads, dim;
+} layout;
+
+static inline const int64_t *table_of(const layout *l, int64_t b, int64_t h) {
+    return l->table + b * l->table_row_stride + h * l->table_head_stride;
+}
+
+static inline int64_t slot(const layout *l, const int64_t *tbl, int64_t base, int64_t t) {
+    return base + (tbl[t / l->block_size] * l->block_size + t % l->block_size) * l->dim;
+}
+
+/* Every element a (row, head) would read lies in [0, kv_numel): checked block by block, not token by token. */
+static int check(const layout *l, int64_t batch, int64_t kv_numel, int64_t max_chunks, int64_t probs_width) {
     for (int64_t b = 0; b < batch; b++)
-        first_job[b + 1] = first_job[b] + kv_heads * ((lengths[b] + CHUNK - 1) / CHUNK);
-    const int64_t jobs = first_job[batch], part = group * (dim + 2);
+        for (int64_t h = 0; h < l->kv_heads; h++) {
+            const int64_t n = l->lengths[b * l->kv_heads + h];
+            if (n < 0 || n > l->table_width * l->block_size || (n + CHUNK - 1) / CHUNK > max_chunks ||
+                (probs_width >= 0 && n > probs_width))
+                return BAD_LENGTH;
+            const int64_t *tbl = table_of(l, b, h), base = l->row_offset[b] + h * l->head_stride;
+            for (int64_t t = 0; t < n; t += l->block_size) {
+                const int64_t last = (t + l->block_size < n ? t + l->block_size : n) - 1;
+                if (tbl[t / l->block_size] < 0 || slot(l, tbl, base, t) < 0 || slot(l, tbl, base, last) + l->dim > kv_numel)
+                    return OUT_OF_BOUNDS;
+            }
+        }
+    return OK;
+}
+
+/* q, out: [batch, kv_heads * group, dim]. partial: [batch, kv_heads, max_chunks, group, dim + 2] floats of scratch.
+ * Where probs is not NULL it receives, for each (row, KV head), the attention probabilities of its tokens summed over
+ * the head's group of queries ([batch, kv_heads, probs_width], zeros past a row's length: what H2O accumulates), with
+ * probs_scratch [batch, kv_heads, group, probs_width] floats; probs_width is -1 without them. A row of length 0 reads
+ * nothing and gets zeros. Returns OK, or what it refused (then nothing is written). */
+int decode_attention(const float *q, const float *k, const float *v, float *out, const int64_t *row_offset,
+                     const int64_t *table, int64_t table_row_stride, int64_t table_head_stride, int64_t table_width,
+                     const int64_t *lengths, int64_t block_size, int64_t head_stride, int64_t kv_numel, int64_t batch,
+                     int64_t kv_heads, int64_t group, int64_t dim, float scale, float *partial, int64_t max_chunks,
+                     float *probs, float *probs_scratch, int64_t probs_width) {
+    if (group < 1 || group > MAX_GROUP || dim < LANES || dim > MAX_DIM || dim % LANES || block_size < 1 ||
+        batch < 0 || kv_heads < 1 || table_width < 0 || max_chunks < 0 || (probs != NULL) != (probs_width >= 0) ||
+        (probs != NULL && probs_scratch == NULL))
+        return BAD_SHAPE;
+    const layout l = {row_offset, table, lengths, table_row_stride, table_head_stride, table_width, block_size,
+                      head_stride, kv_heads, dim};
+    const int refused = check(&l, batch, kv_numel, max_chunks, probs_width);
+    if (refused != OK) return refused;
+    const int64_t pairs = batch * kv_heads;
+    int64_t *first_job = malloc((pairs + 1) * sizeof(int64_t)); /* the first job of each (row, KV head) */
+    if (first_job == NULL) return NO_MEMORY;
+    first_job[0] = 0;
+    for (int64_t bh = 0; bh < pairs; bh++) first_job[bh + 1] = first_job[bh] + (lengths[bh] + CHUNK - 1) / CHUNK;
+    const int64_t jobs = first_job[pairs], part = group * (dim + 2);
 
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t job = 0; job < jobs; job++) {
-        int64_t b = 0;
-        while (first_job[b + 1] <= job) b++;
-        const int64_t chunks = (lengths[b] + CHUNK - 1) / CHUNK;
-        const int64_t h = (job - first_job[b]) / chunks, c = (job - first_job[b]) % chunks;
-        const int64_t t0 = c * CHUNK, t1 = t0 + CHUNK < lengths[b] ? t0 + CHUNK : lengths[b], n = t1 - t0;
-        const float *qh = q + (b * kv_heads + h) * group * dim;
-        const int64_t base = row_offset[b] + h * head_stride;
+        int64_t lo = 0, hi = pairs; /* the (row, KV head) whose jobs hold this one: first_job[lo] <= job < [lo+1] */
+        while (hi - lo > 1) {
+            const int64_t mid = (lo + hi) / 2;
+            if (first_job[mid] <= job) lo = mid; else hi = mid;
+        }
+        const int64_t bh = lo, b = bh / kv_heads, h = bh % kv_heads, c = job - first_job[bh];
+        const int64_t t0 = c * CHUNK, t1 = t0 + CHUNK < lengths[bh] ? t0 + CHUNK : lengths[bh], n = t1 - t0;
+        const float *qh = q + bh * group * dim;
+        const int64_t base = row_offset[b] + h * head_stride, *tbl = table_of(&l, b, h);
         float scores[MAX_GROUP][CHUNK] __attribute__((aligned(64)));
         float acc[MAX_GROUP][MAX_DIM] __attribute__((aligned(64)));
 
-        const int64_t *row_table = table + b * table_width;
         for (int64_t t = t0; t < t1;) { /* scores, a block's stretch of slots at a time */
             const int64_t off = t % block_size, run = block_size - off < t1 - t ? block_size - off : t1 - t;
-            const float *kr = k + base + (row_table[t / block_size] * block_size + off) * dim;
+            const float *kr = k + slot(&l, tbl, base, t);
             for (int64_t i = 0; i < run; i++, kr += dim) {
                 const int64_t ahead = t + i + PREFETCH;
                 if (ahead < t1) { /* this token's K and V, PREFETCH tokens ahead: V is read after the chunk's scores */
-                    const int64_t at = base + (row_table[ahead / block_size] * block_size + ahead % block_size) * dim;
+                    const int64_t at = slot(&l, tbl, base, ahead);
                     for (int64_t d = 0; d < dim; d += 64 / sizeof(float)) {
                         __builtin_prefetch(k + at + d);
                         __builtin_prefetch(v + at + d);
@@ -71,19 +125,22 @@ void decode_attention(const float *q, const float *k, const float *v, float *out
             }
             t += run;
         }
-        float *mine = partial + ((b * kv_heads + h) * max_chunks + c) * part;
+        float *mine = partial + (bh * max_chunks + c) * part;
+        const int64_t padded = (n + LANES - 1) / LANES * LANES; /* the exp runs on whole vectors: no lane unset */
         for (int64_t g = 0; g < group; g++) { /* softmax over the chunk, kept unnormalized */
-            float m = -INFINITY, l = 0.f;
+            float m = -INFINITY, s = 0.f;
+            for (int64_t i = n; i < padded; i++) scores[g][i] = -INFINITY;
             for (int64_t i = 0; i < n; i++) m = scores[g][i] > m ? scores[g][i] : m;
-            for (int64_t i = 0; i < n; i += LANES) *(vf *)&scores[g][i] = vexp(*(vf *)&scores[g][i] - m);
-            for (int64_t i = 0; i < n; i++) l += scores[g][i];
+            for (int64_t i = 0; i < padded; i += LANES) *(vf *)&scores[g][i] = vexp(*(vf *)&scores[g][i] - m);
+            for (int64_t i = 0; i < n; i++) s += scores[g][i];
             mine[g * (dim + 2)] = m;
-            mine[g * (dim + 2) + 1] = l;
+            mine[g * (dim + 2) + 1] = s;
             memset(acc[g], 0, dim * sizeof(float));
+            if (probs != NULL) memcpy(probs_scratch + (bh * group + g) * probs_width + t0, scores[g], n * sizeof(float));
         }
         for (int64_t t = t0; t < t1;) { /* the values, weighted */
             const int64_t off = t % block_size, run = block_size - off < t1 - t ? block_size - off : t1 - t;
-            const float *vr = v + base + (table[b * table_width + t / block_size] * block_size + off) * dim;
+            const float *vr = v + slot(&l, tbl, base, t);
             for (int64_t i = 0; i < run; i++, vr += dim)
                 for (int64_t g = 0; g < group; g++) {
                     const float p = scores[g][t - t0 + i];
@@ -95,20 +152,37 @@ void decode_attention(const float *q, const float *k, const float *v, float *out
     }
 
 #pragma omp parallel for
-    for (int64_t bh = 0; bh < batch * kv_heads; bh++) { /* each row's chunks merged by their softmax max */
-        const int64_t b = bh / kv_heads, chunks = (lengths[b] + CHUNK - 1) / CHUNK;
+    for (int64_t bh = 0; bh < pairs; bh++) { /* each (row, KV head)'s chunks merged by their softmax max */
+        const int64_t chunks = first_job[bh + 1] - first_job[bh];
         const float *parts = partial + bh * max_chunks * part;
+        float weight[MAX_GROUP]; /* a chunk's factor from its own exps to probabilities, per query head */
+        float top[MAX_GROUP], total[MAX_GROUP];
         for (int64_t g = 0; g < group; g++) {
-            float top = -INFINITY, total = 0.f, *o = out + (bh * group + g) * dim;
-            for (int64_t c = 0; c < chunks; c++) top = fmaxf(top, parts[c * part + g * (dim + 2)]);
+            float *o = out + (bh * group + g) * dim;
+            top[g] = -INFINITY;
+            total[g] = 0.f;
+            for (int64_t c = 0; c < chunks; c++) top[g] = fmaxf(top[g], parts[c * part + g * (dim + 2)]);
             memset(o, 0, dim * sizeof(float));
             for (int64_t c = 0; c < chunks; c++) {
-                const float *p = parts + c * part + g * (dim + 2), w = expf(p[0] - top);
-                total += w * p[1];
+                const float *p = parts + c * part + g * (dim + 2), w = expf(p[0] - top[g]);
+                total[g] += w * p[1];
                 for (int64_t d = 0; d < dim; d++) o[d] += w * p[2 + d];
             }
-            for (int64_t d = 0; d < dim; d++) o[d] /= total;
+            if (chunks > 0) /* the max's own exp is 1: total >= 1 */
+                for (int64_t d = 0; d < dim; d++) o[d] /= total[g];
+        }
+        if (probs == NULL) continue;
+        float *row = probs + bh * probs_width;
+        memset(row, 0, probs_width * sizeof(float));
+        for (int64_t c = 0; c < chunks; c++) {
+            const int64_t t0 = c * CHUNK, t1 = t0 + CHUNK < lengths[bh] ? t0 + CHUNK : lengths[bh];
+            for (int64_t g = 0; g < group; g++) weight[g] = expf(parts[c * part + g * (dim + 2)] - top[g]) / total[g];
+            for (int64_t g = 0; g < group; g++) {
+                const float *e = probs_scratch + (bh * group + g) * probs_width;
+                for (int64_t t = t0; t < t1; t++) row[t] += weight[g] * e[t];
+            }
         }
     }
     free(first_job);
+    return OK;
 }

@@ -1,0 +1,174 @@
+"""The decode attention every policy shares (kvlib.kernels.decode): the C kernel and the PyTorch path against a plain
+reference over random layouts, the C kernel's refusals of what it cannot read, and every registered policy decoding
+through it."""
+
+import random
+
+import pytest
+import torch
+
+from kvlib.engine import Engine
+from kvlib.kernels import cpu_kernel
+from kvlib.kernels.decode import DecodeReads, decode_attention
+from kvlib.policies import available, make_policy
+
+needs_kernel = pytest.mark.skipif(not cpu_kernel.available(), reason="no C compiler: the kernel is not built")
+LAYOUTS = ("rows", "row_tables", "head_tables", "index_lists")
+
+
+def random_case(rng: random.Random, layout: str) -> tuple[torch.Tensor, DecodeReads, list[list[torch.Tensor]]]:
+    """A query, what it reads, and the slots each (row, KV head) reads (indices into the keys' token axis)."""
+    chunk = 256  # the kernel's job size: lengths around its multiples cross a job boundary
+    batch, heads = rng.randint(1, 4), rng.randint(1, 4)
+    group = rng.choice([1, 2, 3, 7, 8, 16])
+    dim = rng.choice([16, 64, 128, 256])
+    lengths = torch.tensor([[rng.choice([0, 1, 2, 15, 16, 17, chunk - 1, chunk, chunk + 1, rng.randint(1, 3 * chunk)])
+                             for _ in range(heads)] for _ in range(batch)])
+    if layout in ("rows", "row_tables"):  # one length a row, as full's and paged's rows have
+        lengths = lengths[:, :1].expand(-1, heads).contiguous()
+    longest = int(lengths.max())
+    magnitude = rng.choice([1.0, 30.0])  # large scores: the softmax's max subtraction and the merge must hold
+    query = torch.randn(batch, heads * group, 1, dim) * magnitude
+    if layout == "rows":
+        cache_rows = batch + rng.randint(0, 2)
+        capacity = max(longest, 1) + rng.randint(0, 40)
+        spare = rng.choice([0, 7])  # a view of a longer cache (KIVI's dequantized rows are one)
+        keys, values = (torch.randn(cache_rows, heads, capacity + spare, dim)[:, :, :capacity] for _ in range(2))
+        rows = torch.tensor(rng.sample(range(cache_rows), batch))
+        slots = [[torch.arange(int(n)) for n in lengths[b]] for b in range(batch)]
+        reference_keys = [[keys[rows[b], h] for h in range(heads)] for b in range(batch)]
+        reference_values = [[values[rows[b], h] for h in range(heads)] for b in range(batch)]
+        reads = DecodeReads(keys, values, lengths[:, 0].clone() if rng.random() < 0.5 else lengths, rows=rows)
+        return query, reads, list(zip(reference_keys, reference_values, slots))
+    block_size = 1 if layout == "index_lists" else rng.choice([1, 4, 16, 32])
+    width = max(-(-longest // block_size), 1)
+    pool_blocks = width * batch * heads + rng.randint(0, 5)
+    keys, values = (torch.randn(heads, pool_blocks * block_size, dim) for _ in range(2))
+    per_head = layout in ("head_tables", "index_lists")
+    table = torch.stack([torch.stack([torch.tensor(rng.sample(range(pool_blocks), width)) for _ in range(heads)])
+                         for _ in range(batch)])  # [B, Hkv, W]; a block may be read by several rows (shared)
+    if not per_head:
+        table = table[:, 0].contiguous()
+    per_row = []
+    for b in range(batch):
+        tables = table[b] if per_head else table[b][None].expand(heads, -1)
+        slots = [(tables[h][:, None] * block_size + torch.arange(block_size)).flatten()[:int(lengths[b, h])]
+                 for h in range(heads)]
+        per_row.append(([keys[h] for h in range(heads)], [values[h] for h in range(heads)], slots))
+    reads = DecodeReads(keys, values, lengths if per_head or rng.random() < 0.5 else lengths[:, 0].clone(),
+                        table=table, block_size=block_size)
+    return query, reads, per_row
+
+
+def reference(query, per_row, scale):
+    """Each (row, KV head)'s query heads attend its slots in float64; probabilities summed over the group."""
+    batch, hq, _, dim = query.shape
+    heads = len(per_row[0][0])
+    group = hq // heads
+    out = torch.zeros(batch, hq, 1, dim, dtype=torch.float64)
+    longest = max(len(s) for _, _, slots in per_row for s in slots)
+    probs = torch.zeros(batch, heads, longest, dtype=torch.float64)
+    for b, (keys, values, slots) in enumerate(per_row):
+        for h in range(heads):
+            if len(slots[h]) == 0:
+                continue
+            k, v = keys[h][slots[h]].double(), values[h][slots[h]].double()
+            q = query[b, h * group:(h + 1) * group, 0].double()
+            p = torch.softmax(q @ k.T * scale, dim=-1)  # [G, n]
+            out[b, h * group:(h + 1) * group, 0] = p @ v
+            probs[b, h, :len(slots[h])] = p.sum(dim=0)
+    return out, probs
+
+
+@needs_kernel
+@pytest.mark.parametrize("seed", range(8))
+def test_the_c_kernel_and_the_pytorch_path_equal_a_plain_reference(seed):
+    """32 random cases a seed, 256 in all: every layout (a per-row cache or a view of one, block tables per row or
+    per row and KV head, index lists), groups up to the kernel's largest, head dims 16 to 256, lengths 0 to three
+    jobs, scores of large magnitude, with and without the probability output."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    for case in range(32):
+        layout = LAYOUTS[case % len(LAYOUTS)]
+        query, reads, per_row = random_case(rng, layout)
+        reads.probs = rng.random() < 0.5
+        scale = query.shape[-1] ** -0.5
+        expected, expected_probs = reference(query, per_row, scale)
+        kernels = ["c"] + (["torch"] if int(reads.lengths.min()) > 0 else [])  # a row always holds its new token
+        for kernel in kernels:
+            out, probs = decode_attention(kernel, query, reads, scale)
+            what = f"seed {seed} case {case}: {layout}, {kernel}, query {tuple(query.shape)}, lengths {reads.lengths}"
+            torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-4, msg=lambda m, what=what: f"{what}\n{m}")
+            if reads.probs:
+                n = expected_probs.shape[-1]
+                assert probs.shape[:2] == expected_probs.shape[:2] and probs.shape[2] >= n, what
+                torch.testing.assert_close(probs[..., :n].double(), expected_probs, atol=1e-4, rtol=1e-4,
+                                           msg=lambda m, what=what: f"{what}\n{m}")
+                assert not probs[..., n:].any(), what
+            else:
+                assert probs is None
+
+
+@needs_kernel
+def test_a_row_of_length_zero_reads_nothing_and_gets_zeros():
+    keys = torch.randn(2, 1, 8, 16)
+    out, probs = decode_attention("c", torch.randn(2, 2, 1, 16), DecodeReads(keys, keys, torch.tensor([0, 3]),
+                                                                            rows=torch.tensor([0, 1]), probs=True), 0.25)
+    assert not out[0].any() and out[1].abs().sum() > 0
+    assert not probs[0].any() and probs[1, 0, :3].sum().item() == pytest.approx(2.0)  # two query heads, each sums to 1
+
+
+@needs_kernel
+@pytest.mark.parametrize("what, change, message", [
+    ("a group past the kernel's limit", {"group": 17}, "shape outside its limits"),
+    ("a head dim past the kernel's limit", {"dim": 272}, "shape outside its limits"),
+    ("a length past the row's table", {"length": 33}, "length"),
+    ("a negative length", {"length": -1}, "length"),
+    ("a block past the pool", {"block": 4}, "outside the keys and values"),
+    ("a negative block", {"block": -1}, "outside the keys and values"),
+])
+def test_the_kernel_refuses_what_it_cannot_read(what, change, message):
+    group, dim = change.get("group", 2), change.get("dim", 16)
+    pool = torch.randn(1, 4 * 16, dim)  # 4 blocks of 16
+    table = torch.tensor([[0, change.get("block", 1)]])
+    reads = DecodeReads(pool, pool.clone(), torch.tensor([change.get("length", 32)]), table=table, block_size=16)
+    with pytest.raises(ValueError, match=message):
+        decode_attention("c", torch.randn(1, group, 1, dim), reads, 1.0)
+
+
+# Each policy at a setting where it keeps and attends everything, its selection (or quantization) path still running:
+# a policy added to the registry without one fails test_every_policy_has_a_full_budget_setting.
+FULL_BUDGET = {
+    "full": {},
+    "paged": {"block_size": 8},
+    "h2o": {"budget": 1.0},  # scores from the kernel's probability output, every step
+    "streaming": {"budget": 1.0, "sink": 4},
+    "snapkv": {"budget": 1.0, "window": 8},
+    "quest": {"budget": 1.0, "block_size": 8},  # every block chosen, read through per-head block lists
+    "infinigen": {"budget": 1.0, "alpha": 1e9},  # every token a candidate: speculation and fetch of all of them
+    "kivi": {"quantize": False, "group_size": 8, "residual": 16},  # the packed layout, holding raw bytes
+}
+
+
+def test_every_policy_has_a_full_budget_setting():
+    assert set(FULL_BUDGET) == set(available())
+
+
+@pytest.mark.parametrize("kernel", ["c", "torch"])
+def test_every_policy_decodes_through_the_one_kernel_and_at_full_budget_as_full(tiny, kernel, monkeypatch):
+    if kernel == "torch":
+        monkeypatch.setenv(cpu_kernel.KERNEL_ENV, "torch")
+    elif not cpu_kernel.available():
+        pytest.skip("no C compiler: the kernel is not built")
+    torch.manual_seed(3)
+    prompts = [torch.randint(100, 5000, (n,)).tolist() for n in (70, 23, 41)]
+    ran, outputs = {}, {}
+    for name in available():
+        policy = make_policy(name, **FULL_BUDGET[name])
+        mode = "chunked" if "chunked" in policy.supported_prefill else policy.preferred_prefill
+        result = Engine(tiny, policy).generate(prompts, 10, prefill_mode=mode, chunk_size=32, stop_at_eos=False)
+        ran[name] = result.stats["decode_attention"]
+        outputs[name] = [o["token_ids"] for o in result.outputs]
+    assert set(ran.values()) == {kernel}, ran
+    different = {name: out for name, out in outputs.items() if out != outputs["full"]}
+    assert not different, f"full: {outputs['full']}\n{different}"
