@@ -47,8 +47,6 @@ NEW_TOKENS = tuple(int(n) for n in os.environ.get("BENCH_NEW_TOKENS", "").split(
 WALLS = sized(3, 1)
 # the systems experiments' settings (params/embedded.yaml: H2O as the paper ran it)
 SETTINGS = {"h2o": {"budget": 0.3, "budget_rule": "flexgen"}, "infinigen": {"budget": 0.3}}
-# what a worker reports of its last run beside the walls: which attention decoded, and how much of the KV it read
-STATS = ("decode_attention", "kv_tokens_attended_per_step", "kv_share_attended", "kv_read_share")
 
 
 # -- in the worker process ---------------------------------------------------------------------------------------------
@@ -100,7 +98,7 @@ def worker(spec: dict) -> None:
             model = model or load_model(MODEL, device="cpu")
 
             def generate(prompts, n, name=name, model=model):
-                policy = make_policy(name, **spec.get("settings", SETTINGS).get(name, {}))
+                policy = make_policy(name, **SETTINGS.get(name, {}))
                 return Engine(model, policy).generate(prompts, n, prefill_mode=policy.preferred_prefill,
                                                       stop_at_eos=False)
         # the warm-up runs the measured prompts: the first call of each matmul shape (oneDNN builds a primitive per
@@ -117,8 +115,7 @@ def worker(spec: dict) -> None:
                 walls[n].append(time.perf_counter() - begin)
                 assert all(len(o["token_ids"]) == n for o in result.outputs), f"{name} stopped early"
         records.append(thread_record(f"after {name}"))
-        stats = {k: result.stats.get(k) for k in STATS} if result.stats else {}
-        print(json.dumps({"engine": name, "walls": walls, "stats": stats}), flush=True)
+        print(json.dumps({"engine": name, "walls": walls}), flush=True)
     print(json.dumps({"threads": records}), flush=True)
 
 
@@ -133,13 +130,11 @@ def prompts_for(batch: int) -> list[list[int]]:
     return mixed_length_prompts(tokenizer, batch, *PROMPT_TOKENS, seed=batch)
 
 
-def spawn(engines: list[str], prompts, threads: int, before: str | None = None, settings: dict | None = None
-          ) -> tuple[dict, list]:
-    """Run engines in one fresh process (policies with `settings` by name, SETTINGS by default); each engine's walls
-    and stats ({"walls": {new tokens: [s]}, "stats": {...}}), and the process's thread records."""
+def spawn(engines: list[str], prompts, threads: int, before: str | None = None) -> tuple[dict, list]:
+    """Run engines in one fresh process; their walls by engine, and the process's thread records."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump({"engines": engines, "prompts": prompts, "new_tokens": list(NEW_TOKENS), "threads": threads,
-                   "walls": WALLS, "settings": SETTINGS if settings is None else settings}, f)
+                   "walls": WALLS}, f)
     env = {**os.environ, "PYTHONPATH": before or str(REPO), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false"}
     try:
@@ -149,15 +144,14 @@ def spawn(engines: list[str], prompts, threads: int, before: str | None = None, 
         os.unlink(f.name)
     if proc.returncode != 0:
         raise RuntimeError(f"worker {engines} failed:\n{proc.stderr[-3000:]}")
-    runs, threads = {}, []
+    walls, threads = {}, []
     for line in proc.stdout.splitlines():
         if line.startswith("{"):
             row = json.loads(line)
             if "engine" in row:
-                runs[row["engine"]] = {"walls": {int(k): v for k, v in row["walls"].items()},
-                                       "stats": row.get("stats", {})}
+                walls[row["engine"]] = {int(k): v for k, v in row["walls"].items()}
             threads = row.get("threads", threads)
-    return runs, threads
+    return walls, threads
 
 
 def throughput(walls: dict[int, list[float]], batch: int) -> float:
@@ -219,15 +213,14 @@ def main() -> None:
             order = engines if r % 2 == 0 else engines[::-1]
             for name in order:
                 old = name.startswith("before:")
-                runs, records = spawn([name.removeprefix("before:")], prompts, threads, before if old else None)
-                walls = runs[name.removeprefix("before:")]["walls"]
-                separate[name].append(throughput(walls, batch))
-                raw_walls[name].append(walls)
+                walls, records = spawn([name.removeprefix("before:")], prompts, threads, before if old else None)
+                separate[name].append(throughput(walls[name.removeprefix("before:")], batch))
+                raw_walls[name].append(walls[name.removeprefix("before:")])
                 thread_records.setdefault(f"separate {name}", records)
             if args.one_process and together:
-                runs, records = spawn([e for e in order if e in together], prompts, threads)
+                walls, records = spawn([e for e in order if e in together], prompts, threads)
                 for name, values in together.items():
-                    values.append(throughput(runs[name]["walls"], batch))
+                    values.append(throughput(walls[name], batch))
                 thread_records.setdefault(f"one process, order {' '.join(order)}", records)
             print(f"batch {batch} round {r}: " + ", ".join(f"{e} {v[-1]:.1f}" for e, v in separate.items())
                   + ("; one process: " + ", ".join(f"{e} {v[-1]:.1f}" for e, v in together.items())

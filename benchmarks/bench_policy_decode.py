@@ -1,15 +1,20 @@
 """Decode throughput of every policy on the one decode attention they share, against the bytes a step must read.
 
 Two workloads: 8 rows of 2,048-token prompts (each from other text) and 1 row of 4,096, budgeted policies at 0.3,
-KIVI at its default bits. Measured as bench_decode.py measures (each policy in its own process, warmed up on the
-measured prompts, decode throughput from outside the engine: (N - 1) x rows / (min wall(N) - min wall(1)), rounds in
-alternating order). Per policy: tok/s (median and range over rounds), the ratio to `full`, which attention decoded
-(`decode_attention`), the KV bytes a step attends (the tokens each row's heads attend, every layer, K and V), and
-the bytes-read limit: rows / ((weights + KV attended) / the machine's read bandwidth), the bandwidth measured by
-bench_machine.py (benchmarks/results/machine.json; run it first). `before:<policy>` runs a policy from another
-checkout (BENCH_BEFORE=path) in the same rounds.
+KIVI at its default bits. Each policy runs in its own process, in alternating order over rounds. A process prefills
+the rows once (each in the policy's preferred prefill mode), then decodes them together, and the caller times each
+decode step around `Session.decode` (nothing inside the engine times itself); the first WARM steps are untimed (the
+first call of each matmul shape builds oneDNN's primitive). Decode throughput = rows / median step time; its range
+is the steps' interquartile range, over every round. Why not bench_decode.py's whole-call walls: at 8 x 2,048 each
+prefill is ~30 s on 2 cores against ~2 s for 32 decode steps, so a 1 % wobble of the prefill in wall(N) - wall(1)
+moved the figure by ~15 % (one round: `paged` 100.8 against `full` 138.4 tok/s, the two within 1 % of each other
+at batch 16 in bench_decode.py).
 
-    python benchmarks/bench_machine.py && python benchmarks/bench_policy_decode.py --rounds 2
+Per policy: tok/s, the ratio to `full`, which attention decoded (`decode_attention`), the KV bytes a step attends (the
+tokens each row's heads attend, every layer, K and V), and the bytes-read limit: rows / ((weights + KV attended) /
+the machine's read bandwidth), the bandwidth as bench_machine.py measures it, in this run.
+
+    python benchmarks/bench_policy_decode.py --rounds 2
 
 Writes benchmarks/results/policy_decode.json.
 """
@@ -20,89 +25,142 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
+import sys
+import time
 
-from bench_decode import MODEL, NEW_TOKENS, WALLS, spawn, summary, throughput
 from smoke import SMOKE, results_path, sized
 
+MODEL = "smollm2-135m"
 WORKLOADS = sized([(8, 2048), (1, 4096)], [(2, 24)])  # (rows, prompt tokens)
+STEPS = sized(32, 3)  # timed decode steps
+WARM = sized(3, 1)  # untimed decode steps first
 BUDGET = 0.3
+STATS = ("decode_attention", "kv_tokens_attended_per_step", "kv_share_attended", "kv_read_share")
+
+
+def one_run(policy: str, batch: int, prompt_tokens: int, threads: int) -> dict:
+    import torch
+
+    from kvlib.engine import Engine
+    from kvlib.models import load_model
+    from kvlib.models.workloads import mixed_length_prompts
+    from kvlib.policies import make_policy, policy_settings
+
+    torch.set_num_threads(threads)
+    model = load_model(MODEL, device="cpu")
+    prompts = mixed_length_prompts(model.tokenizer, batch, prompt_tokens, prompt_tokens, seed=batch)
+    chosen = make_policy(policy, **({"budget": BUDGET} if "budget" in policy_settings(policy) else {}))
+    engine = Engine(model, chosen)
+    rows = list(range(batch))
+    steps = []
+    with engine.session([len(p) for p in prompts], WARM + STEPS + 1) as session, torch.inference_mode():
+        tokens = [int(session.prefill(r, p, chosen.preferred_prefill).argmax()) for r, p in enumerate(prompts)]
+        for i in range(WARM + STEPS):
+            begin = time.perf_counter()
+            logits = session.decode(rows, tokens)
+            tokens = logits.argmax(-1).tolist()
+            if i >= WARM:
+                steps.append(time.perf_counter() - begin)
+        stats = {**chosen.usage.summary(), **chosen.stats(), "decode_attention": chosen.decode_kernel}
+    return {"policy": policy, "settings": chosen.settings(), "step_s": steps,
+            "stats": {k: stats.get(k) for k in STATS}, "weights_bytes": model.weights_bytes,
+            "kv_bytes_per_token": model.spec.kv_bytes_per_token}
+
+
+def read_bandwidth(threads: int) -> float:
+    """GB/s of a 512 MiB sum, the fastest of 7, as bench_machine.py measures it: the limit's denominator, this run."""
+    import torch
+
+    torch.set_num_threads(threads)
+    x = torch.ones(sized(512, 8) * 2**20 // 4)
+    x.sum()
+    best = min(_timed(x.sum) for _ in range(7))
+    return x.nbytes / best / 1e9
+
+
+def _timed(fn) -> float:
+    begin = time.perf_counter()
+    fn()
+    return time.perf_counter() - begin
 
 
 def main() -> None:
-    import torch
-    from transformers import AutoConfig, AutoTokenizer
-
-    from kvlib.models import ModelSpec, load_model, resolve_model_path
-    from kvlib.models.workloads import mixed_length_prompts
-    from kvlib.policies import available, policy_settings
+    from kvlib.policies import available
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--engines", nargs="+", default=None, help="policies (default: every registered one)")
     parser.add_argument("--rounds", type=int, default=sized(2, 1))
     args = parser.parse_args()
     engines = args.engines or sized(available(), ["full", "h2o", "quest"])
-    names = {e.removeprefix("before:") for e in engines}
-    settings = {p: {"budget": BUDGET} if "budget" in policy_settings(p) else {} for p in names}
     threads = int(os.environ.get("BENCH_THREADS", os.cpu_count() or 1))
-    before = os.environ.get("BENCH_BEFORE")
-    machine = results_path("machine.json")
-    read_gb_per_s = json.loads(machine.read_text())["read_gb_per_s"] if machine.exists() else None
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(MODEL))
-    spec = ModelSpec.from_config(MODEL, AutoConfig.from_pretrained(resolve_model_path(MODEL)), torch.float32)
-    weights = load_model(MODEL, device="cpu").weights_bytes  # what a step streams: the packed LM head included
     load_before = os.getloadavg()
+    bandwidth = read_bandwidth(threads)
     rows = []
     for batch, prompt_tokens in WORKLOADS:
-        prompts = mixed_length_prompts(tokenizer, batch, prompt_tokens, prompt_tokens, seed=batch)
         runs: dict[str, list[dict]] = {e: [] for e in engines}
         for r in range(args.rounds):
             for name in engines if r % 2 == 0 else engines[::-1]:
-                policy = name.removeprefix("before:")
-                out, _ = spawn([policy], prompts, threads, before if name != policy else None, settings)
-                runs[name].append({**out[policy], "tok_per_s": throughput(out[policy]["walls"], batch)})
-            print(f"{batch} x {prompt_tokens} round {r}: "
-                  + ", ".join(f"{e} {v[-1]['tok_per_s']:.1f}" for e, v in runs.items()), flush=True)
-        full = statistics.median(run["tok_per_s"] for run in runs["full"]) if "full" in runs else None
-        table = {}
-        for name, rs in runs.items():
-            stats = rs[-1]["stats"]
-            tok_s = summary([run["tok_per_s"] for run in rs])
-            attended = stats.get("kv_tokens_attended_per_step")
-            kv_bytes = attended * batch * spec.kv_bytes_per_token if attended is not None else None
-            limit = (batch / ((weights + kv_bytes) / (read_gb_per_s * 1e9))
-                     if kv_bytes is not None and read_gb_per_s else None)
-            table[name] = {"tok_per_s": tok_s, "vs_full": tok_s["median"] / full if full else None,
-                           "decode_attention": stats.get("decode_attention"), "kv_bytes_attended_per_step": kv_bytes,
-                           "kv_share_attended": stats.get("kv_share_attended"),
-                           "kv_read_share": stats.get("kv_read_share"), "bytes_read_limit_tok_per_s": limit,
-                           "walls_s": [run["walls"] for run in rs]}
-        rows.append({"batch": batch, "prompt_tokens": prompt_tokens, "policies": table})
+                out = subprocess.run([sys.executable, __file__, "--worker", name, str(batch), str(prompt_tokens),
+                                      str(threads)], capture_output=True, text=True, check=False)
+                if out.returncode != 0:
+                    raise RuntimeError(f"{name} failed:\n{out.stderr[-3000:]}")
+                runs[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
+            print(f"{batch} x {prompt_tokens} round {r}: " + ", ".join(
+                f"{e} {batch / statistics.median(v[-1]['step_s']):.1f}" for e, v in runs.items() if v), flush=True)
+        rows.append(summarize(batch, prompt_tokens, runs, bandwidth))
         print(markdown(rows[-1]), flush=True)
     out = results_path("policy_decode.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
-        "method": f"decode tok/s = (new tokens {NEW_TOKENS[1]} - {NEW_TOKENS[0]}) x rows / (min wall({NEW_TOKENS[1]}) - "
-                  f"min wall({NEW_TOKENS[0]})) over {WALLS} alternating timings in each process, each policy in its "
-                  f"own process, {args.rounds} rounds in alternating order",
-        "threads": threads, "settings": settings, "weights_bytes": weights, "read_gb_per_s": read_gb_per_s,
-        "before_checkout": before, "load_average_before": load_before, "load_average_after": os.getloadavg(),
-        "smoke": SMOKE, "rows": rows}, indent=1) + "\n")
+        "method": f"each policy in its own process, {args.rounds} rounds in alternating order; per process one prefill, "
+                  f"{WARM} untimed decode steps, then {STEPS} decode steps each timed around Session.decode; tok/s = "
+                  "rows / median step (range: the steps' interquartile range over every round)",
+        "threads": threads, "budget": BUDGET, "read_gb_per_s": bandwidth, "load_average_before": load_before,
+        "load_average_after": os.getloadavg(), "smoke": SMOKE, "rows": rows}, indent=1) + "\n")
     print(f"wrote {out}")
+
+
+def summarize(batch: int, prompt_tokens: int, runs: dict[str, list[dict]], bandwidth: float) -> dict:
+    def tok_s(rs):
+        steps = sorted(s for run in rs for s in run["step_s"])
+        q1, median, q3 = statistics.quantiles(steps, n=4) if len(steps) > 1 else steps * 3
+        return {"median": batch / median, "low": batch / q3, "high": batch / q1,
+                "rounds": [batch / statistics.median(run["step_s"]) for run in rs]}
+
+    full = tok_s(runs["full"])["median"] if "full" in runs else None
+    table = {}
+    for name, rs in runs.items():
+        first, t = rs[0], tok_s(rs)
+        attended = first["stats"]["kv_tokens_attended_per_step"]
+        kv = attended * batch * first["kv_bytes_per_token"] if attended is not None else None
+        table[name] = {"settings": first["settings"], "tok_per_s": t, "vs_full": t["median"] / full if full else None,
+                       "decode_attention": first["stats"]["decode_attention"], "kv_bytes_attended_per_step": kv,
+                       "kv_share_attended": first["stats"]["kv_share_attended"],
+                       "kv_read_share": first["stats"]["kv_read_share"],
+                       "bytes_read_limit_tok_per_s": batch / ((first["weights_bytes"] + kv) / (bandwidth * 1e9))
+                       if kv is not None else None,
+                       "step_s": [run["step_s"] for run in rs]}
+    return {"batch": batch, "prompt_tokens": prompt_tokens, "policies": table}
 
 
 def markdown(row: dict) -> str:
     lines = [f"{row['batch']} x {row['prompt_tokens']} tokens",
-             "| policy | tok/s (range) | vs full | attention | KV attended / step | bytes-read limit |",
+             "| policy | tok/s (IQR) | vs full | attention | KV attended / step | bytes-read limit (tok/s) |",
              "|---|---|---|---|---|---|"]
     for name, p in row["policies"].items():
         t = p["tok_per_s"]
         kv = f"{p['kv_bytes_attended_per_step'] / 2**20:.1f} MiB" if p["kv_bytes_attended_per_step"] else "-"
         limit = f"{p['bytes_read_limit_tok_per_s']:.1f}" if p["bytes_read_limit_tok_per_s"] else "-"
         ratio = f"{p['vs_full']:.2f}x" if p["vs_full"] else "-"
-        lines.append(f"| {name} | {t['median']:.1f} ({t['min']:.1f}-{t['max']:.1f}) | {ratio} | "
+        lines.append(f"| {name} | {t['median']:.1f} ({t['low']:.1f}-{t['high']:.1f}) | {ratio} | "
                      f"{p['decode_attention']} | {kv} | {limit} |")
     return "\n".join(lines)
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        name, batch, prompt_tokens, threads = sys.argv[2], *map(int, sys.argv[3:6])
+        print(json.dumps(one_run(name, batch, prompt_tokens, threads)))
+    else:
+        main()

@@ -83,3 +83,11 @@ def test_the_fastest_decode_is_chosen_among_policies_of_one_kernel():
     c = choose({**f, "batch_scaling": batch}, 512, 4, 32)
     assert c.fastest_decode == "sparse" and "fast" not in c.decode
     assert any("torch: fast" in note and "chosen among those that ran `c`" in note for note in c.notes)
+
+
+def test_results_that_do_not_record_their_kernel_are_not_the_ones_chosen_among():
+    f = frames()
+    batch = f["batch_scaling"].copy()
+    batch.loc[batch["policy"] != "full", "stat_decode_attention"] = None  # results from before every policy said
+    c = choose({**f, "batch_scaling": batch}, 512, 4, 32)
+    assert c.fastest_decode == "full" and set(c.decode) == {"full"}

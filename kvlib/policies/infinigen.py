@@ -37,6 +37,13 @@ from kvlib.policies.infinigen_skew import load_or_compute_skew
 from kvlib.policies.registry import register
 
 
+def rows_view(cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """cache[rows]: a view where rows are every row in order (the usual decode batch), a copy otherwise."""
+    if len(rows) == cache.shape[0] and bool((rows == torch.arange(len(rows))).all()):
+        return cache
+    return cache[rows]
+
+
 @register
 @dataclass
 class InfiniGenPolicy(BudgetedPolicy):
@@ -98,7 +105,9 @@ class InfiniGenPolicy(BudgetedPolicy):
         # host tier: pinned on CUDA so the per-step fetch can be an asynchronous copy
         self.host_k = torch.zeros((sparse, *shape), dtype=s.dtype, pin_memory=cuda)
         self.host_v = torch.zeros((sparse, *shape), dtype=s.dtype, pin_memory=cuda)
-        self.partial_k = torch.zeros((sparse, *shape[:3], r), dtype=s.dtype, device=self.device)
+        # [layer, row, head, r, token]: token-minor, so speculation's product with the partial query is one plain
+        # matmul (0.10 against 0.31 ms a layer at 8 rows of 2,048 tokens in the einsum over a token-major cache)
+        self.partial_k = torch.zeros((sparse, *shape[:2], r, shape[2]), dtype=s.dtype, device=self.device)
         self.lengths = torch.zeros(batch_size, dtype=torch.long)
         self.fetched: dict[int, tuple] = {}  # layer -> (keys, values, count per row, attended) fetched for this step
         self.captured: dict[int, tuple] = {}  # layer -> (attention input, (cos, sin)) of the current pass
@@ -141,7 +150,7 @@ class InfiniGenPolicy(BudgetedPolicy):
         with self.timers.section("selection"):
             skewed = torch.einsum("bhtd,hde->bhte", key, self.skew_matrices[layer])
             cols = self.columns[layer][None, :, None, :].expand(*skewed.shape[:3], -1)
-            self.partial_k[i][r, heads, p] = skewed.gather(-1, cols)
+            self.partial_k[i][r, heads, :, p] = skewed.gather(-1, cols)  # (advanced indices first: [B, Hkv, T, r])
 
     def attend(self, layer, query, key, value, step: Step):
         t = step.q_len
@@ -204,10 +213,11 @@ class InfiniGenPolicy(BudgetedPolicy):
             cols = self.columns[nxt][None, :, None, :].expand(len(rows), -1, group, -1)
             q_part = q_skew.gather(-1, cols)  # [B, Hkv, G, r]
             cached = step.start  # tokens already in the cache per row (the current one is not)
-            k_part = self.partial_k[nxt - self.dense][rows, :, :int(cached.max())]  # [B, Hkv, L, r]
-            approx = torch.einsum("bhgr,bhlr->bhgl", q_part, k_part) * self.scale
-            valid = (torch.arange(k_part.shape[2])[None, :] < cached[:, None]).to(self.device)
-            approx = approx.masked_fill(~valid[:, None, None, :], float("-inf")).amax(dim=2)  # [B, Hkv, L]
+            k_part = rows_view(self.partial_k[nxt - self.dense], rows)[..., :int(cached.max())]  # [B, Hkv, r, L]
+            approx = torch.matmul(q_part, k_part).amax(dim=2) * self.scale  # [B, Hkv, L]
+            if int(cached.min()) < approx.shape[-1]:  # rows shorter than the longest: their tail is no candidate
+                valid = (torch.arange(approx.shape[-1])[None, :] < cached[:, None]).to(self.device)
+                approx = approx.masked_fill(~valid[:, None, :], float("-inf"))
             peak = approx.amax(dim=-1, keepdim=True)
             candidates = (approx > peak - self.alpha).sum(dim=-1).float().mean(dim=-1).cpu()  # [B]
             cap = torch.tensor([self.tokens_allowed(int(n)) for n in cached])
@@ -248,8 +258,9 @@ class InfiniGenPolicy(BudgetedPolicy):
 
     def fork(self, src, dst):
         n = int(self.lengths[src])
-        for cache in (self.dense_k, self.dense_v, self.host_k, self.host_v, self.partial_k):
+        for cache in (self.dense_k, self.dense_v, self.host_k, self.host_v):
             cache[:, dst, :, :n] = cache[:, src, :, :n]
+        self.partial_k[:, dst, ..., :n] = self.partial_k[:, src, ..., :n]
         self.lengths[dst] = n
         self._book()
 

@@ -162,16 +162,18 @@ class QuestPolicy(BudgetedPolicy):
         lo, hi = kmin.index_select(0, table.flatten()), kmax.index_select(0, table.flatten())
         lo = lo.view(b, -1, s.num_kv_heads, s.head_dim).transpose(1, 2)  # [B, Hkv, blocks, D]
         hi = hi.view(b, -1, s.num_kv_heads, s.head_dim).transpose(1, 2)
-        q = query.view(b, s.num_kv_heads, -1, s.head_dim)[:, :, :, None, :]  # [B, Hkv, G, 1, D]
-        bound = torch.maximum(q * hi[:, :, None], q * lo[:, :, None]).sum(-1).amax(dim=2)  # [B, Hkv, blocks]
+        q = query.view(b, s.num_kv_heads, -1, s.head_dim)  # [B, Hkv, G, D]
+        # sum over channels of max(q_d x max_d, q_d x min_d) is q+ . max + q- . min: two batched matmuls instead of
+        # [B, Hkv, G, blocks, D] temporaries
+        bound = (q.clamp(min=0) @ hi.transpose(-1, -2) + q.clamp(max=0) @ lo.transpose(-1, -2)).amax(dim=2)
         width = table.shape[1]
         index = torch.arange(width, device=self.device)
         real = index[None, :] < self.row_blocks[:, None].to(self.device)
         last = index[None, :] == (self.row_blocks[:, None] - 1).to(self.device)
         bound = bound.masked_fill(~real[:, None], float("-inf")).masked_fill(last[:, None], float("inf"))
-        order = bound.argsort(dim=-1, descending=True)
-        rank = order.argsort(dim=-1)
-        return (rank < self.pages[:, None, None].to(self.device)) & real[:, None]
+        top = bound.topk(min(int(self.pages.max()), width), dim=-1).indices  # best first: position j has rank j
+        within = torch.arange(top.shape[-1], device=self.device) < self.pages[:, None, None].to(self.device)
+        return torch.zeros_like(bound, dtype=torch.bool).scatter_(-1, top, within.expand_as(top)) & real[:, None]
 
     def after_pass(self, step: Step):
         with self.timers.section("block_management"):

@@ -144,9 +144,10 @@ def choose(frames: dict[str, pd.DataFrame], prompt_tokens: int, batch: int, outp
         choice.ttft.pop(p, None)
     kernels = decode_kernels(decode_df) if not decode_df.empty else {}
     note = kernel_note(kernels, choice.decode)
-    if note:  # the answer is drawn among the policies of the kernel most of them ran
-        counts = pd.Series([kernels[p] for p in choice.decode if p in kernels]).value_counts()
-        main = counts.index[0]
+    if note:  # the answer is drawn among the policies of the recorded kernel most of them ran
+        ran = pd.Series([kernels[p] for p in choice.decode if p in kernels])
+        recorded = ran[~ran.isin(["mixed", "unrecorded"])]
+        main = (recorded if len(recorded) else ran).value_counts().index[0]
         choice.notes.append(f"{note[0].upper()}{note[1:]}; the fastest is chosen among those that ran `{main}`.")
         for p in [p for p in choice.decode if p in kernels and kernels[p] != main]:
             choice.decode.pop(p)
