@@ -53,7 +53,7 @@ def test_paged_decode_equals_sdpa_over_each_row(block_size, kv_heads, group, hea
 
 
 @needs_kernel
-def test_rows_decode_reads_any_rows_of_a_contiguous_cache_in_place():
+def test_a_per_row_cache_is_read_in_place_for_any_of_its_rows():
     """Query row b attends cache row rows[b] (any order, a subset) over its own length: no padding, no copy."""
     torch.manual_seed(1)
     kv_heads, group, d, capacity = 2, 2, 32, 600

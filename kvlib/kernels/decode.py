@@ -25,10 +25,9 @@ class DecodeReads:
     """What each (row, KV head) of one layer's decode step reads.
 
     keys/values: a per-row cache [N, Hkv, capacity, D] (or a view of one: a token's D values contiguous), query row b
-    reading cache row rows[b]; or, with a table, a
-    head-major pool [Hkv, slots, D], row b reading through table[b] ([B, W]: one table a row) or table[b, h] ([B, Hkv,
-    W]: one a row and KV head), block_size slots a block (1: an index list). lengths: tokens read, [B] or [B, Hkv]
-    (int64, on the CPU)."""
+    reading cache row rows[b]; or, with a table, a head-major pool [Hkv, slots, D], row b reading through table[b]
+    ([B, W]: one table a row) or table[b, h] ([B, Hkv, W]: one a row and KV head), block_size slots a block (1: an
+    index list). lengths: tokens read, [B] or [B, Hkv] (int64, on the CPU)."""
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -58,7 +57,8 @@ def workspace_bytes(kernel: str, reads: DecodeReads, query: torch.Tensor) -> int
     if kernel == "c":
         return cpu_kernel.workspace_bytes(b, heads, hq // heads, d, longest, reads.probs)
     longest = padded_length(reads, query.device)
-    gathered = 0 if reads.table is None and _in_place(reads) else 2 * b * heads * longest * d * reads.keys.element_size()
+    in_place = reads.table is None and _every_row(reads.keys, reads.rows)
+    gathered = 0 if in_place else 2 * b * heads * longest * d * reads.keys.element_size()
     matrix = b * hq * longest * (reads.keys.element_size() + 4) if reads.probs else 0
     return gathered + b * heads * longest + matrix
 
@@ -93,9 +93,14 @@ def padded_length(reads: DecodeReads, device) -> int:
     return min(longest, reads.keys.shape[2]) if reads.table is None else longest
 
 
-def _in_place(reads: DecodeReads) -> bool:
-    """Whether a per-row cache's rows are every row in order: then they are read as a view, not copied."""
-    return len(reads.rows) == reads.keys.shape[0] and bool((reads.rows == torch.arange(len(reads.rows))).all())
+def rows_view(cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """cache[rows] along dim 0: a view where rows are every row in order (the usual decode batch; indexing by a row
+    tensor copies, and on a CPU that copy of a whole cache per layer costs as much as the attention), else a copy."""
+    return cache if _every_row(cache, rows) else cache[rows.to(cache.device)]
+
+
+def _every_row(cache: torch.Tensor, rows: torch.Tensor) -> bool:
+    return len(rows) == cache.shape[0] and bool((rows == torch.arange(len(rows))).all())
 
 
 def _pytorch(query, reads: DecodeReads, scale):
@@ -105,11 +110,8 @@ def _pytorch(query, reads: DecodeReads, scale):
     length = padded_length(reads, device)
     t = torch.arange(length)
     if reads.table is None:
-        if _in_place(reads):
-            k, v = reads.keys[:, :, :length], reads.values[:, :, :length]
-        else:
-            rows = reads.rows.to(device)
-            k, v = reads.keys[rows, :, :length], reads.values[rows, :, :length]
+        rows = slice(None) if _every_row(reads.keys, reads.rows) else reads.rows.to(device)  # a view, or a copy
+        k, v = reads.keys[rows, :, :length], reads.values[rows, :, :length]
     else:
         table = reads.table if reads.table.dim() == 3 else reads.table[:, None].expand(-1, heads, -1)
         blocks = table.gather(2, (t // reads.block_size).clamp(max=table.shape[2] - 1)[None, None].expand(b, heads, -1))

@@ -30,18 +30,11 @@ import torch
 
 from kvlib.errors import UserError
 from kvlib.kernels.attention import prefill_attention
-from kvlib.kernels.decode import DecodeReads
+from kvlib.kernels.decode import DecodeReads, rows_view
 from kvlib.models.llama_forward import FusedAttention, query_projection
 from kvlib.policies.base import BudgetedPolicy, Step
 from kvlib.policies.infinigen_skew import load_or_compute_skew
 from kvlib.policies.registry import register
-
-
-def rows_view(cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """cache[rows]: a view where rows are every row in order (the usual decode batch), a copy otherwise."""
-    if len(rows) == cache.shape[0] and bool((rows == torch.arange(len(rows))).all()):
-        return cache
-    return cache[rows]
 
 
 @register
