@@ -108,8 +108,13 @@ def supports(device, dtype: torch.dtype, group: int, head_dim: int) -> bool:
 def workspace_bytes(batch: int, kv_heads: int, group: int, head_dim: int, max_tokens: int, probs: bool) -> int:
     """The scratch one call holds: each job's softmax max, sum and weighted values; with probabilities, each query
     head's exps and the group's sums."""
-    partial = batch * kv_heads * -(-max_tokens // _library().chunk) * group * (head_dim + 2)
-    return 4 * (partial + (batch * kv_heads * (group + 1) * max_tokens if probs else 0))
+    return 4 * (_partial_floats(batch, kv_heads, group, head_dim, max_tokens)
+                + (batch * kv_heads * (group + 1) * max(max_tokens, 1) if probs else 0))
+
+
+def _partial_floats(batch: int, kv_heads: int, group: int, head_dim: int, max_tokens: int) -> int:
+    """Each job's softmax max, sum and weighted values, [batch, kv_heads, jobs a row, group, head_dim + 2]."""
+    return batch * kv_heads * -(-max_tokens // _library().chunk) * group * (head_dim + 2)
 
 
 REFUSED = {-1: "a shape outside its limits (query heads per KV head <= {max_group}, head dim a multiple of {lanes} "
@@ -151,7 +156,7 @@ def decode(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, row_of
     out = torch.empty_like(query)
     longest = int(lengths.max()) if lengths.numel() else 0
     group, width = hq // kv_heads, table.shape[-1]
-    partial = torch.empty(b * kv_heads * -(-longest // lib.chunk) * group * (d + 2))
+    partial = torch.empty(_partial_floats(b, kv_heads, group, d, longest))
     probs_width = max(longest, 1)  # an empty tensor's data pointer may be NULL, which the kernel reads as "no probs"
     summed = torch.empty(b, kv_heads, probs_width) if probs else None
     scratch = torch.empty(b, kv_heads, group, probs_width) if probs else None
