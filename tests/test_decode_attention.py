@@ -10,6 +10,7 @@ import torch
 from kvlib.engine import Engine
 from kvlib.kernels import cpu_kernel
 from kvlib.kernels.decode import DecodeReads, decode_attention
+from kvlib.kernels.quantized import BITS, RAW_BITS, QuantizedKV, unpack
 from kvlib.policies import available, make_policy
 
 needs_kernel = pytest.mark.skipif(not cpu_kernel.available(), reason="no C compiler: the kernel is not built")
@@ -109,6 +110,72 @@ def test_the_c_kernel_and_the_pytorch_path_equal_a_plain_reference(seed):
                 assert probs is None
 
 
+def random_quantized_case(rng: random.Random):
+    """A query over rows whose oldest tokens are codes (random bytes: any byte is a valid code) and the rest in a
+    residual ring; the keys and values each (row, KV head) reads, dequantized token by token by the layout's rule."""
+    bits = rng.choice([*BITS, RAW_BITS])
+    group, dim = rng.choice([4, 8, 32]), rng.choice([16, 64, 128])
+    value_group, ring = min(rng.choice([8, 16, 32]), dim), group * rng.choice([1, 2])
+    batch, heads, q_group = rng.randint(1, 3), rng.randint(1, 3), rng.choice([1, 3, 7])
+    lengths = torch.tensor([rng.choice([1, 2, ring, 255, 257, rng.randint(1, 600)]) for _ in range(batch)])
+    capacity = -(-int(lengths.max()) // ring) * ring + ring * rng.randint(0, 1)
+    n_rows = batch + rng.randint(0, 2)
+    rows = torch.tensor(rng.sample(range(n_rows), batch))
+    scales = 0 if bits == RAW_BITS else dim
+    code_bytes = dim * bits // 8
+    codes = [torch.randint(0, 256, (n_rows, heads, capacity, code_bytes), dtype=torch.uint8) for _ in range(2)]
+    if bits == RAW_BITS:  # each value's own fp32 bytes
+        codes = [torch.randn(n_rows, heads, capacity, dim).view(torch.uint8) for _ in range(2)]
+    coded = QuantizedKV(codes[0], torch.rand(n_rows, heads, capacity // group, scales),
+                        torch.randn(n_rows, heads, capacity // group, scales), codes[1],
+                        torch.rand(n_rows, heads, capacity, scales // value_group),
+                        torch.randn(n_rows, heads, capacity, scales // value_group),
+                        keys_quantized=torch.tensor([rng.randint(0, int(n) // group) * group for n in lengths]),
+                        values_quantized=torch.tensor([rng.randint(0, int(n)) for n in lengths]),
+                        bits=bits, group=group, value_group=value_group)
+    ring_keys, ring_values = (torch.randn(n_rows, heads, ring, dim) for _ in range(2))
+
+    def token(kind, b, h, t):
+        row = int(rows[b])
+        if t >= int(getattr(coded, f"{kind}s_quantized")[b]):
+            return (ring_keys if kind == "key" else ring_values)[row, h, t % ring]
+        raw = getattr(coded, f"{kind}_codes")[row, h, t]
+        if bits == RAW_BITS:
+            return raw.view(torch.float32)
+        x = unpack(raw, bits).float()
+        if kind == "key":
+            return x * coded.key_scale[row, h, t // group] + coded.key_zero[row, h, t // group]
+        return (x.view(-1, value_group) * coded.value_scale[row, h, t, :, None]
+                + coded.value_zero[row, h, t, :, None]).flatten()
+
+    per_row = []
+    for b in range(batch):
+        n = int(lengths[b])
+        keys = [torch.stack([token("key", b, h, t) for t in range(n)]) for h in range(heads)]
+        values = [torch.stack([token("value", b, h, t) for t in range(n)]) for h in range(heads)]
+        per_row.append((keys, values, [torch.arange(n)] * heads))
+    query = torch.randn(batch, heads * q_group, 1, dim)
+    return query, DecodeReads(ring_keys, ring_values, lengths, rows=rows, quantized=coded), per_row
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_coded_tokens_are_read_in_place_as_dequantized(seed):
+    """KIVI's layout, 6 random cases a seed: every code width and the raw bytes, groups, rings, lengths across the
+    kernel's jobs and coded counts anywhere in a row; the C kernel reads the codes where they lie, the PyTorch path
+    dequantizes a copy, both equal to a reference that dequantizes token by token."""
+    rng = random.Random(100 + seed)
+    torch.manual_seed(seed)
+    for case in range(6):
+        query, reads, per_row = random_quantized_case(rng)
+        scale = query.shape[-1] ** -0.5
+        expected, _ = reference(query, per_row, scale)
+        for kernel in ["c", "torch"] if cpu_kernel.available() else ["torch"]:
+            out, _ = decode_attention(kernel, query, reads, scale)
+            what = f"seed {seed} case {case}: {kernel}, bits {reads.quantized.bits}, lengths {reads.lengths}"
+            torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-4,
+                                       msg=lambda m, what=what: f"{what}\n{m}")
+
+
 @needs_kernel
 def test_a_row_of_length_zero_reads_nothing_and_gets_zeros():
     keys = torch.randn(2, 1, 8, 16)
@@ -134,6 +201,16 @@ def test_the_kernel_refuses_what_it_cannot_read(what, change, message):
     reads = DecodeReads(pool, pool.clone(), torch.tensor([change.get("length", 32)]), table=table, block_size=16)
     with pytest.raises(ValueError, match=message):
         decode_attention("c", torch.randn(1, group, 1, dim), reads, 1.0)
+
+
+@needs_kernel
+@pytest.mark.parametrize("field, value", [("keys_quantized", 40), ("values_quantized", -1)])
+def test_the_kernel_refuses_coded_counts_past_the_codes(field, value):
+    rng = random.Random(7)
+    query, reads, _ = random_quantized_case(rng)
+    setattr(reads.quantized, field, torch.full_like(reads.quantized.keys_quantized, value * 1000))
+    with pytest.raises(ValueError, match="quantized cache"):
+        decode_attention("c", query, reads, 1.0)
 
 
 # Each policy at a setting where it keeps and attends everything, its selection (or quantization) path still running:

@@ -5,8 +5,8 @@ import torch
 
 from kvlib.engine import Engine
 from kvlib.errors import UserError
+from kvlib.kernels.quantized import dequantize, pack, unpack
 from kvlib.policies import make_policy
-from kvlib.policies.kivi import pack, unpack
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8, 16])
@@ -56,11 +56,11 @@ def test_stored_cache_matches_a_reference_after_prefill_and_decode(tiny):
         after(step)
         for row in step.rows.tolist():
             n = int(policy.lengths[row])
-            assert int(policy.keys_quantized[row]) == n // residual * residual
             for layer in range(tiny.spec.num_layers):
                 keys, values = handed[(layer, row)]
-                got_k, got_v = policy._dequantized(layer, torch.tensor([row]), torch.tensor([n]),
-                                                   policy.keys_quantized[[row]])
+                reads = policy._reads(layer, torch.tensor([row]), torch.tensor([n]))
+                assert int(reads.quantized.keys_quantized[0]) == n // residual * residual
+                got_k, got_v = dequantize(reads.quantized, reads.keys, reads.values, reads.rows, reads.lengths)
                 want_k = reference_dequantized(keys, n // residual * residual, group, 2, per_channel=True)
                 want_v = reference_dequantized(values, max(n - residual, 0), group, 2, per_channel=False)
                 assert torch.allclose(got_k[0], want_k, atol=1e-5), (row, layer, n)
@@ -107,7 +107,7 @@ def test_unquantized_mechanism_equals_full_token_for_token(smollm, mixed_prompts
 
         def after_pass(step, policy=policy, after=policy.after_pass, quantized=quantized):
             after(step)
-            quantized.append((int(policy.keys_quantized.sum()), int(policy.value_codes.count_nonzero())))
+            quantized.append((int(policy.keys_quantized(policy.lengths).sum()), int(policy.value_codes.count_nonzero())))
         policy.after_pass = after_pass
         got = Engine(smollm, policy).generate(mixed_prompts, 16, prefill_mode=mode, chunk_size=5)
         assert [o["token_ids"] for o in got.outputs] == [o["token_ids"] for o in full.outputs]

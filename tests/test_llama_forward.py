@@ -16,9 +16,9 @@ from kvlib.models.llama_forward import (
     FusedAttention,
     GatedMLP,
     LlamaForward,
+    QueryProjection,
     fuse_gate_up,
     fuse_qkv,
-    query_projection,
     rotate,
 )
 from kvlib.models.loading import LoadedModel, ModelSpec, speed_up_for_cpu
@@ -112,15 +112,22 @@ def test_pytorch_ops_where_the_kernels_are_off_give_the_same_tokens(llamas, prom
 
 
 def test_query_projection_is_the_query_attention_gets(llamas):
-    """What InfiniGen speculates with: the fused module's query, and transformers' module's, RoPE applied."""
+    """What InfiniGen speculates with: the query alone, from the fused and prepacked module (its own copy of the query's
+    rows, recovered exactly from the packed layout) and from transformers' module, RoPE applied, equal to the query
+    the attention module itself computes."""
     plain, fast = llamas
     torch.manual_seed(2)
     hidden = torch.randn(2, 3, 128)
     positions = torch.tensor([[4, 5, 6], [10, 11, 12]])
     rope = fast.model.model.rotary_emb(hidden, positions)
-    ours, theirs = (query_projection(m.model.model.layers[1].self_attn, hidden, rope) for m in (fast, plain))
+    fused = fast.model.model.layers[1].self_attn
+    ours, theirs = (QueryProjection(m.model.model.layers[1].self_attn)(hidden, rope) for m in (fast, plain))
     assert ours.shape == (2, 4, 3, 64)
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours, fused.project(hidden, rope)[0], atol=1e-5, rtol=1e-5)
+    assert type(QueryProjection(fused).linear) is type(fused.qkv_proj)  # the same (packed) layout, 4 / 8 as wide
+    assert QueryProjection(fused).copied_bytes == 4 * 64 * 128 * 4 and QueryProjection(
+        plain.model.model.layers[1].self_attn).copied_bytes == 0
 
 
 def test_llama_forward_runs_fused_fp32_llamas_only(llamas):

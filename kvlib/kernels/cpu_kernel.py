@@ -65,6 +65,15 @@ def _build() -> Path:
     return target
 
 
+class _Quantized(ctypes.Structure):
+    """csrc/decode_attention.c's `quantized`: where rows' oldest tokens are codes (kvlib.kernels.quantized)."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in ("key_codes", "value_codes", "key_scale", "key_zero",
+                                                     "value_scale", "value_zero", "rows", "keys_quantized",
+                                                     "values_quantized")] + \
+               [(name, ctypes.c_int64) for name in ("n_rows", "bits", "code_bytes", "capacity", "group", "value_group")]
+
+
 @cache
 def _library() -> ctypes.CDLL | None:
     if platform.system() != "Linux":
@@ -78,7 +87,7 @@ def _library() -> ctypes.CDLL | None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.decode_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, i64, i64, i64, i64, i64, i64,
-                                     i64, ctypes.c_float, ptr, i64, ptr, ptr, i64]
+                                     i64, ctypes.c_float, ptr, i64, ptr, ptr, i64, ctypes.POINTER(_Quantized)]
     lib.decode_attention.restype = ctypes.c_int
     lib.add_rms_norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float]
     lib.rope.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64]
@@ -121,16 +130,19 @@ REFUSED = {-1: "a shape outside its limits (query heads per KV head <= {max_grou
                "up to {max_dim}, block size >= 1)",
            -2: "a length below 0 or past its table, its workspace or its probabilities",
            -3: "a block outside the keys and values (a table entry or offset past the cache)",
-           -4: "no memory for its job list"}
+           -4: "no memory for its job list",
+           -5: "a quantized cache it cannot read (bits, code width, groups, a row or a coded count out of range)"}
 
 
 def decode(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, row_offset: torch.Tensor,
            table: torch.Tensor, lengths: torch.Tensor, block_size: int, head_stride: int, scale: float,
-           per_head_table: bool = False, probs: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+           per_head_table: bool = False, probs: bool = False, quantized=None, rows: torch.Tensor | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One decode step's attention: query [B, Hq, 1, D]; token t of row b, KV head h at element row_offset[b] + h x
     head_stride + (tbl[t // block_size] x block_size + t % block_size) x D from keys' (and values') first element,
     tbl = table[b] ([B, W]) or table[b, h] ([B, Hkv, W], per_head_table); lengths [B, Hkv] tokens read. Keys and
-    values may be views whose tokens are D contiguous floats apart (a slice of a longer cache). Returns (out [B, Hq, 1,
+    values may be views whose tokens are D contiguous floats apart (a slice of a longer cache). quantized: a
+    kvlib.kernels.quantized.QuantizedKV whose codes row b reads from cache row rows[b]. Returns (out [B, Hq, 1,
     D], the probabilities summed over each KV head's group [B, Hkv, max length] where probs, else None)."""
     lib = _library()
     b, hq, _, d = query.shape
@@ -160,16 +172,41 @@ def decode(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, row_of
     probs_width = max(longest, 1)  # an empty tensor's data pointer may be NULL, which the kernel reads as "no probs"
     summed = torch.empty(b, kv_heads, probs_width) if probs else None
     scratch = torch.empty(b, kv_heads, group, probs_width) if probs else None
+    coded = _quantized_args(quantized, rows, b, kv_heads, d) if quantized is not None else None
     code = lib.decode_attention(query.data_ptr(), keys.data_ptr(), values.data_ptr(), out.data_ptr(),
                                 row_offset.data_ptr(), table.data_ptr(), table.stride(0),
                                 table.stride(1) if per_head_table else 0, width, lengths.data_ptr(), block_size,
                                 head_stride, extent, b, kv_heads, group, d, scale, partial.data_ptr(),
                                 -(-longest // lib.chunk), summed.data_ptr() if probs else None,
-                                scratch.data_ptr() if probs else None, probs_width if probs else -1)
+                                scratch.data_ptr() if probs else None, probs_width if probs else -1,
+                                ctypes.byref(coded) if coded is not None else None)
     if code:
         reason = REFUSED.get(code, f"code {code}").format(max_group=lib.max_group, lanes=lib.lanes, max_dim=lib.max_dim)
         raise ValueError(f"the C decode kernel refused its input: {reason}")
     return out, summed
+
+
+def _quantized_args(q, rows: torch.Tensor, batch: int, kv_heads: int, dim: int) -> _Quantized:
+    """The kernel's view of a QuantizedKV, its tensors checked against one another (the kernel checks the counts)."""
+    n_rows, _, capacity, code_bytes = q.key_codes.shape
+    scales = q.key_scale.shape[-1]
+    value_groups = q.value_scale.shape[-1]
+    expected = {"key_codes": (n_rows, kv_heads, capacity, code_bytes), "value_codes": (n_rows, kv_heads, capacity,
+                code_bytes), "key_scale": (n_rows, kv_heads, capacity // q.group, scales), "key_zero": (n_rows, kv_heads,
+                capacity // q.group, scales), "value_scale": (n_rows, kv_heads, capacity, value_groups),
+                "value_zero": (n_rows, kv_heads, capacity, value_groups)}
+    for name, shape in expected.items():
+        x = getattr(q, name)
+        dtype = torch.uint8 if name.endswith("codes") else torch.float32
+        if tuple(x.shape) != shape or x.dtype != dtype or not x.is_contiguous() or x.device.type != "cpu":
+            raise ValueError(f"the C decode kernel got a quantized {name} {tuple(x.shape)} {x.dtype}; expected a "
+                             f"contiguous CPU {dtype} tensor {shape}")
+    for x in (rows, q.keys_quantized, q.values_quantized):
+        if x is None or tuple(x.shape) != (batch,) or x.dtype != torch.int64 or not x.is_contiguous():
+            raise ValueError("the C decode kernel takes quantized rows and counts as contiguous int64 [batch] tensors")
+    return _Quantized(q.key_codes.data_ptr(), q.value_codes.data_ptr(), q.key_scale.data_ptr(), q.key_zero.data_ptr(),
+                      q.value_scale.data_ptr(), q.value_zero.data_ptr(), rows.data_ptr(), q.keys_quantized.data_ptr(),
+                      q.values_quantized.data_ptr(), n_rows, q.bits, code_bytes, capacity, q.group, q.value_group)
 
 
 # -- a Llama layer's small ops (csrc/layer_ops.c) ------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 A policy's whole say in decode attention is a `DecodeReads`: where its keys and values lie (a per-row cache, or a
 head-major pool read through block tables, one per row or one per row and KV head) and how many tokens each (row, KV
 head) reads, and whether it needs the attention probabilities summed over each KV head's query group (H2O's scores).
-On a CPU in fp32 kvlib's C kernel (kvlib.kernels.cpu_kernel) reads them where they lie; elsewhere (a GPU, another
+A row's oldest tokens may be low-bit codes (KIVI's layout, kvlib.kernels.quantized). On a CPU in fp32 kvlib's C kernel (kvlib.kernels.cpu_kernel) reads them where they lie; elsewhere (a GPU, another
 dtype, no compiler, KVLIB_CPU_KERNELS=torch) one PyTorch path gathers them, padded to the longest and masked. Which
 one runs depends on the machine and the model, never on the policy: a run records it (`decode_attention`).
 """
@@ -13,9 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from kvlib.kernels import cpu_kernel
 from kvlib.kernels.attention import fused_attention, matrix_attention
+from kvlib.kernels.quantized import QuantizedKV, dequantize
 
 DECODE_LENGTH_STEP = 128  # on CUDA the PyTorch path pads decode lengths to a multiple of this (padded_length)
 
@@ -27,7 +29,9 @@ class DecodeReads:
     keys/values: a per-row cache [N, Hkv, capacity, D] (or a view of one: a token's D values contiguous), query row b
     reading cache row rows[b]; or, with a table, a head-major pool [Hkv, slots, D], row b reading through table[b]
     ([B, W]: one table a row) or table[b, h] ([B, Hkv, W]: one a row and KV head), block_size slots a block (1: an
-    index list). lengths: tokens read, [B] or [B, Hkv] (int64, on the CPU)."""
+    index list). lengths: tokens read, [B] or [B, Hkv] (int64, on the CPU). quantized: where each row's oldest tokens
+    are codes (kvlib.kernels.quantized.QuantizedKV); keys and values then hold the rest as a ring [N, Hkv, residual,
+    D], token t at slot t % residual."""
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -36,6 +40,7 @@ class DecodeReads:
     table: torch.Tensor | None = None
     block_size: int = 1
     probs: bool = False
+    quantized: QuantizedKV | None = None
 
     def per_head_lengths(self) -> torch.Tensor:
         heads = self.keys.shape[-3]
@@ -57,7 +62,7 @@ def workspace_bytes(kernel: str, reads: DecodeReads, query: torch.Tensor) -> int
     if kernel == "c":
         return cpu_kernel.workspace_bytes(b, heads, hq // heads, d, longest, reads.probs)
     longest = padded_length(reads, query.device)
-    in_place = reads.table is None and _every_row(reads.keys, reads.rows)
+    in_place = reads.table is None and reads.quantized is None and _every_row(reads.keys, reads.rows)
     gathered = 0 if in_place else 2 * b * heads * longest * d * reads.keys.element_size()
     matrix = b * hq * longest * (reads.keys.element_size() + 4) if reads.probs else 0
     return gathered + b * heads * longest + matrix
@@ -74,6 +79,12 @@ def decode_attention(kernel: str, query: torch.Tensor, reads: DecodeReads, scale
 
 def _c_kernel(query, reads: DecodeReads, scale):
     lengths = reads.per_head_lengths()
+    if reads.quantized is not None:  # the residual ring is one block of `residual` slots that every block maps to
+        ring = reads.keys.shape[2]
+        table = torch.zeros(len(reads.rows), max(-(-int(lengths.max()) // ring), 1), dtype=torch.int64)
+        return cpu_kernel.decode(query, reads.keys, reads.values, reads.rows * reads.keys.stride(0), table, lengths,
+                                 ring, reads.keys.stride(1), scale, probs=reads.probs, quantized=reads.quantized,
+                                 rows=reads.rows)
     if reads.table is None:  # a per-row cache (or a view of one): each row is one block of `capacity` tokens
         capacity = reads.keys.shape[2]
         offsets = reads.rows * reads.keys.stride(0)
@@ -90,7 +101,7 @@ def padded_length(reads: DecodeReads, device) -> int:
     backend builds a plan per shape, and a length growing by one a step is a new shape every step)."""
     step = DECODE_LENGTH_STEP if torch.device(device).type == "cuda" else 1
     longest = -(-int(reads.lengths.max()) // step) * step
-    return min(longest, reads.keys.shape[2]) if reads.table is None else longest
+    return min(longest, reads.keys.shape[2]) if reads.table is None and reads.quantized is None else longest
 
 
 def rows_view(cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -109,7 +120,10 @@ def _pytorch(query, reads: DecodeReads, scale):
     device = query.device
     length = padded_length(reads, device)
     t = torch.arange(length)
-    if reads.table is None:
+    if reads.quantized is not None:
+        k, v = dequantize(reads.quantized, reads.keys, reads.values, reads.rows, reads.per_head_lengths().amax(1))
+        k, v = (F.pad(x, (0, 0, 0, length - x.shape[2])) for x in (k, v))
+    elif reads.table is None:
         rows = slice(None) if _every_row(reads.keys, reads.rows) else reads.rows.to(device)  # a view, or a copy
         k, v = reads.keys[rows, :, :length], reads.values[rows, :, :length]
     else:

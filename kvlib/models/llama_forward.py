@@ -156,15 +156,38 @@ def fuse_qkv(model: torch.nn.Module) -> int:
     return replace_modules(model, is_llama_attention, lambda m: FusedAttention(m, model.config))
 
 
-def query_projection(attn: torch.nn.Module, hidden: torch.Tensor, position_embeddings) -> torch.Tensor:
-    """The query a Llama attention module would compute from hidden [B, T, hidden] at these positions, RoPE applied:
-    [B, Hq, T, D] (InfiniGen speculates the next layer's attention with it)."""
-    if isinstance(attn, FusedAttention):
-        return attn.project(hidden, position_embeddings)[0]
-    b, t, _ = hidden.shape
-    q = attn.q_proj(hidden).view(b, t, -1, attn.head_dim)
-    cos, sin = (e[:, :, None] for e in position_embeddings)
-    return rotate(q, cos, sin).transpose(1, 2)
+class QueryProjection(torch.nn.Module):
+    """The query alone of a Llama attention module, RoPE applied: [B, Hq, T, D] from hidden [B, T, hidden] at these
+    positions (InfiniGen speculates the next layer's attention with it). A fused Q/K/V projection is prepacked whole
+    and cannot be sliced, so this holds its own copy of the query's rows, in the same layout: the bytes of one
+    query weight, for a matmul 1 + 2 Hkv / Hq times narrower than the fused one."""
+
+    def __init__(self, attn: torch.nn.Module):
+        super().__init__()
+        self.head_dim, self.copied_bytes = attn.head_dim, 0  # bytes of weights held beside the model's own
+        if not isinstance(attn, FusedAttention):
+            self.linear = attn.q_proj
+            return
+        qkv, width = attn.qkv_proj, attn.heads * attn.head_dim
+        dense = qkv.dense_weight() if hasattr(qkv, "dense_weight") else qkv.weight
+        linear = torch.nn.Linear(dense.shape[1], width, bias=qkv.bias is not None, device=dense.device,
+                                 dtype=dense.dtype)
+        with torch.no_grad():
+            linear.weight.copy_(dense[:width])
+            if qkv.bias is not None:
+                linear.bias.copy_(qkv.bias[:width])
+        self.linear = linear if type(qkv) is torch.nn.Linear else type(qkv)(linear)  # packed as the fused one is
+        self.copied_bytes = sum(p.numel() * p.element_size() for p in self.linear.parameters())
+
+    def forward(self, hidden: torch.Tensor, position_embeddings) -> torch.Tensor:
+        b, t, _ = hidden.shape
+        q = self.linear(hidden)
+        heads = q.shape[-1] // self.head_dim
+        cos, sin = position_embeddings
+        if cpu_kernel.runs_layer_ops(q, self.head_dim // 2) and cos.is_contiguous() and sin.is_contiguous():
+            cpu_kernel.rope_(q, heads, self.head_dim, cos, sin)
+            return q.view(b, t, heads, self.head_dim).transpose(1, 2)
+        return rotate(q.view(b, t, heads, self.head_dim), cos[:, :, None], sin[:, :, None]).transpose(1, 2)
 
 
 class LlamaForward:

@@ -139,6 +139,12 @@ class PackedLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
+    def dense_weight(self) -> torch.Tensor:
+        """The weight [out, in] in the ordinary layout, exactly: the packed matmul of the identity (each output one
+        weight times 1 plus zeros)."""
+        eye = torch.eye(self.in_features, dtype=self.weight.dtype, device=self.weight.device)
+        return torch.ops.mkldnn._linear_pointwise(eye, self.weight, None, "none", [], "").T.contiguous()
+
 
 def can_prepack(model: torch.nn.Module) -> bool:
     p = next(model.parameters())

@@ -31,7 +31,7 @@ import torch
 from kvlib.errors import UserError
 from kvlib.kernels.attention import prefill_attention
 from kvlib.kernels.decode import DecodeReads, rows_view
-from kvlib.models.llama_forward import FusedAttention, query_projection
+from kvlib.models.llama_forward import FusedAttention, QueryProjection
 from kvlib.policies.base import BudgetedPolicy, Step
 from kvlib.policies.infinigen_skew import load_or_compute_skew
 from kvlib.policies.registry import register
@@ -69,6 +69,10 @@ class InfiniGenPolicy(BudgetedPolicy):
                                             for m in self.attn_modules):
             raise UserError(f"policy 'infinigen' needs a model whose decoder layers have self_attn.q_proj "
                             f"(Llama-family attention); {type(model.model).__name__} does not")
+        # speculation for a sparse layer needs its query only: its own projection, not the fused Q/K/V
+        self.queries = {layer: QueryProjection(self.attn_modules[layer])
+                        for layer in range(min(self.dense_layers, len(self.attn_modules)), len(self.attn_modules))}
+        self.query_bytes = sum(q.copied_bytes for q in self.queries.values())
 
     def calibrate(self, prompt):
         skew = load_or_compute_skew(self.model, prompt[:self.calibration_tokens], self.partial_ratio, self.skew)
@@ -90,8 +94,8 @@ class InfiniGenPolicy(BudgetedPolicy):
         skew_bytes = self.skew_matrices.nbytes + self.columns.nbytes
         self.ledger.add("device", "kv_reserved", self.dense * 2 * math.prod(shape) * s.dtype_bytes,
                         where="infinigen dense layers")
-        self.ledger.add("device", "overhead", sparse * math.prod(shape[:3]) * r * s.dtype_bytes + skew_bytes,
-                        where="infinigen partial key cache and skewing matrices")
+        self.ledger.add("device", "overhead", sparse * math.prod(shape[:3]) * r * s.dtype_bytes + skew_bytes
+                        + self.query_bytes, where="infinigen partial key cache, skewing matrices, query projections")
         self.ledger.add("host", "kv_reserved", sparse * 2 * math.prod(shape) * s.dtype_bytes)
         self.dense_k = torch.zeros((self.dense, *shape), dtype=s.dtype, device=self.device)
         self.dense_v = torch.zeros_like(self.dense_k)
@@ -200,7 +204,7 @@ class InfiniGenPolicy(BudgetedPolicy):
         group = s.num_attention_heads // s.num_kv_heads
         with self.timers.section("selection"):
             hidden, (cos, sin) = self.captured.pop(layer)
-            q = query_projection(self.attn_modules[nxt], hidden, (cos, sin))  # [B, Hq, 1, D]
+            q = self.queries[nxt](hidden, (cos, sin))  # [B, Hq, 1, D]
             q = q.reshape(len(rows), s.num_kv_heads, group, s.head_dim)
             q_skew = torch.einsum("bhgd,hde->bhge", q, self.skew_matrices[nxt])
             cols = self.columns[nxt][None, :, None, :].expand(len(rows), -1, group, -1)

@@ -2,6 +2,8 @@
  * and KV head reads where it lies (a row of a contiguous cache, a paged pool through a block table per row, a block
  * list per row and KV head, an index list), each over its own length: no copy, no padding to the longest row.
  * Optionally it also returns each token's attention probability summed over the KV head's query group (H2O's score).
+ * A row's oldest keys and values may be low-bit codes (KIVI's layout, kvlib.kernels.quantized): each token is
+ * dequantized as it is read, into a vector that stays in L1, so the cache's codes are all that is read from memory.
  *
  * Work is split into (row, KV head, chunk of CHUNK tokens) jobs, so one long row still keeps every core busy; each
  * job writes its softmax's max, sum and weighted values, and a second pass merges a row's chunks. Every read is
@@ -22,6 +24,7 @@
 #define MAX_GROUP 16
 #define MAX_DIM 256
 #define PREFETCH 16 /* tokens ahead whose K and V are prefetched */
+#define RAW_BITS 32 /* "codes" that are each value's own fp32 bytes: the quantized layout's exactness check */
 
 int decode_attention_limits(int64_t *chunk, int64_t *max_group, int64_t *max_dim, int64_t *lanes) {
     *chunk = CHUNK;
@@ -32,7 +35,7 @@ int decode_attention_limits(int64_t *chunk, int64_t *max_group, int64_t *max_dim
 }
 
 /* What the kernel refuses, before it reads anything (kvlib.kernels.cpu_kernel turns each into one error). */
-enum { OK = 0, BAD_SHAPE = -1, BAD_LENGTH = -2, OUT_OF_BOUNDS = -3, NO_MEMORY = -4 };
+enum { OK = 0, BAD_SHAPE = -1, BAD_LENGTH = -2, OUT_OF_BOUNDS = -3, NO_MEMORY = -4, BAD_QUANTIZED = -5 };
 
 /* The keys and values row b, KV head h reads: tokens t < lengths[b * kv_heads + h], token t at element
  *   row_offset[b] + h * head_stride + (tbl[t / block_size] * block_size + t % block_size) * dim
@@ -50,6 +53,107 @@ static inline const int64_t *table_of(const layout *l, int64_t b, int64_t h) {
 
 static inline int64_t slot(const layout *l, const int64_t *tbl, int64_t base, int64_t t) {
     return base + (tbl[t / l->block_size] * l->block_size + t % l->block_size) * l->dim;
+}
+
+/* Where a row's oldest tokens are codes: row b's keys of tokens t < keys_quantized[b] and values of tokens
+ * t < values_quantized[b] are read from cache row rows[b] of the arrays below (each contiguous), the rest through the
+ * layout above. Keys are quantized per channel over groups of `group` tokens, values per token over groups of
+ * `value_group` channels, x = code x scale + zero; codes of `bits` bits packed into bytes lowest bits first (RAW_BITS:
+ * the fp32 value itself, no scale).
+ *   key_codes, value_codes [n_rows, kv_heads, capacity, code_bytes]; key_scale, key_zero [n_rows, kv_heads,
+ *   capacity / group, dim]; value_scale, value_zero [n_rows, kv_heads, capacity, dim / value_group] */
+typedef struct {
+    const uint8_t *key_codes, *value_codes;
+    const float *key_scale, *key_zero, *value_scale, *value_zero;
+    const int64_t *rows, *keys_quantized, *values_quantized;
+    int64_t n_rows, bits, code_bytes, capacity, group, value_group;
+} quantized;
+
+typedef uint32_t vu __attribute__((vector_size(LANES * sizeof(uint32_t)), aligned(4), may_alias));
+typedef uint8_t vbytes __attribute__((vector_size(LANES), aligned(1), may_alias));
+typedef uint16_t vshorts __attribute__((vector_size(LANES * sizeof(uint16_t)), aligned(2), may_alias));
+
+/* The LANES codes packed at c, as floats. Codes sit lowest bits first, so with 2 bits lane i is bits 2i..2i+1 of the
+ * 32-bit word c[0..3], with 4 bits bits 4i.. of the 64-bit c[0..7]: a broadcast, one shift per lane and a mask. */
+static inline vf unpacked(const uint8_t *c, int64_t bits) {
+    static const vu lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    uint32_t w[2];
+    vf raw;
+    switch (bits) {
+    case 2:
+        memcpy(w, c, 4);
+        return __builtin_convertvector(((vu){} + w[0]) >> (lane * 2) & 3, vf);
+    case 4: {
+        memcpy(w, c, 8);
+        const vu low = (vu)(lane < 8); /* all ones in lanes 0-7 */
+        const vu word = (((vu){} + w[0]) & low) | (((vu){} + w[1]) & ~low);
+        return __builtin_convertvector(word >> (lane % 8 * 4) & 15, vf);
+    }
+    case 8: return __builtin_convertvector(*(const vbytes *)c, vf);
+    case 16: return __builtin_convertvector(*(const vshorts *)c, vf);
+    default: memcpy(&raw, c, sizeof raw); return raw; /* RAW_BITS */
+    }
+}
+
+/* Key t of cache row `row`, KV head h, into out[dim]: its codes times its group's per-channel scale, plus zero. */
+static inline void dequantized_key(const quantized *q, int64_t row, int64_t h, int64_t kv_heads, int64_t t,
+                                   int64_t dim, float *out) {
+    const int64_t rh = row * kv_heads + h, step = LANES * q->bits / 8;
+    const uint8_t *codes = q->key_codes + (rh * q->capacity + t) * q->code_bytes;
+    if (q->bits == RAW_BITS) {
+        memcpy(out, codes, dim * sizeof(float));
+        return;
+    }
+    const int64_t at = (rh * (q->capacity / q->group) + t / q->group) * dim;
+    const float *scale = q->key_scale + at, *zero = q->key_zero + at;
+    for (int64_t d = 0; d < dim; d += LANES, codes += step)
+        *(vf *)(out + d) = unpacked(codes, q->bits) * *(const vf *)(scale + d) + *(const vf *)(zero + d);
+}
+
+/* Value t likewise: one scale and zero for each group of value_group channels. */
+static inline void dequantized_value(const quantized *q, int64_t row, int64_t h, int64_t kv_heads, int64_t t,
+                                     int64_t dim, float *out) {
+    const int64_t rh = row * kv_heads + h, step = LANES * q->bits / 8, vg = q->value_group;
+    const uint8_t *codes = q->value_codes + (rh * q->capacity + t) * q->code_bytes;
+    if (q->bits == RAW_BITS) {
+        memcpy(out, codes, dim * sizeof(float));
+        return;
+    }
+    const float *scale = q->value_scale + (rh * q->capacity + t) * (dim / vg);
+    const float *zero = q->value_zero + (rh * q->capacity + t) * (dim / vg);
+    for (int64_t d = 0; d < dim; d += LANES, codes += step)
+        *(vf *)(out + d) = unpacked(codes, q->bits);
+    if (vg % LANES == 0) /* a vector within one group: its scale and zero broadcast */
+        for (int64_t d = 0; d < dim; d += LANES) *(vf *)(out + d) = *(vf *)(out + d) * scale[d / vg] + zero[d / vg];
+    else
+        for (int64_t d = 0; d < dim; d++) out[d] = out[d] * scale[d / vg] + zero[d / vg];
+}
+
+static int check_quantized(const quantized *q, int64_t batch, int64_t dim) {
+    const int64_t bits = q->bits;
+    if (!(bits == 2 || bits == 4 || bits == 8 || bits == 16 || bits == RAW_BITS) || q->code_bytes != dim * bits / 8 ||
+        q->group < 1 || q->capacity < 0 || q->capacity % q->group || q->value_group < 1 || dim % q->value_group ||
+        q->n_rows < 0)
+        return BAD_QUANTIZED;
+    for (int64_t b = 0; b < batch; b++)
+        if (q->rows[b] < 0 || q->rows[b] >= q->n_rows || q->keys_quantized[b] < 0 || q->values_quantized[b] < 0 ||
+            q->keys_quantized[b] > q->capacity || q->values_quantized[b] > q->capacity)
+            return BAD_QUANTIZED;
+    return OK;
+}
+
+/* Token i of a chunk: each of the group's query heads' score against key k, and its value v weighted by them. */
+static inline void score(float scores[][CHUNK], int64_t i, const float *qh, const float *k, int64_t group, int64_t dim,
+                         float scale) {
+    for (int64_t g = 0; g < group; g++) scores[g][i] = dot(qh + g * dim, k, dim) * scale;
+}
+
+static inline void add_weighted(float acc[][MAX_DIM], float scores[][CHUNK], int64_t i, const float *v, int64_t group,
+                                int64_t dim) {
+    for (int64_t g = 0; g < group; g++) {
+        const float p = scores[g][i];
+        for (int64_t d = 0; d < dim; d += LANES) *(vf *)&acc[g][d] += p * *(const vf *)(v + d);
+    }
 }
 
 /* Every element a (row, head) would read lies in [0, kv_numel): checked block by block, not token by token. */
@@ -74,19 +178,21 @@ static int check(const layout *l, int64_t batch, int64_t kv_numel, int64_t max_c
  * Where probs is not NULL it receives, for each (row, KV head), the attention probabilities of its tokens summed over
  * the head's group of queries ([batch, kv_heads, probs_width], zeros past a row's length: what H2O accumulates), with
  * probs_scratch [batch, kv_heads, group, probs_width] floats; probs_width is -1 without them. A row of length 0 reads
- * nothing and gets zeros. Returns OK, or what it refused (then nothing is written). */
+ * nothing and gets zeros. quant: NULL, or where rows' oldest tokens are codes (above). Returns OK, or what it refused
+ * (then nothing is written). */
 int decode_attention(const float *q, const float *k, const float *v, float *out, const int64_t *row_offset,
                      const int64_t *table, int64_t table_row_stride, int64_t table_head_stride, int64_t table_width,
                      const int64_t *lengths, int64_t block_size, int64_t head_stride, int64_t kv_numel, int64_t batch,
                      int64_t kv_heads, int64_t group, int64_t dim, float scale, float *partial, int64_t max_chunks,
-                     float *probs, float *probs_scratch, int64_t probs_width) {
+                     float *probs, float *probs_scratch, int64_t probs_width, const quantized *quant) {
     if (group < 1 || group > MAX_GROUP || dim < LANES || dim > MAX_DIM || dim % LANES || block_size < 1 ||
         batch < 0 || kv_heads < 1 || table_width < 0 || max_chunks < 0 || (probs != NULL) != (probs_width >= 0) ||
         (probs != NULL && probs_scratch == NULL))
         return BAD_SHAPE;
     const layout l = {row_offset, table, lengths, table_row_stride, table_head_stride, table_width, block_size,
                       head_stride, kv_heads, dim};
-    const int refused = check(&l, batch, kv_numel, max_chunks, probs_width);
+    int refused = check(&l, batch, kv_numel, max_chunks, probs_width);
+    if (refused == OK && quant != NULL) refused = check_quantized(quant, batch, dim);
     if (refused != OK) return refused;
     const int64_t pairs = batch * kv_heads;
     int64_t *first_job = malloc((pairs + 1) * sizeof(int64_t)); /* the first job of each (row, KV head) */
@@ -108,8 +214,16 @@ int decode_attention(const float *q, const float *k, const float *v, float *out,
         const int64_t base = row_offset[b] + h * head_stride, *tbl = table_of(&l, b, h);
         float scores[MAX_GROUP][CHUNK] __attribute__((aligned(64)));
         float acc[MAX_GROUP][MAX_DIM] __attribute__((aligned(64)));
+        float token[MAX_DIM] __attribute__((aligned(64))); /* a dequantized key or value */
+        const int64_t coded_keys = quant != NULL ? quant->keys_quantized[b] : 0;
+        const int64_t coded_values = quant != NULL ? quant->values_quantized[b] : 0;
 
-        for (int64_t t = t0; t < t1;) { /* scores, a block's stretch of slots at a time */
+        int64_t t = t0;
+        for (; t < t1 && t < coded_keys; t++) {
+            dequantized_key(quant, quant->rows[b], h, kv_heads, t, dim, token);
+            score(scores, t - t0, qh, token, group, dim, scale);
+        }
+        while (t < t1) { /* scores, a block's stretch of slots at a time */
             const int64_t off = t % block_size, run = block_size - off < t1 - t ? block_size - off : t1 - t;
             const float *kr = k + slot(&l, tbl, base, t);
             for (int64_t i = 0; i < run; i++, kr += dim) {
@@ -121,7 +235,7 @@ int decode_attention(const float *q, const float *k, const float *v, float *out,
                         __builtin_prefetch(v + at + d);
                     }
                 }
-                for (int64_t g = 0; g < group; g++) scores[g][t - t0 + i] = dot(qh + g * dim, kr, dim) * scale;
+                score(scores, t - t0 + i, qh, kr, group, dim, scale);
             }
             t += run;
         }
@@ -138,14 +252,14 @@ int decode_attention(const float *q, const float *k, const float *v, float *out,
             memset(acc[g], 0, dim * sizeof(float));
             if (probs != NULL) memcpy(probs_scratch + (bh * group + g) * probs_width + t0, scores[g], n * sizeof(float));
         }
-        for (int64_t t = t0; t < t1;) { /* the values, weighted */
+        for (t = t0; t < t1 && t < coded_values; t++) {
+            dequantized_value(quant, quant->rows[b], h, kv_heads, t, dim, token);
+            add_weighted(acc, scores, t - t0, token, group, dim);
+        }
+        while (t < t1) { /* the values, weighted */
             const int64_t off = t % block_size, run = block_size - off < t1 - t ? block_size - off : t1 - t;
             const float *vr = v + slot(&l, tbl, base, t);
-            for (int64_t i = 0; i < run; i++, vr += dim)
-                for (int64_t g = 0; g < group; g++) {
-                    const float p = scores[g][t - t0 + i];
-                    for (int64_t d = 0; d < dim; d += LANES) *(vf *)&acc[g][d] += p * *(const vf *)(vr + d);
-                }
+            for (int64_t i = 0; i < run; i++, vr += dim) add_weighted(acc, scores, t - t0 + i, vr, group, dim);
             t += run;
         }
         for (int64_t g = 0; g < group; g++) memcpy(mine + g * (dim + 2) + 2, acc[g], dim * sizeof(float));
