@@ -77,7 +77,19 @@ def test_pairing_is_on_item_ids_not_row_order():
     ref = pd.DataFrame({"doc_id": range(100), "correct": [1.0, 0.0] * 50})
     shuffled = ref.sample(frac=1, random_state=0)  # the same answers in another order: no drop at all
     drop = stats.paired_drop(ref, shuffled, "correct", ["doc_id"])
-    assert drop.drop == 0 and drop.low == 0 and drop.high == 0 and drop.verdict == stats.EQUIVALENT
+    assert drop.drop == 0 and drop.verdict == stats.EQUIVALENT
+    assert -drop.low == drop.high == pytest.approx(stats.resolution(100, 0.95))  # what 100 items can resolve
+
+
+def test_few_items_never_settle_anything():
+    """2 items both lost: a bootstrap says -100 pp with no spread; the sign test (p = 0.5) and the floor say: nothing
+    shown. 2 items both kept alike are not 'equivalent' either."""
+    ids = pd.DataFrame({"doc_id": [0, 1]})
+    lost = stats.paired_drop(ids.assign(correct=1.0), ids.assign(correct=0.0), "correct", ["doc_id"])
+    assert lost.drop == 1.0 and lost.verdict == stats.INCONCLUSIVE
+    alike = stats.paired_drop(ids.assign(correct=1.0), ids.assign(correct=1.0), "correct", ["doc_id"])
+    assert alike.verdict == stats.INCONCLUSIVE and alike.high > 0.5
+    assert stats.sign_test_p(9, 0) == pytest.approx(2 / 2**9) and stats.sign_test_p(2, 0) == 0.5
 
 
 def test_without_item_ids_the_drop_is_unpaired_and_says_so():

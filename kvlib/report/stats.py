@@ -17,7 +17,9 @@ conversations resampled within each context-length bucket (a conversation's ques
 buckets are a design, not a sample). Across the comparisons of one page the intervals are Bonferroni-adjusted
 (`family_level`), so all of them hold together at 95 %. Each comparison reads one word: "equivalent" when the whole
 interval lies within +-EQUIVALENCE_MARGIN (a two one-sided tests equivalence: near the baseline), else "lower" or
-"higher" when it excludes 0, else "inconclusive". Rows without item ids (results from before they were recorded)
+"higher" when it excludes 0 and an exact sign test over the resampled units agrees, else "inconclusive". No
+interval is narrower than its number of units can resolve (`resolution`: a bootstrap of identical answers has no
+spread, yet two items answered alike show nothing). Rows without item ids (results from before they were recorded)
 fall back to an unpaired bootstrap, said so in the result.
 """
 
@@ -41,10 +43,6 @@ EQUIVALENCE_MARGIN = 0.05  # "near the baseline": within 5 percentage points
 LARGER, SMALLER, WITHIN_NOISE, TOO_FEW = "larger", "smaller", "within noise", "too few repeats to judge"
 # accuracy verdicts: the policy against its reference
 LOWER, HIGHER, EQUIVALENT, INCONCLUSIVE = "lower", "higher", "equivalent", "inconclusive"
-
-TIMING_RULE = (f"a difference in time or throughput is stated only where a two-sided permutation test on the "
-               f"repeats rejects equality at {ALPHA:.0%} (two equal engines are called different at most "
-               f"{ALPHA:.0%} of the time); the interval given is that test's {1 - ALPHA:.0%} interval of the ratio")
 
 
 # ---- timing --------------------------------------------------------------------------------------------------------
@@ -80,6 +78,14 @@ def repeats_needed(alpha: float = ALPHA) -> int:
     while smallest_p_value(n, n) > alpha:
         n += 1
     return n
+
+
+def timing_rule(alpha: float = ALPHA) -> str:
+    """The timing rule and its error rate, in words (for the book: said once per page)."""
+    return (f"a difference in time or throughput is stated only where a two-sided permutation test on the repeats "
+            f"rejects equality at {alpha * 100:g} % (two equal engines are called different at most {alpha * 100:g} % "
+            f"of the time; it takes {repeats_needed(alpha)} repeats a side to ever reject); the interval given is that "
+            f"test's {(1 - alpha) * 100:g} % interval of the ratio")
 
 
 def _splits(n_a: int, n_b: int, permutations: int, seed: int) -> tuple[np.ndarray, bool]:
@@ -179,12 +185,11 @@ def drop_verdict(low: float, high: float, margin: float = EQUIVALENCE_MARGIN) ->
     return INCONCLUSIVE
 
 
-def bootstrap_paired_drops(differences, clusters=None, strata=None, draws: int = DRAWS,
-                           seed: int = SEED) -> np.ndarray:
-    """Bootstrap replicates of the mean item difference (reference - policy): clusters resampled with replacement
-    within each stratum (no clusters: every item its own; no strata: one), each replicate the mean over the items
-    of the clusters drawn."""
-    d = np.asarray(differences, dtype=float)
+def bootstrap_means(values, clusters=None, strata=None, draws: int = DRAWS, seed: int = SEED) -> np.ndarray:
+    """Bootstrap replicates of the mean of item values (a score, or a paired difference reference - policy): clusters
+    resampled with replacement within each stratum (no clusters: every item its own; no strata: one), each replicate
+    the mean over the items of the clusters drawn."""
+    d = np.asarray(values, dtype=float)
     clusters = np.arange(len(d)) if clusters is None else pd.factorize(pd.Series(list(clusters)))[0]
     strata = np.zeros(len(d), dtype=int) if strata is None else pd.factorize(pd.Series(list(strata)))[0]
     per_cluster = pd.DataFrame({"cluster": clusters, "stratum": strata, "d": d}).groupby("cluster").agg(
@@ -211,6 +216,53 @@ def _interval(replicates: np.ndarray, level: float) -> tuple[float, float]:
     return float(np.quantile(replicates, tail)), float(np.quantile(replicates, 1 - tail))
 
 
+def _z(level: float) -> float:
+    """The standard normal quantile of a two-sided level (bisection on erf: no scipy here)."""
+    low, high = 0.0, 10.0
+    for _ in range(60):
+        mid = (low + high) / 2
+        low, high = (mid, high) if math.erf(mid / math.sqrt(2)) < level else (low, mid)
+    return (low + high) / 2
+
+
+def resolution(clusters: int, level: float) -> float:
+    """The least half-width an interval from `clusters` independent units can honestly have: with none of them
+    differing, the share that could differ is still up to z^2 / (n + z^2) (Wilson's bound at zero). A bootstrap of
+    identical answers has no spread at all; without this floor two items answered alike would read "equivalent"."""
+    z2 = _z(level) ** 2
+    return z2 / (clusters + z2) if clusters else math.inf
+
+
+def sign_test_p(positive: int, negative: int) -> float:
+    """Exact two-sided sign test: the chance of a split at least this uneven among units that differ, if each were
+    as likely to differ either way (McNemar's exact test, where the units are single binary items)."""
+    n, k = positive + negative, min(positive, negative)
+    if n == 0:
+        return 1.0
+    return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n)
+
+
+def _floored(drop: float, low: float, high: float, clusters: int, level: float) -> tuple[float, float]:
+    w = resolution(clusters, level)
+    return max(min(low, drop - w), -1.0), min(max(high, drop + w), 1.0)
+
+
+def _cluster_labels(frame: pd.DataFrame, cluster: list[str] | None) -> pd.Series | None:
+    return frame[cluster].astype(str).agg("/".join, axis=1) if cluster else None
+
+
+def mean_interval(frame: pd.DataFrame, value: str, cluster: list[str] | None = None, stratum: str | None = None,
+                  level: float = 1 - ALPHA, draws: int = DRAWS, seed: int = SEED) -> tuple[float, float]:
+    """A score's bootstrap interval, resampling clusters within strata as paired_drop does (retention: a whole
+    conversation's questions together, within its bucket)."""
+    d = frame.dropna(subset=[value])
+    if d.empty:
+        return math.nan, math.nan
+    replicates = bootstrap_means(d[value].astype(float), _cluster_labels(d, cluster),
+                                 d[stratum] if stratum else None, draws, seed)
+    return _interval(replicates, level)
+
+
 def paired_drop(reference: pd.DataFrame, other: pd.DataFrame, value: str, item: list[str],
                 cluster: list[str] | None = None, stratum: str | None = None, level: float = 1 - ALPHA,
                 margin: float = EQUIVALENCE_MARGIN, draws: int = DRAWS, seed: int = SEED) -> Drop:
@@ -224,19 +276,25 @@ def paired_drop(reference: pd.DataFrame, other: pd.DataFrame, value: str, item: 
                                                       suffixes=("_ref", ""))
         if not joined.empty:
             ref_scores, scores = joined[f"{value}_ref"].astype(float), joined[value].astype(float)
-            groups = joined[cluster].astype(str).agg("/".join, axis=1) if cluster else None
-            replicates = bootstrap_paired_drops(ref_scores - scores, groups,
-                                                joined[stratum] if stratum else None, draws, seed)
-            low, high = _interval(replicates, level)
+            groups = _cluster_labels(joined, cluster)
+            differences = ref_scores - scores
+            replicates = bootstrap_means(differences, groups, joined[stratum] if stratum else None, draws, seed)
             drop = float(ref_scores.mean() - scores.mean())
-            n_clusters = groups.nunique() if cluster else len(joined)
-            return Drop(float(ref_scores.mean()), float(scores.mean()), drop, low, high, len(joined), n_clusters,
-                        level, True, drop_verdict(low, high, margin))
+            per_cluster = differences.groupby(groups.to_numpy() if cluster else np.arange(len(joined))).mean()
+            low, high = _floored(drop, *_interval(replicates, level), len(per_cluster), level)
+            verdict = drop_verdict(low, high, margin)
+            # a loss or gain also needs the exact sign test over the units: a bootstrap of 2 items both lost would
+            # otherwise call it at any level
+            if verdict in (LOWER, HIGHER) and sign_test_p(int((per_cluster > 0).sum()),
+                                                          int((per_cluster < 0).sum())) > 1 - level:
+                verdict = INCONCLUSIVE
+            return Drop(float(ref_scores.mean()), float(scores.mean()), drop, low, high, len(joined),
+                        len(per_cluster), level, True, verdict)
     ref_scores = reference[value].dropna().astype(float)
     scores = other[value].dropna().astype(float)
     if ref_scores.empty or scores.empty:
         return Drop(math.nan, math.nan, math.nan, math.nan, math.nan, 0, 0, level, False, INCONCLUSIVE)
-    low, high = _interval(bootstrap_unpaired_drops(ref_scores, scores, draws, seed), level)
-    return Drop(float(ref_scores.mean()), float(scores.mean()), float(ref_scores.mean() - scores.mean()), low, high,
-                min(len(ref_scores), len(scores)), min(len(ref_scores), len(scores)), level, False,
+    drop, n = float(ref_scores.mean() - scores.mean()), min(len(ref_scores), len(scores))
+    low, high = _floored(drop, *_interval(bootstrap_unpaired_drops(ref_scores, scores, draws, seed), level), n, level)
+    return Drop(float(ref_scores.mean()), float(scores.mean()), drop, low, high, n, n, level, False,
                 drop_verdict(low, high, margin))
