@@ -26,7 +26,7 @@ def frames():
             for p, base in [("full", 1.0), ("fast", 0.8), ("sparse", 0.5)] for n in (512, 2048)
             for mode in ("full", "fused")]
     # accuracy: sparse loses 8 pp at budget 0.1 and 2 pp at 0.5 (so 0.1 is the nearest scored budget below 0.3)
-    accuracy = [{"task": "recall", "policy": p, "budget": b, "correct": float(i < n)}
+    accuracy = [{"task": "recall", "policy": p, "budget": b, "doc_id": i, "correct": float(i < n)}
                 for p, b, n in [("full", None, 50), ("sparse", 0.1, 46), ("sparse", 0.5, 49)] for i in range(50)]
     return {"batch_scaling": pd.DataFrame(batch), "ttft": pd.DataFrame(ttft), "accuracy": pd.DataFrame(accuracy)}
 
@@ -46,7 +46,11 @@ def test_the_fastest_policy_that_fits_and_keeps_its_accuracy():
     strict = choose(f, 512, 8, 32, max_accuracy_drop=5.0)  # sparse loses 8 pp at 0.1, the budget below its 0.3
     assert strict.fastest_decode == "full" and "8.0 pp" in strict.excluded["sparse"]
     assert "nearest scored budget below 0.3" in strict.excluded["sparse"]
-    assert choose(f, 512, 8, 32, max_accuracy_drop=10.0).fastest_decode == "sparse"
+    # 4 items lost of 50: a measured 8 pp, but up to ~15 pp is plausible: a 10 pp tolerance rules it out, 20 does not
+    loose = choose(f, 512, 8, 32, max_accuracy_drop=10.0)
+    assert loose.fastest_decode == "full" and "measured drop 8.0 pp" in loose.excluded["sparse"]
+    assert 10 < float(loose.excluded["sparse"].split("up to ")[1].split(" pp")[0]) < 20
+    assert choose(f, 512, 8, 32, max_accuracy_drop=20.0).fastest_decode == "sparse"
     small = choose(f, 512, 4, 32, device_memory_gb=2.5)  # fast's measured peak at batch 4 is 3 GiB
     assert small.fastest_decode == "sparse" and "fast" in small.excluded
 

@@ -18,8 +18,8 @@ from kvlib.study.executor import UnitsFailed
 REPO = Path(__file__).resolve().parents[1]
 # columns that measure (time, the machine's load) or describe the process that computed the unit (a Ray worker
 # holds cpus_per_point threads): everything else must be the same, whichever executor computed it
-MEASURED = {"load_avg_1m", "others_cpu_s", "others_cpu_share", "steal_s", "disturbed", "attempts", "finished_at",
-            "cpu_threads"}
+MEASURED = {"load_avg_1m", "others_cpu_s", "others_cpu_share", "steal_s", "steal_share", "disturbed", "attempts",
+            "finished_at", "cpu_threads", "machine_ray_node"}
 
 
 def measured(column: str) -> bool:

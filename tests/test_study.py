@@ -1,6 +1,8 @@
 """The study runner: profile validation, grid expansion into typed points, stable keys, resuming an interrupted
 run, the manifest readers load, and the notebook's loader."""
 
+import itertools
+
 import pandas as pd
 import pytest
 import yaml
@@ -237,7 +239,9 @@ def test_repeats_run_interleaved_and_every_repeat_is_stored(root, monkeypatch):
     points = len(set(calls))
     assert len(calls) == 3 * points and calls[:points] == calls[points:2 * points]  # every point once, then again
     assert sorted(frame["repeat"].unique()) == [0, 1, 2] and len(frame) == 3 * points
-    assert {"load_avg_1m", "others_cpu_share", "disturbed", "attempts"} <= set(frame.columns)
+    assert {"load_avg_1m", "others_cpu_share", "steal_share", "disturbed", "attempts"} <= set(frame.columns)
+    assert {"machine_host", "machine_cpu", "machine_cpu_flags", "machine_gpu", "machine_ray_node"} <= set(frame.columns)
+    assert frame["machine_cpu"].notna().all() and frame["machine_ray_node"].isna().all()  # no Ray here
 
 
 def test_a_unit_measured_under_load_is_measured_again_then_flagged(root, monkeypatch):
@@ -282,3 +286,29 @@ def test_the_load_probe_sees_another_process_take_the_cpu():
         pytest.skip("no /proc/stat here")
     assert loaded.others_cpu_s > 1.0 and loaded.disturbed
     assert quiet.others_cpu_s < loaded.others_cpu_s
+
+
+def test_time_stolen_by_the_hypervisor_counts_as_disturbance():
+    """On a VM a noisy neighbour shows as steal, not as other processes' time."""
+    from kvlib.study.machine_load import Load
+
+    assert not Load(wall_s=4.0, others_cpu_s=0.1, others_cpu_share=0.0125, steal_s=0.1, steal_share=0.0125).disturbed
+    stolen = Load(wall_s=4.0, others_cpu_s=0.1, others_cpu_share=0.0125, steal_s=1.6, steal_share=0.2)
+    assert stolen.disturbed and stolen.taken_share == pytest.approx(0.2125)
+    both = Load(wall_s=4.0, others_cpu_s=0.48, others_cpu_share=0.06, steal_s=0.48, steal_share=0.06)
+    assert both.disturbed  # neither alone is above 10 %, together they are
+    assert not Load(wall_s=0.1, others_cpu_s=0.0, others_cpu_share=0.0, steal_s=0.1, steal_share=0.5).disturbed
+
+
+def test_the_load_probe_reads_steal_from_proc_stat(monkeypatch):
+    from kvlib.study import machine_load
+
+    ticks = iter([(1000, 50), (1000, 50 + 2 * machine_load.CLOCK_TICKS)])  # (busy, stolen): 2 s stolen, no one busy
+    monkeypatch.setattr(machine_load, "_cpu_ticks", lambda: next(ticks))
+    monkeypatch.setattr(machine_load.os, "cpu_count", lambda: 2)
+    clock = itertools.count(0.0, 4.0)  # 4 s of wall time between entering and leaving
+    monkeypatch.setattr(machine_load.time, "perf_counter", lambda: next(clock))
+    with machine_load.measured_load() as load:
+        pass
+    assert load.steal_s == pytest.approx(2.0) and load.steal_share == pytest.approx(0.25)
+    assert load.others_cpu_s == 0.0 and load.disturbed and load.columns()["steal_share"] == pytest.approx(0.25)

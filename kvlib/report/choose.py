@@ -8,8 +8,9 @@ Evidence per question:
   larger batch, the batch-scaling experiment (mixed-length prompts, its own output length) at the batch asked;
 - TTFT: the TTFT experiment, each policy at its fastest prefill mode, at the prompt length asked;
 - memory: the device peak measured at the point used (an OOM there rules the policy out);
-- accuracy: the largest drop against the full cache over the accuracy tasks (accuracy-scored ones, percentage
-  points), at the policy's budget in the systems experiments or, where that budget was not scored, the nearest
+- accuracy: the largest plausible drop against the full cache over the accuracy tasks (accuracy-scored ones,
+  percentage points: the upper end of the drop's paired 95 % interval, so a drop measured on few items rules a
+  policy out until more items show it is small), at the policy's budget in the systems experiments or, where that budget was not scored, the nearest
   scored budget below it. Policies that keep and attend every entry (rows say `lossless`) lose nothing by
   construction.
 """
@@ -21,7 +22,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from kvlib.report.tables import accuracy_table, decode_kernels, kernel_note
+from kvlib.report import stats
+from kvlib.report.tables import accuracy_item, accuracy_table, decode_kernels, kernel_note
 
 
 @dataclass
@@ -82,25 +84,35 @@ class Choice:
         return "\n".join(lines + self.notes)
 
 
-def accuracy_drops(accuracy: pd.DataFrame, budgets: dict[str, float | None]) -> dict[str, tuple[float, str]]:
-    """Per policy, the largest accuracy drop (pp) against the full cache over accuracy-scored tasks, with where it
-    was read. budgets: the policy's budget in the systems experiments (None: not a budgeted policy)."""
+def accuracy_drops(accuracy: pd.DataFrame, budgets: dict[str, float | None]) -> dict[str, tuple[float, str, float]]:
+    """Per policy, the largest plausible accuracy loss (pp) against the full cache over accuracy-scored tasks: the
+    upper end of the 95 % interval of its drop, paired on the items (kvlib.report.stats.paired_drop; unpaired where
+    rows carry no item ids), the largest over tasks; with where it was read and that task's measured drop (pp).
+    budgets: the policy's budget in the systems experiments (None: not a budgeted policy)."""
     if accuracy.empty:
         return {}
     table = accuracy_table(accuracy)
     table = table[table["metric"] == "accuracy"]
-    full = table[table["policy"] == "full"].set_index("task")["score"]
+    rows = accuracy[accuracy["ruler_score"].isna()] if "ruler_score" in accuracy else accuracy
+    rows = rows.assign(budget=rows["budget"].fillna(1.0) if "budget" in rows else 1.0)
+    item = accuracy_item(rows)
     drops = {}
     for policy, g in table[table["policy"] != "full"].groupby("policy"):
         budget = budgets.get(policy)
         scored = sorted(g["budget"].unique())
         below = [b for b in scored if budget is None or b <= budget + 1e-9]
         used = below[-1] if below else scored[0]
-        at = g[g["budget"] == used].set_index("task")["score"]
-        drop = float(((full - at).dropna() * 100).max())
+        per_task = [stats.paired_drop(rows[(rows["task"] == task) & (rows["policy"] == "full")],
+                                      rows[(rows["task"] == task) & (rows["policy"] == policy)
+                                           & (rows["budget"] == used)], "correct", item)
+                    for task in g.loc[g["budget"] == used, "task"] if task in set(table.loc[table["policy"] == "full",
+                                                                                              "task"])]
+        if not per_task:
+            continue
+        worst = max(per_task, key=lambda d: d.high)
         where = f"budget {used:g}" + ("" if budget is None or abs(used - budget) < 1e-9
                                       else f" (the nearest scored budget {'below' if below else 'above'} {budget:g})")
-        drops[policy] = (drop, where)
+        drops[policy] = (worst.high * 100, where, worst.drop * 100)
     return drops
 
 
@@ -127,9 +139,11 @@ def choose(frames: dict[str, pd.DataFrame], prompt_tokens: int, batch: int, outp
                 continue
             if p not in drops:
                 choice.excluded[p] = "its accuracy was not measured in this profile"
-            elif drops[p][0] > max_accuracy_drop:
-                choice.excluded[p] = (f"loses up to {drops[p][0]:.1f} pp of accuracy at {drops[p][1]} "
-                                      f"(allowed: {max_accuracy_drop:g})")
+            elif drops[p][0] > max_accuracy_drop:  # the largest plausible loss, not the point estimate
+                upper, where, measured = drops[p]
+                choice.excluded[p] = (f"may lose up to {upper:.1f} pp of accuracy at {where} (measured drop "
+                                      f"{measured:.1f} pp; {upper:.1f} is the upper end of its 95 % interval; allowed: "
+                                      f"{max_accuracy_drop:g})")
     for p in policies:
         if p in choice.excluded:
             continue

@@ -9,18 +9,20 @@ import math
 
 import pandas as pd
 
+from kvlib.report import stats
 from kvlib.report.tables import (
-    Spread,
+    accuracy_item,
     accuracy_table,
     decode_kernels,
     decode_spread,
     kernel_note,
+    machine_kind,
     outside_label,
-    ratio,
-    retention_table,
+    retention_design,
     ruler_table,
     same_kernel,
     ttft_spread,
+    wilson,
 )
 
 TITLES = {"ttft": "Time to first token", "batch_scaling": "Batch scaling", "decode_length": "Decode length",
@@ -40,27 +42,63 @@ PAPER = {
 }
 
 
-def compare(name_a: str, a: Spread, name_b: str, b: Spread, higher_is_better: bool, what: str) -> str:
-    """A verdict only when both were measured more than once and their ranges do not overlap."""
-    if min(a.n, b.n) < 2:
-        return f"a single measurement of {what} each for {name_a} and {name_b}: no spread to judge a difference by"
-    if a.overlaps(b):
-        return f"{name_a} and {name_b} are within noise of each other on {what} (their measured ranges overlap)"
-    better, worse = (name_a, name_b) if (a.median > b.median) == higher_is_better else (name_b, name_a)
-    return f"{better} is faster than {worse} on {what} (their measured ranges do not overlap)"
+def compare(name_a: str, a, name_b: str, b, higher_is_better: bool, what: str) -> str:
+    """A verdict on two points' repeats (a, b: their values) by the timing rule (kvlib.report.stats.compare_timings):
+    a difference only where the permutation test finds one, and no verdict where the repeats are too few for any."""
+    c = stats.compare_timings(a, b)
+    if not c.judged:
+        return (f"{name_a} and {name_b}: too few repeats to judge a difference in {what} ({c.n_a} and {c.n_b}; the "
+                f"rule needs {stats.repeats_needed()} a side)")
+    ratio_text = f"ratio {c.ratio:.2f}x, 95 % interval {c.low:.2f}-{c.high:.2f}x"
+    if c.verdict == stats.WITHIN_NOISE:
+        return f"{name_a} and {name_b} are within noise of each other on {what} ({ratio_text})"
+    better, worse = (name_a, name_b) if (c.verdict == stats.LARGER) == higher_is_better else (name_b, name_a)
+    return f"{better} is faster than {worse} on {what} ({ratio_text})"
+
+
+def _judged(c: stats.TimingComparison, what: str) -> str:
+    """The timing rule's reading of a ratio already stated, as a clause."""
+    if not c.judged:
+        return f"too few repeats to judge the {what} ({c.n_a} and {c.n_b})"
+    interval = f"95 % interval {c.low:.2f}-{c.high:.2f}x"
+    return f"the {what} are within noise ({interval})" if c.verdict == stats.WITHIN_NOISE else f"a difference ({interval})"
+
+
+TIMING_RULE_LINE = (f"How differences are judged: {stats.timing_rule()}; ratios are of the geometric means of the "
+                    f"repeats, and only rows measured on one kind of machine (CPU model and GPU) are compared.")
+
+
+def per_machine(lines_of, df: pd.DataFrame) -> list[str]:
+    """lines_of(df) for each kind of machine the rows were measured on: a timing on one machine says nothing about
+    another, so a frame that mixes them is read one kind at a time, and says so."""
+    kinds = machine_kind(df)
+    if kinds.nunique() <= 1:
+        return lines_of(df)
+    counts = kinds.value_counts().sort_index()
+    out = [f"Ours: these rows were measured on {len(counts)} kinds of machine ("
+           + "; ".join(f"{kind}: {n} rows" for kind, n in counts.items())
+           + "): timings are compared only between rows of one kind, each kind read on its own below."]
+    for kind, g in df.groupby(kinds, sort=True):
+        out += [line.replace("Ours: ", f"Ours, on {kind}: ", 1) for line in lines_of(g)]
+    return out
 
 
 def disturbed_note(df: pd.DataFrame) -> list[str]:
     if "disturbed" not in df or not df["disturbed"].fillna(False).any():
         return []
     d = df[df["disturbed"].fillna(False).astype(bool)]
-    note = (f"Ours: {len(d)} measurement(s) ran while other processes took more than 10 % of the CPU, twice in a "
-            f"row ({', '.join(sorted(d['policy'].unique()))}); they are kept and flagged `disturbed` in the results.")
+    note = (f"Ours: {len(d)} measurement(s) ran while other processes or the hypervisor (steal time) took more than "
+            f"10 % of the CPU, twice in a row ({', '.join(sorted(d['policy'].unique()))}); they are kept and flagged "
+            f"`disturbed` in the results.")
     return [note]
 
 
 def ttft(df: pd.DataFrame) -> list[str]:
-    out = [f"Paper: {PAPER['ttft']}"]
+    return [f"Paper: {PAPER['ttft']}"] + per_machine(_ttft, df) + [TIMING_RULE_LINE] + disturbed_note(df)
+
+
+def _ttft(df: pd.DataFrame) -> list[str]:
+    out = []
     for (policy, prefill), g in df.groupby(["policy", "prefill"]):
         done = g.loc[~g["oom"], "prompt_tokens"]
         failed = g.loc[g["oom"], "prompt_tokens"]
@@ -70,18 +108,19 @@ def ttft(df: pd.DataFrame) -> list[str]:
     ok = df[~df["oom"]]
     if not ok.empty:
         longest = ok["prompt_tokens"].max()
-        at = {key: ttft_spread(g) for key, g in ok[ok["prompt_tokens"] == longest].groupby(["policy", "prefill"])}
+        runs = dict(list(ok[ok["prompt_tokens"] == longest].groupby(["policy", "prefill"])))
+        at = {key: ttft_spread(g) for key, g in runs.items()}
         ranked = sorted(at, key=lambda k: at[k].median)
         (policy, prefill), best = ranked[0], at[ranked[0]]
-        runs = ((ok["prompt_tokens"] == longest) & (ok["policy"] == policy) & (ok["prefill"] == prefill)).sum()
         out.append(f"Ours: at {longest:,} tokens the lowest median TTFT is {policy}/{prefill}, {best:.2f} s "
-                   f"(median and range of {runs} runs).")
+                   f"(median and range of {len(runs[ranked[0]])} runs).")
         if len(ranked) > 1:
-            (p2, m2), second = ranked[1], at[ranked[1]]
-            out.append(f"Ours: at {longest:,} tokens, " + compare(f"{policy}/{prefill}", best, f"{p2}/{m2}", second,
-                                                                 False, "TTFT") + ".")
+            (p2, m2) = ranked[1]
+            out.append(f"Ours: at {longest:,} tokens, " + compare(f"{policy}/{prefill}", runs[ranked[0]]["ttft_s"],
+                                                                 f"{p2}/{m2}", runs[ranked[1]]["ttft_s"], False,
+                                                                 "TTFT") + ".")
         out += _ttft_vs_outside(ok, outside_label(df))
-    return out + disturbed_note(df)
+    return out
 
 
 def _ttft_vs_outside(ok: pd.DataFrame, outside: str | None) -> list[str]:
@@ -92,18 +131,35 @@ def _ttft_vs_outside(ok: pd.DataFrame, outside: str | None) -> list[str]:
     lengths = set(ok.loc[ok["policy"] == outside, "prompt_tokens"]) & set(ok.loc[ok["policy"] != outside, "prompt_tokens"])
     if not lengths:
         return []
-    at = {key: ttft_spread(g) for key, g in ok[ok["prompt_tokens"] == max(lengths)].groupby(["policy", "prefill"])}
-    theirs = min((v for (p, _), v in at.items() if p == outside), key=lambda v: v.median)
+    runs = dict(list(ok[ok["prompt_tokens"] == max(lengths)].groupby(["policy", "prefill"])))
+    at = {key: ttft_spread(g) for key, g in runs.items()}
+    theirs_key = min((k for k in at if k[0] == outside), key=lambda k: at[k].median)
+    theirs = at[theirs_key]
     ours = {k: v for k, v in at.items() if k[0] != outside}
     (policy, prefill) = min(ours, key=lambda k: ours[k].median)
     best = ours[(policy, prefill)]
     return [(f"Ours: at {max(lengths):,} tokens {outside} takes {theirs:.2f} s to the first token; the fastest kvlib "
-             f"policy, {policy}/{prefill}, {best:.2f} s ({ratio(best, theirs):.2f}x vLLM's); "
-             + compare(f"{policy}/{prefill}", best, outside, theirs, False, "TTFT") + ".")]
+             f"policy, {policy}/{prefill}, {best:.2f} s ({best.median / theirs.median:.2f}x vLLM's median); "
+             + compare(f"{policy}/{prefill}", runs[(policy, prefill)]["ttft_s"], outside, runs[theirs_key]["ttft_s"],
+                       False, "TTFT") + ".")]
+
+
+def _range_words(g: pd.DataFrame) -> str:
+    """What a decode throughput's range spans: the per-step quartiles where the rows have them (the engine's own
+    timing), else the repeats (throughput measured from outside: one figure a run)."""
+    q1 = g.get("decode_tokens_per_s_q1")
+    if q1 is not None and q1.notna().all():
+        return "range: the interquartile range of its decode steps"
+    return f"median and range of {len(g)} repeats"
 
 
 def batch_scaling(df: pd.DataFrame) -> list[str]:
-    out = [f"Paper: {PAPER['batch_scaling']}"]
+    return [f"Paper: {PAPER['batch_scaling']}"] + per_machine(_batch_scaling, df) + [TIMING_RULE_LINE] \
+        + disturbed_note(df)
+
+
+def _batch_scaling(df: pd.DataFrame) -> list[str]:
+    out = []
     for policy, g in df[df["oom"]].groupby("policy"):
         out.append(f"Ours: {policy} ran out of device memory from batch {g['batch_size'].min()} "
                    f"(at {g['oom_where'].iloc[0]}).")
@@ -113,28 +169,29 @@ def batch_scaling(df: pd.DataFrame) -> list[str]:
     outside = outside_label(df)
     biggest = d["batch_size"].max()
     big = d[d["batch_size"] == biggest]
+    runs = {policy: g["decode_tokens_per_s"] for policy, g in big.groupby("policy")}
     tps = {policy: decode_spread(g) for policy, g in big.groupby("policy")}
     device = big.groupby("policy")["device_peak_bytes"].median()
     host = big.groupby("policy")["host_peak_bytes"].median()
-    per_gib = {p: Spread(*(x / (device[p] / 2**30) for x in (t.median, t.low, t.high)), t.n) for p, t in tps.items()}
+    per_gib = {p: t.median / (device[p] / 2**30) for p, t in tps.items()}
     ranked = sorted(tps, key=lambda p: tps[p].median, reverse=True)
     kernels = decode_kernels(big)
     note = kernel_note(kernels, ranked)
     if note:
         out.append(f"Ours: at batch {biggest}, {note}.")
     out.append(f"Ours: at batch {biggest} the highest median decode throughput is {ranked[0]} "
-               f"({tps[ranked[0]]:.1f} tok/s; range: the interquartile range of its decode steps).")
+               f"({tps[ranked[0]]:.1f} tok/s; {_range_words(big[big['policy'] == ranked[0]])}).")
     if len(ranked) > 1 and same_kernel(kernels, ranked[0], ranked[1]):
-        out.append(f"Ours: at batch {biggest}, " + compare(ranked[0], tps[ranked[0]], ranked[1], tps[ranked[1]], True,
-                                                           "decode throughput") + ".")
+        out.append(f"Ours: at batch {biggest}, " + compare(ranked[0], runs[ranked[0]], ranked[1], runs[ranked[1]],
+                                                           True, "decode throughput") + ".")
     for policy in ranked:
         out.append(f"Ours: {policy} at batch {biggest}: {tps[policy]:.1f} tok/s, device peak "
-                   f"{device[policy] / 2**30:.2f} GiB, {per_gib[policy].median:.1f} tok/s per GiB, "
+                   f"{device[policy] / 2**30:.2f} GiB, {per_gib[policy]:.1f} tok/s per GiB, "
                    f"host peak {host[policy] / 2**30:.2f} GiB.")
     if outside and outside in tps and "paged" in tps:
-        out.append(f"Ours: kvlib's paged policy decodes at {ratio(tps['paged'], tps[outside]):.2f}x {outside}'s "
-                   f"throughput at batch {biggest} (how far kvlib's engine is from a production one); "
-                   + compare("paged", tps["paged"], outside, tps[outside], True, "decode throughput") + ".")
+        out.append(f"Ours: kvlib's paged policy decodes at {tps['paged'].median / tps[outside].median:.2f}x "
+                   f"{outside}'s median throughput at batch {biggest} (how far kvlib's engine is from a production "
+                   f"one); " + compare("paged", runs["paged"], outside, runs[outside], True, "decode throughput") + ".")
     # against the full cache, and against the real vLLM (the paper's H2O: ~3x vLLM's throughput per GB); each pair once
     references = [r for r in ("full", outside) if r and r in tps]
     for i, reference in enumerate(references):
@@ -143,35 +200,112 @@ def batch_scaling(df: pd.DataFrame) -> list[str]:
                 out.append(f"Ours: {policy} vs {reference} at batch {biggest}: not compared, they decoded with "
                            f"different attention kernels ({kernels[policy]}, {kernels[reference]}).")
                 continue
-            speed = ratio(tps[policy], tps[reference])
-            out.append(f"Ours: {policy} vs {reference} at batch {biggest}: {speed:.2f}x throughput, "
-                       f"{ratio(per_gib[policy], per_gib[reference]):.2f}x throughput per GiB of device memory"
-                       + ("; the throughputs are within noise" if tps[policy].overlaps(tps[reference])
-                          and min(tps[policy].n, tps[reference].n) > 1 else "") + ".")
+            c = stats.compare_timings(runs[policy], runs[reference])
+            out.append(f"Ours: {policy} vs {reference} at batch {biggest}: {c.ratio:.2f}x throughput, "
+                       f"{per_gib[policy] / per_gib[reference]:.2f}x throughput per GiB of device memory; "
+                       f"{_judged(c, 'throughputs')}.")
     if outside and outside in tps and "device_kv_reserved_peak_bytes" in d:
         pool = big[big["policy"] == outside].iloc[0]
         held = pool["device_kv_reserved_peak_bytes"] + pool["device_kv_peak_bytes"]
         out.append(f"Ours: {outside} preallocates its KV pool ({held / 2**30:.2f} GiB) and used "
                    f"{pool['device_kv_peak_bytes'] / 2**30:.2f} GiB of it at batch {biggest}: its device peak, and so "
                    f"its throughput per GiB, counts the whole pool.")
-    return out + disturbed_note(df)
+    return out
 
 
 def decode_length(df: pd.DataFrame) -> list[str]:
-    out = [f"Paper: {PAPER['decode_length']}"]
-    d = df[~df["oom"]]
-    for policy, g in d.groupby("policy"):
-        by_length = {n: decode_spread(x) for n, x in g.groupby("output_tokens")}
+    return [f"Paper: {PAPER['decode_length']}"] + per_machine(_decode_length, df) + [TIMING_RULE_LINE] \
+        + disturbed_note(df)
+
+
+def _decode_length(df: pd.DataFrame) -> list[str]:
+    out = []
+    for policy, g in df[~df["oom"]].groupby("policy"):
+        by_length = dict(list(g.groupby("output_tokens")))
         first, last = min(by_length), max(by_length)
-        a, b = by_length[first], by_length[last]
-        change = f"{b.median / a.median - 1:+.0%}" + (", within noise" if a.overlaps(b) and min(a.n, b.n) > 1 else "")
-        out.append(f"Ours: {policy}: {a:.1f} tok/s at {first} output tokens, {b:.1f} at {last} ({change}).")
-    return out + disturbed_note(df)
+        a, b = decode_spread(by_length[first]), decode_spread(by_length[last])
+        c = stats.compare_timings(by_length[last]["decode_tokens_per_s"], by_length[first]["decode_tokens_per_s"])
+        if not c.judged:
+            judged = f", too few repeats to judge ({c.n_a} and {c.n_b})"
+        else:
+            interval = f"95 % interval {c.low - 1:+.0%} to {c.high - 1:+.0%}"
+            judged = f", within noise: {interval}" if c.verdict == stats.WITHIN_NOISE else f"; {interval}"
+        out.append(f"Ours: {policy}: {a:.1f} tok/s at {first} output tokens, {b:.1f} at {last} "
+                   f"({c.ratio - 1:+.0%}{judged}).")
+    return out
+
+
+def _change(drop: stats.Drop) -> str:
+    """A policy's change from its reference in pp with the interval and the verdict word: the reader sees the score
+    move, so the sign is the score's (a drop of 12 pp reads -12.0)."""
+    def pp(share: float) -> str:
+        return f"{-share * 100 + 0.0:+.1f}"  # + 0.0: no "-0.0" for an unchanged score
+
+    return f"{pp(drop.drop)} pp, interval {pp(drop.high)} to {pp(drop.low)}: {drop.verdict}"
+
+
+def _accuracy_rule(drops: dict, resampled: str = "items resampled") -> list[str]:
+    """The rule behind the accuracy verdicts, said once per page, and the fallback where rows carried no item ids."""
+    if not drops:
+        return []
+    level = next(iter(drops.values())).level
+    rule = (f"How differences are judged: each change is read on the same items (paired) with a bootstrap interval "
+            f"({resampled}); the {len(drops)} intervals here are adjusted together (Bonferroni: each at "
+            f"{level * 100:.1f} %, all at {(1 - stats.ALPHA) * 100:.0f} %); 'equivalent' when the interval lies within "
+            f"+-{stats.EQUIVALENCE_MARGIN * 100:.0f} pp, 'lower'/'higher' when it excludes 0, else 'inconclusive'.")
+    unpaired = sum(not d.paired for d in drops.values())
+    note = (f"Ours: {unpaired} of these {len(drops)} comparisons could not pair their items: the rows carry no item "
+            f"ids (results from before they were recorded), so each side is resampled on its own, a wider interval.")
+    return [rule] + ([note] if unpaired else [])
+
+
+def _family(pairs: dict, value: str, item: list[str], cluster: list[str] | None = None,
+            stratum: str | None = None) -> dict:
+    """The paired drops of every (reference rows, policy rows) pair, their intervals adjusted together."""
+    level = stats.family_level(len(pairs))
+    return {key: stats.paired_drop(ref, other, value, item, cluster, stratum, level=level)
+            for key, (ref, other) in pairs.items()}
+
+
+def _pairs_against_full(rows: pd.DataFrame, key) -> dict:
+    """(full's rows, the policy's rows) per policy and budget, and (InfiniGen's, H2O's) per budget where both ran: the
+    paper's two comparisons."""
+    full = rows[rows["policy"] == "full"]
+    pairs = {}
+    if full.empty:
+        return pairs
+    for (policy, budget), g in rows[rows["policy"] != "full"].groupby(["policy", "budget"]):
+        pairs[(*key, budget, policy)] = (full, g)
+    for budget, b in rows.groupby("budget"):
+        if {"h2o", "infinigen"} <= set(b["policy"]):
+            pairs[(*key, budget, H2O_VS_INFINIGEN)] = (b[b["policy"] == "infinigen"], b[b["policy"] == "h2o"])
+    return pairs
+
+
+H2O_VS_INFINIGEN = "h2o vs infinigen"
+
+
+def _who_loses_more(drop: stats.Drop) -> str:
+    """H2O against InfiniGen on the same items (the paper: H2O loses more)."""
+    words = {stats.LOWER: "H2O loses more than InfiniGen", stats.HIGHER: "InfiniGen loses more than H2O",
+             stats.EQUIVALENT: f"H2O and InfiniGen are equivalent within +-{stats.EQUIVALENCE_MARGIN * 100:.0f} pp",
+             stats.INCONCLUSIVE: "H2O and InfiniGen are within noise of each other"}
+    return f"{words[drop.verdict]} (H2O's change from InfiniGen {_change(drop)}; paper: H2O loses more)"
+
+
+def _scored_rows(df: pd.DataFrame) -> pd.DataFrame:
+    d = df[df["ruler_score"].isna()] if "ruler_score" in df else df
+    return d.assign(budget=d["budget"].fillna(1.0) if "budget" in d else 1.0)
 
 
 def accuracy(df: pd.DataFrame) -> list[str]:
     out = [f"Paper: {PAPER['accuracy']}"]
     table = accuracy_table(df)
+    rows = _scored_rows(df)
+    pairs = {}
+    for task in table.loc[table["metric"] == "accuracy", "task"].unique():
+        pairs.update(_pairs_against_full(rows[rows["task"] == task], (task,)))
+    drops = _family(pairs, "correct", accuracy_item(rows))
     for task, t in table.groupby("task"):
         full = t[t["policy"] == "full"]
         if full.empty:
@@ -183,24 +317,31 @@ def accuracy(df: pd.DataFrame) -> list[str]:
         for budget, b in t[t["policy"] != "full"].groupby("budget"):
             parts = []
             for _, row in b.iterrows():
-                delta = (f"{(row['score'] - base['score']) * 100:+.1f} pp" if metric == "accuracy"
+                delta = (_change(drops[(task, budget, row["policy"])]) if metric == "accuracy"
                          else f"{row['score'] / base['score'] - 1:+.1%}")
-                used = (f", attended {row['kv_share_attended']:.0%} of the KV"
+                used = (f"; attended {row['kv_share_attended']:.0%} of the KV"
                         if not math.isnan(row["kv_share_attended"]) else "")
                 parts.append(f"{row['policy']} {unit(row['score'])} ({delta}{used})")
             out.append(f"Ours: {task} at budget {budget:g}: " + ", ".join(parts) + ".")
-            verdict = _who_loses_more(b.set_index("policy"))
-            if verdict:
-                out.append(f"Ours: {task} at budget {budget:g}: {verdict}.")
-    return out + ruler(df)
+            if (task, budget, H2O_VS_INFINIGEN) in drops:
+                out.append(f"Ours: {task} at budget {budget:g}: "
+                           f"{_who_loses_more(drops[(task, budget, H2O_VS_INFINIGEN)])}.")
+    return out + _accuracy_rule(drops) + ruler(df)
 
 
 def ruler(df: pd.DataFrame) -> list[str]:
-    """RULER read against the paper's accuracy finding: the mean over subtasks per length, each policy's loss against
-    the full cache at each budget, and whether H2O loses more than InfiniGen."""
+    """RULER read against the paper's accuracy finding: the mean over subtasks per length, each policy's change from
+    the full cache at each budget on the same items (resampled within each subtask), and whether H2O loses more
+    than InfiniGen."""
     table = ruler_table(df)
     if table.empty:
         return []
+    rows = df[df["ruler_score"].notna()]
+    rows = rows.assign(budget=rows["budget"].fillna(1.0) if "budget" in rows else 1.0)
+    pairs = {}
+    for length, at in rows.groupby("length"):
+        pairs.update(_pairs_against_full(at, (length,)))
+    drops = _family(pairs, "ruler_score", accuracy_item(rows), stratum="task")
     out = []
     means = table[table["task"] == "mean"]
     for length, t in means.groupby("length"):
@@ -212,47 +353,52 @@ def ruler(df: pd.DataFrame) -> list[str]:
         out.append(f"Ours: RULER at {length:,} tokens ({', '.join(tasks)}; {base['items']} items), full cache "
                    f"{base['score']:.1%} (95 % interval {base['low']:.1%}-{base['high']:.1%}).")
         for budget, b in t[t["policy"] != "full"].groupby("budget"):
-            parts = [f"{row['policy']} {row['score']:.1%} ({(row['score'] - base['score']) * 100:+.1f} pp"
-                     + (f", attended {row['kv_share_attended']:.0%} of the KV"
+            parts = [f"{row['policy']} {row['score']:.1%} ({_change(drops[(length, budget, row['policy'])])}"
+                     + (f"; attended {row['kv_share_attended']:.0%} of the KV"
                         if not math.isnan(row["kv_share_attended"]) else "") + ")" for _, row in b.iterrows()]
             out.append(f"Ours: RULER at {length:,} tokens, budget {budget:g}: " + ", ".join(parts) + ".")
-            verdict = _who_loses_more(b.set_index("policy").assign(metric="accuracy"))
-            if verdict:
-                out.append(f"Ours: RULER at {length:,} tokens, budget {budget:g}: {verdict}.")
-    return out
-
-
-def _who_loses_more(scores: pd.DataFrame) -> str | None:
-    """Whether H2O loses more than InfiniGen (the paper's comparison): a verdict only when their 95 % intervals do not
-    overlap; None if one of them is missing. scores: indexed by policy, with score, low, high and metric."""
-    if not {"h2o", "infinigen"} <= set(scores.index):
-        return None
-    h2o, ig = scores.loc["h2o"], scores.loc["infinigen"]
-    if h2o["low"] <= ig["high"] and ig["low"] <= h2o["high"]:
-        return "H2O and InfiniGen are within noise of each other (95 % intervals overlap; paper: H2O loses more)"
-    higher_is_better = h2o["metric"] == "accuracy"
-    h2o_worse = (h2o["score"] < ig["score"]) == higher_is_better
-    more = "H2O loses more than InfiniGen" if h2o_worse else "InfiniGen loses more than H2O"
-    return f"{more} (95 % intervals do not overlap; paper: H2O loses more)"
+            if (length, budget, H2O_VS_INFINIGEN) in drops:
+                out.append(f"Ours: RULER at {length:,} tokens, budget {budget:g}: "
+                           f"{_who_loses_more(drops[(length, budget, H2O_VS_INFINIGEN)])}.")
+    return out + [line.replace("each change", "each RULER change", 1)
+                  for line in _accuracy_rule(drops, "items resampled within each subtask")]
 
 
 def retention(df: pd.DataFrame) -> list[str]:
+    """Each policy's retention against the full cache's on the same questions, conversations resampled within each
+    bucket (a conversation's questions share one context: they are not independent)."""
     out = [f"Paper: {PAPER['retention']}"]
-    table = retention_table(df)
-    if "full" not in table.index:
+    if df.empty or "full" not in set(df["policy"]):
         return out + ["Ours: no full-cache run to compare with."]
-    base = table.loc["full"]
-    out.append(f"Ours: {int(base['items'])} questions per policy; the full cache answers {base['score']:.0%} "
-               f"(95 % interval {base['low']:.0%}-{base['high']:.0%}).")
-    for policy, row in table.drop("full").iterrows():
-        used = f", attending {row['kv_share_attended']:.0%} of the KV" if not math.isnan(row["kv_share_attended"]) else ""
-        out.append(f"Ours: {policy} answers {row['score']:.0%} ({(row['score'] - base['score']) * 100:+.0f} pp; "
-                   f"95 % interval {row['low']:.0%}-{row['high']:.0%}{used}).")
+    item, cluster, stratum = retention_design(df)
+    paired = set(item) <= set(df.columns)
+    d = df.assign(correct=df["correct"].astype(float), budget=df["budget"].fillna(1.0) if "budget" in df else 1.0)
+    full = d[d["policy"] == "full"]
+    if paired:
+        low, high = stats.mean_interval(full, "correct", cluster, stratum)
+        how = (f"in {full[cluster].drop_duplicates().shape[0]} conversations; 95 % interval {low:.0%}-{high:.0%}, "
+               f"conversations resampled within buckets")
+    else:
+        low, high = wilson(full["correct"].sum(), len(full))
+        how = f"95 % interval {low:.0%}-{high:.0%}, Wilson"
+    out.append(f"Ours: {len(full)} questions per policy; the full cache answers {full['correct'].mean():.0%} ({how}).")
+    drops = _family(_pairs_against_full(d, ()), "correct", item, cluster if paired else None, stratum)
+    budgeted = df.dropna(subset=["budget"]).groupby("policy")["budget"].nunique() if "budget" in df else pd.Series()
+    for (budget, policy), drop in drops.items():
+        if policy == H2O_VS_INFINIGEN:
+            continue
+        g = d[(d["policy"] == policy) & (d["budget"] == budget)]
+        at = f" at budget {budget:g}" if budgeted.get(policy, 0) > 1 else ""
+        used = (f"; attending {g['kv_share_attended'].median():.0%} of the KV"
+                if "kv_share_attended" in g and g["kv_share_attended"].notna().any() else "")
+        out.append(f"Ours: {policy}{at} answers {drop.score:.0%} ({_change(drop)}{used}).")
     by_bucket = df.groupby(["bucket", "policy"])["correct"].mean().unstack()
     for bucket, row in by_bucket.iterrows():
         out.append(f"Ours: bucket {bucket}: " + ", ".join(f"{p} {v:.0%}" for p, v in row.items()) + ".")
-    verdict = _who_loses_more(table)
-    return out + ([f"Ours: retention over all buckets and turns: {verdict}."] if verdict else [])
+    for (budget, policy), drop in drops.items():
+        if policy == H2O_VS_INFINIGEN:
+            out.append(f"Ours: retention over all buckets and turns at budget {budget:g}: {_who_loses_more(drop)}.")
+    return out + _accuracy_rule(drops, "whole conversations resampled within each bucket")
 
 
 def markdown(lines: list[str]) -> str:

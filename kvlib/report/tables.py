@@ -56,6 +56,17 @@ def kernel_note(kernels: dict[str, str], policies) -> str | None:
         "between policies of one kernel, since across kernels the difference would be the kernels'")
 
 
+def machine_kind(df: pd.DataFrame) -> pd.Series:
+    """Per row, the kind of machine that measured it: CPU model and GPU (kvlib.study.machine's columns), which set a
+    timing's speed; host and Ray node do not (two like machines measure alike). `unrecorded` for rows from before the
+    columns were recorded."""
+    if "machine_cpu" not in df:
+        return pd.Series("unrecorded", index=df.index)
+    gpu = df["machine_gpu"].fillna("no GPU") if "machine_gpu" in df else pd.Series("no GPU", index=df.index)
+    kind = df["machine_cpu"].astype("string") + " with " + gpu.astype("string")
+    return kind.fillna("unrecorded").astype(str)
+
+
 @dataclass
 class Spread:
     """A measured figure: the median and the range it was seen in (over repeats, or over the steps of a run)."""
@@ -93,6 +104,19 @@ def decode_spread(g: pd.DataFrame) -> Spread:
 def ratio(a: Spread, b: Spread) -> Spread:
     return Spread(a.median / b.median, a.low / b.high, a.high / b.low, min(a.n, b.n))
 
+
+
+def accuracy_item(df: pd.DataFrame) -> list[str]:
+    """The columns naming an accuracy item, the same for every policy (same tasks, seeds and lengths): the task, its
+    document, and the length the item was built at where rows record one (RULER's, kvlib's recall)."""
+    return ["task", "doc_id"] + (["length"] if "length" in df else [])
+
+
+def retention_design(df: pd.DataFrame) -> tuple[list[str], list[str], str | None]:
+    """Retention's item (a question: conversation and turn), its cluster (the conversation: its questions share one
+    context) and its stratum (the context-length bucket, a design choice rather than a sample), as columns."""
+    bucket = ["bucket"] if "bucket" in df else []
+    return bucket + ["conversation", "turn"], bucket + ["conversation"], ("bucket" if bucket else None)
 
 
 def wilson(correct: float, n: int, z: float = 1.96) -> tuple[float, float]:

@@ -29,6 +29,7 @@ from tqdm import tqdm
 import kvlib
 from kvlib.errors import UserError
 from kvlib.study import results
+from kvlib.study.machine import machine
 from kvlib.study.machine_load import measured_load
 from kvlib.study.profile import Point, Profile
 from kvlib.study.runners import runner_class, runners
@@ -40,7 +41,8 @@ Unit = tuple[Point, int]  # a point and the index of its repeat
 
 def compute_unit(point: Point, repeat: int, meta: dict) -> pd.DataFrame:
     """The result rows of one repeat of one point: the point's columns, what the experiment measured, the run's
-    metadata and the machine's load while it ran.
+    metadata, the machine that computed it (kvlib.study.machine: read in the process that measures, a Ray worker's
+    or a fresh one's) and that machine's load while it ran.
 
     A point of an outside engine (the real vLLM) is computed in a fresh process of its own. Starting vLLM changes the
     process it runs in: two more OpenMP runtimes, `torch.set_num_threads` made a no-op, NUMA binding (book/methods.md,
@@ -65,7 +67,7 @@ def _compute_unit(point: Point, repeat: int, meta: dict) -> pd.DataFrame:
             rows = experiment.run_point(point)
         if not load.disturbed:
             break
-    return pd.DataFrame([{**point.columns(), **row, **meta, "repeat": repeat, "attempts": attempt,
+    return pd.DataFrame([{**point.columns(), **row, **meta, **machine(), "repeat": repeat, "attempts": attempt,
                           **load.columns()} for row in rows])
 
 

@@ -12,9 +12,10 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-# other processes' share of the machine's CPU time above which a timing is called disturbed (a quiet machine shows
-# 0-2 %: the shell, the kernel's own threads); below DISTURBED_FLOOR_S of their CPU time in all, /proc/stat's 10 ms
-# ticks are too coarse to tell, so a short point is never called disturbed
+# the share of the machine's CPU time taken from us (other processes' CPU time and the time a hypervisor stole) above
+# which a timing is called disturbed (a quiet machine shows 0-2 %: the shell, the kernel's own threads); below
+# DISTURBED_FLOOR_S of taken time in all, /proc/stat's 10 ms ticks are too coarse to tell, so a short point is never
+# called disturbed
 DISTURBED_SHARE = 0.10
 DISTURBED_FLOOR_S = 0.2
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -25,18 +26,33 @@ class Load:
     wall_s: float = 0.0
     others_cpu_s: float | None = None  # CPU time of every other process while this one was measured
     others_cpu_share: float | None = None  # the same / (wall time x cores)
-    steal_s: float | None = None
+    steal_s: float | None = None  # time the hypervisor ran other guests on our virtual CPUs, over all of them
+    steal_share: float | None = None  # the same / (wall time x cores)
     load_avg_1m: float | None = None
 
     @property
+    def taken_s(self) -> float | None:
+        """CPU time the measured process could not have: other processes' and the hypervisor's. On a VM, steal is how
+        a noisy neighbour shows (it is not in other processes' time: the guest never sees it run)."""
+        if self.others_cpu_s is None and self.steal_s is None:
+            return None
+        return (self.others_cpu_s or 0.0) + (self.steal_s or 0.0)
+
+    @property
+    def taken_share(self) -> float | None:
+        if self.others_cpu_share is None and self.steal_share is None:
+            return None
+        return (self.others_cpu_share or 0.0) + (self.steal_share or 0.0)
+
+    @property
     def disturbed(self) -> bool:
-        return (self.others_cpu_share is not None and self.others_cpu_share > DISTURBED_SHARE
-                and self.others_cpu_s > DISTURBED_FLOOR_S)
+        share, taken = self.taken_share, self.taken_s
+        return share is not None and share > DISTURBED_SHARE and taken > DISTURBED_FLOOR_S
 
     def columns(self) -> dict:
         return {"load_avg_1m": self.load_avg_1m, "others_cpu_s": self.others_cpu_s,
-                "others_cpu_share": self.others_cpu_share,
-                "steal_s": self.steal_s, "disturbed": self.disturbed}
+                "others_cpu_share": self.others_cpu_share, "steal_s": self.steal_s, "steal_share": self.steal_share,
+                "disturbed": self.disturbed}
 
 
 def _cpu_ticks() -> tuple[int, int] | None:
@@ -61,5 +77,7 @@ def measured_load():
     if before is not None and after is not None and load.wall_s > 0:
         busy_s = (after[0] - before[0]) / CLOCK_TICKS
         load.others_cpu_s = max(busy_s - (own_after - own_before), 0.0)
-        load.others_cpu_share = load.others_cpu_s / (load.wall_s * (os.cpu_count() or 1))
+        capacity_s = load.wall_s * (os.cpu_count() or 1)
+        load.others_cpu_share = load.others_cpu_s / capacity_s
         load.steal_s = (after[1] - before[1]) / CLOCK_TICKS
+        load.steal_share = load.steal_s / capacity_s

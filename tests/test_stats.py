@@ -1,0 +1,138 @@
+"""The statistics behind the verdicts, on synthetic numbers whose right answer is known by construction: two equal
+engines are called different about ALPHA of the time and a 20 % difference is found; a 20 pp accuracy drop is found,
+an equal policy is equivalent, retention resamples whole conversations."""
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from kvlib.report import stats
+
+
+def timings(rng, n, scale):
+    """Realistic timing noise: 6 % log-normal, and one timing in ten slowed 10-40 % by a stall of the host."""
+    x = scale * np.exp(rng.normal(0, 0.06, n))
+    return x * (1 + (rng.random(n) < 0.1) * rng.uniform(0.1, 0.4, n))
+
+
+def rates(n=5, sims=600, seed=1):
+    """(share of A/A comparisons called different, share of 20 %-slower comparisons found) over `sims` draws."""
+    rng = np.random.default_rng(seed)
+    same = [stats.compare_timings(timings(rng, n, 1.0), timings(rng, n, 1.0)).verdict for _ in range(sims)]
+    slower = [stats.compare_timings(timings(rng, n, 1.2), timings(rng, n, 1.0)).verdict for _ in range(sims)]
+    return np.mean([v != stats.WITHIN_NOISE for v in same]), np.mean([v == stats.LARGER for v in slower])
+
+
+def test_the_timing_rule_calls_equal_engines_different_at_most_about_five_percent_of_the_time():
+    false_positives, power = rates()
+    print(f"timing rule, 5 repeats a side: false-positive rate {false_positives:.3f}, power at 20 % {power:.3f}")
+    assert false_positives <= 0.07  # exact test: <= 12/252 = 4.8 % expected, plus simulation noise
+    assert power >= 0.7
+
+
+def test_two_repeats_never_judge_and_four_can():
+    assert stats.repeats_needed() == 4
+    two = stats.compare_timings([1.0, 1.01], [2.0, 2.02])  # twice as slow, yet 2 + 2 repeats cannot show it at 5 %
+    assert two.verdict == stats.TOO_FEW and not two.judged and two.ratio == pytest.approx(0.5, rel=0.01)
+    four = stats.compare_timings([1.0, 1.01, 0.99, 1.02], [2.0, 2.02, 1.98, 2.01])
+    assert four.verdict == stats.SMALLER and four.low < 0.5 < four.high < 1
+    assert four.p_value == pytest.approx(2 / 70)
+
+
+def test_the_interval_of_the_ratio_excludes_one_exactly_when_the_test_rejects():
+    rng = np.random.default_rng(3)
+    for _ in range(30):
+        a, b = timings(rng, 6, 1.0), timings(rng, 5, 1.1)
+        c = stats.compare_timings(a, b)
+        assert (c.p_value <= stats.ALPHA) == (c.verdict != stats.WITHIN_NOISE)
+        assert c.low <= c.ratio <= c.high
+
+
+def test_many_repeats_use_random_splits_and_stay_calibrated():
+    rng = np.random.default_rng(4)
+    c = stats.compare_timings(timings(rng, 12, 1.0), timings(rng, 12, 1.3))
+    assert not c.exact and c.verdict == stats.SMALLER
+
+
+def items(n, accuracy, rng):
+    return (rng.random(n) < accuracy).astype(float)
+
+
+def test_a_20_pp_drop_is_found_and_an_equal_policy_is_equivalent():
+    rng = np.random.default_rng(5)
+    full = items(400, 0.8, rng)
+    lossy = full * (rng.random(400) >= 0.25)  # a quarter of the right answers lost: 20 pp
+    ids = {"task": "t", "doc_id": np.arange(400)}
+    ref = pd.DataFrame({**ids, "correct": full})
+    drop = stats.paired_drop(ref, pd.DataFrame({**ids, "correct": lossy}), "correct", ["task", "doc_id"])
+    assert drop.paired and drop.verdict == stats.LOWER and drop.low < 0.2 < drop.high and drop.low > 0.1
+    # the same policy twice: each run answers 3 % of the items the other way (a tie broken by rounding, say)
+    again, other = (np.where(rng.random(400) < 0.03, 1 - full, full) for _ in range(2))
+    equal = stats.paired_drop(pd.DataFrame({**ids, "correct": again}), pd.DataFrame({**ids, "correct": other}),
+                              "correct", ["task", "doc_id"])
+    assert equal.verdict == stats.EQUIVALENT and -0.05 < equal.low and equal.high < 0.05
+
+
+def test_pairing_is_on_item_ids_not_row_order():
+    ref = pd.DataFrame({"doc_id": range(100), "correct": [1.0, 0.0] * 50})
+    shuffled = ref.sample(frac=1, random_state=0)  # the same answers in another order: no drop at all
+    drop = stats.paired_drop(ref, shuffled, "correct", ["doc_id"])
+    assert drop.drop == 0 and drop.verdict == stats.EQUIVALENT
+    assert -drop.low == drop.high == pytest.approx(stats.resolution(100, 0.95))  # what 100 items can resolve
+
+
+def test_few_items_never_settle_anything():
+    """2 items both lost: a bootstrap says -100 pp with no spread; the sign test (p = 0.5) and the floor say: nothing
+    shown. 2 items both kept alike are not 'equivalent' either."""
+    ids = pd.DataFrame({"doc_id": [0, 1]})
+    lost = stats.paired_drop(ids.assign(correct=1.0), ids.assign(correct=0.0), "correct", ["doc_id"])
+    assert lost.drop == 1.0 and lost.verdict == stats.INCONCLUSIVE
+    alike = stats.paired_drop(ids.assign(correct=1.0), ids.assign(correct=1.0), "correct", ["doc_id"])
+    assert alike.verdict == stats.INCONCLUSIVE and alike.high > 0.5
+    assert stats.sign_test_p(9, 0) == pytest.approx(2 / 2**9) and stats.sign_test_p(2, 0) == 0.5
+
+
+def test_without_item_ids_the_drop_is_unpaired_and_says_so():
+    ref = pd.DataFrame({"correct": [1.0] * 40})
+    drop = stats.paired_drop(ref, pd.DataFrame({"correct": [1.0] * 20 + [0.0] * 20}), "correct", ["doc_id"])
+    assert not drop.paired and drop.drop == pytest.approx(0.5) and drop.verdict == stats.LOWER
+
+
+def test_an_a_a_accuracy_comparison_is_within_noise_about_as_often_as_stated():
+    rng = np.random.default_rng(6)
+    called = 0
+    for _ in range(100):
+        truth = rng.random(150) < 0.7  # items the model can do; each run answers each item with some luck
+        a, b = (np.where(rng.random(150) < 0.1, ~truth, truth).astype(float) for _ in range(2))
+        ids = np.arange(150)
+        d = stats.paired_drop(pd.DataFrame({"doc_id": ids, "correct": a}), pd.DataFrame({"doc_id": ids, "correct": b}),
+                              "correct", ["doc_id"], draws=500)
+        called += d.verdict in (stats.LOWER, stats.HIGHER)
+    assert called <= 10
+
+
+def test_retention_resamples_conversations_within_buckets():
+    """Questions of one conversation share its context: when a conversation is answered all right or all wrong, the
+    cluster interval is wider than one that treats its questions as independent."""
+    rng = np.random.default_rng(7)
+    rows = []
+    for bucket in ("1K-2K", "2K-4K"):
+        for conv in range(20):
+            kept = rng.random() < 0.6  # the policy keeps the fact for a whole conversation, or loses it
+            rows += [{"bucket": bucket, "conversation": f"{bucket}-{conv}", "turn": t, "full": 1.0,
+                      "policy": float(kept)} for t in range(2, 14, 2)]
+    frame = pd.DataFrame(rows)
+    ref, other = frame.rename(columns={"full": "correct"}), frame.rename(columns={"policy": "correct"})
+    item = ["bucket", "conversation", "turn"]
+    clustered = stats.paired_drop(ref, other, "correct", item, cluster=["bucket", "conversation"], stratum="bucket")
+    naive = stats.paired_drop(ref, other, "correct", item)
+    assert clustered.clusters == 40 and clustered.items == 240 and clustered.verdict == stats.LOWER
+    assert clustered.high - clustered.low > 2 * (naive.high - naive.low)
+
+
+def test_bonferroni_levels_and_the_verdict_words():
+    assert stats.family_level(1) == pytest.approx(0.95) and stats.family_level(10) == pytest.approx(0.995)
+    assert stats.drop_verdict(-0.02, 0.03) == stats.EQUIVALENT
+    assert stats.drop_verdict(0.01, 0.12) == stats.LOWER
+    assert stats.drop_verdict(-0.12, -0.06) == stats.HIGHER
+    assert stats.drop_verdict(-0.04, 0.09) == stats.INCONCLUSIVE
