@@ -64,8 +64,15 @@ def one_run(policy: str, batch: int, prompt_tokens: int, threads: int) -> dict:
                 steps.append(time.perf_counter() - begin)
         stats = {**chosen.usage.summary(), **chosen.stats(), "decode_attention": chosen.decode_kernel}
     return {"policy": policy, "settings": chosen.settings(), "step_s": steps,
-            "stats": {k: stats.get(k) for k in STATS}, "weights_bytes": model.weights_bytes,
+            "stats": {k: stats.get(k) for k in STATS}, "weights_bytes": weights_read(model),
             "kv_bytes_per_token": model.spec.kv_bytes_per_token}
+
+
+def weights_read(model) -> int:
+    """The weights a decode step reads: every matrix once (a tied head's packed copy instead of the embedding table,
+    from which a step looks up one row a token)."""
+    embedding = model.model.get_input_embeddings().weight
+    return model.weights_bytes + model.packed_copy_bytes - (embedding.nbytes if model.packed_copy_bytes else 0)
 
 
 def read_bandwidth(threads: int) -> float:

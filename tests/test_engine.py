@@ -31,8 +31,12 @@ def test_kv_bytes_follow_the_formula_and_weights_the_parameters(smollm, mixed_pr
     cached = sum(len(p) + len(o["token_ids"]) - 1 for p, o in zip(mixed_prompts, result.outputs))
     expected = spec.num_layers * spec.num_kv_heads * cached * spec.head_dim * 4 * 2
     assert result.memory["device"]["kv_bytes"] == expected
-    weights = sum(p.numel() * p.element_size() for p in smollm.model.parameters())
-    assert result.memory["device"]["components"]["weights"] == weights
+    held = sum(p.numel() * p.element_size() for p in smollm.model.parameters())
+    config = smollm.model.config
+    # the tied LM head's packed copy is booked apart: the vocabulary x hidden floats of the table it copies
+    packed = config.vocab_size * config.hidden_size * 4 if config.tie_word_embeddings else 0
+    components = result.memory["device"]["components"]
+    assert (components["weights"], components["weights_packed"]) == (held - packed, packed) and packed > 0
     # contiguous rows reserve prompt + max_new_tokens each: the slack is booked apart from the live KV
     reserved = result.memory["device"]["components"]["kv_reserved"]
     assert reserved == spec.kv_bytes(len(mixed_prompts) * (max(map(len, mixed_prompts)) + 8)) - expected
@@ -41,7 +45,7 @@ def test_kv_bytes_follow_the_formula_and_weights_the_parameters(smollm, mixed_pr
 @pytest.mark.model
 def test_full_matrix_prefill_hits_capacity_where_fused_fits(smollm):
     prompt = list(range(1000, 2500))  # 1,500 tokens: the 9-head fp32 score matrix alone is ~160 MB
-    capacity = smollm.weights_bytes + 140 * 2**20
+    capacity = smollm.weights_bytes + smollm.packed_copy_bytes + 140 * 2**20
     full = Engine(smollm, make_policy("full"), device_capacity_bytes=capacity).generate([prompt], 2, prefill_mode="full")
     assert full.oom is not None and full.oom["phase"] == "prefill"
     assert "attention matrix" in full.oom["where"]
@@ -85,10 +89,10 @@ def test_plain_forward_outside_the_engine_still_works(smollm, mixed_prompts):
 def test_every_policy_records_an_oom_instead_of_crashing(tiny, name):
     prompts = [list(range(100, 160)), list(range(200, 230))]
     mode = make_policy(name).preferred_prefill
-    tight = Engine(tiny, make_policy(name), device_capacity_bytes=tiny.weights_bytes + 64 * 1024)
+    tight = Engine(tiny, make_policy(name), device_capacity_bytes=tiny.weights_bytes + tiny.packed_copy_bytes + 64 * 1024)
     result = tight.generate(prompts, 4, prefill_mode=mode)
-    assert result.oom is not None and result.oom["capacity_bytes"] == tiny.weights_bytes + 64 * 1024
-    roomy = Engine(tiny, make_policy(name), device_capacity_bytes=tiny.weights_bytes + 64 * 2**20)
+    assert result.oom is not None and result.oom["capacity_bytes"] == tiny.weights_bytes + tiny.packed_copy_bytes + 64 * 1024
+    roomy = Engine(tiny, make_policy(name), device_capacity_bytes=tiny.weights_bytes + tiny.packed_copy_bytes + 64 * 2**20)
     assert roomy.generate(prompts, 4, prefill_mode=mode).oom is None
 
 

@@ -56,9 +56,9 @@ def test_prepacked_model_keeps_greedy_tokens_and_logits_close(smollm, mixed_prom
     head = plain.model.get_output_embeddings()
     dense_bytes = plain.weights_bytes
     assert prepack_linears(plain.model) > 0 and plain.weights_bytes == smollm.weights_bytes
-    # the tied head is packed as a copy, booked; the embedding table stays dense for lookups
-    assert isinstance(plain.model.lm_head, PackedLinear)
-    assert plain.weights_bytes == dense_bytes + head.weight.numel() * head.weight.element_size()
+    # the tied head is packed as a copy, booked apart; the embedding table stays dense for lookups
+    assert isinstance(plain.model.lm_head, PackedLinear) and plain.weights_bytes == dense_bytes
+    assert plain.packed_copy_bytes == head.weight.numel() * head.weight.element_size()
     assert plain.model.get_input_embeddings().weight.layout == torch.strided
     plain = load_model("smollm2-135m", device="cpu", prepack=False)
     ids = torch.tensor([mixed_prompts[1]])

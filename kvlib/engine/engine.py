@@ -121,6 +121,8 @@ class Session:
         self.policy.usage = KVUsage(engine.model.spec.num_layers)
         with self.timers.section("allocate"):
             engine.ledger.add("device", "weights", engine.model.weights_bytes, where="model weights")
+            engine.ledger.add("device", "weights_packed", engine.model.packed_copy_bytes,
+                              where="packed copies of weights")
             self.closed = False
             try:
                 self.policy.start(len(prompt_lens), prompt_lens, max_new_tokens)

@@ -7,6 +7,7 @@ What is not measured is None, never 0: a backend that cannot split its wall time
 from __future__ import annotations
 
 import statistics
+import time
 from dataclasses import dataclass, field
 
 from kvlib.errors import DeviceOOM
@@ -49,6 +50,43 @@ class RunResult:
         row.update({f"stat_{k}": v for k, v in self.stats.items()
                     if isinstance(v, (int, float, str, bool, list)) or v is None})
         return row
+
+
+class TokenClock:
+    """Client-side timing, as `vllm bench serve` times a server: whoever drives an engine stamps each token when the
+    engine hands it over (kvlib's scheduler after each pass, the vLLM backend after each `engine.step()`), so TTFT,
+    every inter-token latency and decode throughput come from one rule for every engine, and nothing inside either
+    engine times itself. Requests are numbered 0..n-1; times are seconds since the clock started."""
+
+    def __init__(self, requests: int):
+        self.start = time.perf_counter()
+        self.arrived = [0.0] * requests
+        self.stamps: list[list[float]] = [[] for _ in range(requests)]
+
+    def now(self) -> float:
+        return time.perf_counter() - self.start
+
+    def arrive(self, request: int) -> None:
+        self.arrived[request] = self.now()
+
+    def handed(self, requests) -> None:
+        """One new token of each of these requests was handed over now."""
+        at = self.now()
+        for r in requests:
+            self.stamps[r].append(at)
+
+    def metrics(self) -> dict:
+        """build_metrics' timing arguments. The prefill phase ends when every request has its first token; decode
+        throughput is the tokens handed over after that, over the time from then to the last one; a decode step is
+        the time between two handovers after it."""
+        firsts = [s[0] for s in self.stamps if s]
+        prefill_end = max(firsts, default=0.0)
+        end = max((s[-1] for s in self.stamps if s), default=prefill_end)
+        handovers = sorted({t for s in self.stamps for t in s if t > prefill_end})
+        return {"ttft": [s[0] - a for s, a in zip(self.stamps, self.arrived) if s],
+                "step_latencies": [b - a for a, b in zip([prefill_end, *handovers], handovers)],
+                "prefill_s": prefill_end, "decode_s": end - prefill_end, "total_s": end,
+                "decode_tokens": sum(t > prefill_end for s in self.stamps for t in s)}
 
 
 def wall_split(sections: dict[str, float] | None, prefill_s: float, decode_s: float, total_s: float) -> dict:

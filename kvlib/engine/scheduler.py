@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvlib.engine.run_result import RunResult, build_metrics, decoded_outputs, oom_record
+from kvlib.engine.run_result import RunResult, TokenClock, build_metrics, decoded_outputs, oom_record
 from kvlib.errors import DeviceOOM, UserError
 from kvlib.memory.block_pool import OutOfBlocks
 
@@ -43,8 +43,6 @@ class Sequence:
     generated: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     greedy: list[bool] = field(default_factory=list)
-    arrived_at: float | None = None
-    ttft: float | None = None
 
     def tokens_to_prefill(self) -> list[int]:
         """The prompt; after a preemption, also what it had generated but the last token (fed by the next decode)."""
@@ -102,13 +100,12 @@ class _Loop:
     def __init__(self, engine, sequences, continuous, prefill_mode, chunk_size, eos, share_prompts):
         self.engine, self.seqs, self.continuous = engine, sequences, continuous
         self.mode, self.chunk_size, self.eos, self.share = prefill_mode, chunk_size, eos, share_prompts
-        self.latencies: list[float] = []
-        self.prefill_s = self.decode_s = self.total_s = 0.0
-        self.preemptions = self.decode_tokens = 0
+        self.clock = TokenClock(len(sequences))  # restarted when serving starts
+        self.preemptions = 0
 
     def serve(self, session) -> dict | None:
         """Run until every sequence has finished; returns an OOM record if the device ran out (static schedule)."""
-        clock = self.engine.timers.now
+        settle = self.engine.timers.now  # on CUDA the step's one synchronization, and its sections read
         pending = deque(sorted(self.seqs, key=lambda s: s.arrival_step))
         waiting: deque[Sequence] = deque()
         running: list[Sequence] = []
@@ -116,92 +113,85 @@ class _Loop:
         first_of: dict[tuple, tuple[Sequence, torch.Tensor]] = {}  # prompt -> its first row and logits (sharing)
         blocked = False  # a prefill found no room: admit again once a running request has left
         step = 0
-        t0 = clock()
-        try:
-            while pending or waiting or running or prefilling:
-                while pending and pending[0].arrival_step <= step:
-                    seq = pending.popleft()
-                    seq.arrived_at, seq.status = clock(), "waiting"
-                    waiting.append(seq)
-                if prefilling is None and waiting and (not blocked or not running):
-                    seq = waiting.popleft()
-                    shared = first_of.get(tuple(seq.prompt)) if self.share and not seq.generated else None
-                    begin = clock()
-                    if shared is not None:  # the same context as an earlier row: fork it instead of prefilling again
-                        session.fork(shared[0].row, seq.row)
-                        self._first_token(seq, shared[1], running, clock)
+        self.clock = TokenClock(len(self.seqs))
+        while pending or waiting or running or prefilling:
+            while pending and pending[0].arrival_step <= step:
+                seq = pending.popleft()
+                self.clock.arrive(seq.row)
+                seq.status = "waiting"
+                waiting.append(seq)
+            if prefilling is None and waiting and (not blocked or not running):
+                seq = waiting.popleft()
+                shared = first_of.get(tuple(seq.prompt)) if self.share and not seq.generated else None
+                if shared is not None:  # the same context as an earlier row: fork it instead of prefilling again
+                    session.fork(shared[0].row, seq.row)
+                    self._first_token(seq, shared[1], running)
+                else:
+                    session.prefix(seq.row, seq.tokens_to_prefill())
+                    prefilling, seq.status = seq, "prefilling"
+            if prefilling is not None:
+                seq, tokens = prefilling, prefilling.tokens_to_prefill()
+                held = session.lengths[seq.row]
+                size = self.chunk_size if self.mode == "chunked" else len(tokens) - held
+                try:
+                    logits = session.prefill_chunk(seq.row, tokens[held:held + size], self.mode, len(tokens))
+                except (DeviceOOM, torch.OutOfMemoryError) as exc:
+                    if not (self.continuous and isinstance(exc, OutOfBlocks)):
+                        return oom_record(exc, "prefill")
+                    if not running:
+                        raise UserError(f"the block pool cannot hold request {seq.row} ({len(tokens)} tokens) even "
+                                        f"alone: {exc}") from exc
+                    # never preempt running requests for a new one (they would take turns forever): wait for room
+                    session.release(seq.row)
+                    waiting.appendleft(seq)
+                    prefilling, blocked = None, True
+                    continue
+                if session.lengths[seq.row] == len(tokens):
+                    prefilling = None
+                    if self.share and not seq.generated:
+                        first_of.setdefault(tuple(seq.prompt), (seq, logits))
+                    if seq.generated:  # recomputed after a preemption: it goes on where it was
+                        seq.status = "running"
+                        running.append(seq)
                     else:
-                        session.prefix(seq.row, seq.tokens_to_prefill())
-                        prefilling, seq.status = seq, "prefilling"
-                    self.prefill_s += clock() - begin
-                if prefilling is not None:
-                    seq, tokens = prefilling, prefilling.tokens_to_prefill()
-                    held = session.lengths[seq.row]
-                    size = self.chunk_size if self.mode == "chunked" else len(tokens) - held
-                    begin = clock()
-                    try:
-                        logits = session.prefill_chunk(seq.row, tokens[held:held + size], self.mode, len(tokens))
-                    except (DeviceOOM, torch.OutOfMemoryError) as exc:
-                        if not (self.continuous and isinstance(exc, OutOfBlocks)):
-                            return oom_record(exc, "prefill")
-                        if not running:
-                            raise UserError(f"the block pool cannot hold request {seq.row} ({len(tokens)} tokens) even "
-                                            f"alone: {exc}") from exc
-                        # never preempt running requests for a new one (they would take turns forever): wait for room
-                        session.release(seq.row)
-                        waiting.appendleft(seq)
-                        prefilling, blocked = None, True
-                        continue
-                    if session.lengths[seq.row] == len(tokens):
-                        prefilling = None
-                        if self.share and not seq.generated:
-                            first_of.setdefault(tuple(seq.prompt), (seq, logits))
-                        if seq.generated:  # recomputed after a preemption: it goes on where it was
-                            seq.status = "running"
-                            running.append(seq)
-                        else:
-                            self._first_token(seq, logits, running, clock)
-                            if seq.status == "finished" and self.continuous:
-                                session.release(seq.row)
-                    self.prefill_s += clock() - begin
-                decode_now = self.continuous or not (pending or waiting or prefilling)
-                if running and decode_now:
-                    begin = clock()
-                    try:
-                        logits = session.decode([s.row for s in running], [s.generated[-1] for s in running])
-                    except (DeviceOOM, torch.OutOfMemoryError) as exc:
-                        if not (self.continuous and isinstance(exc, OutOfBlocks)):
-                            return oom_record(exc, "decode")
-                        if len(running) == 1:
-                            raise UserError(f"the block pool cannot hold request {running[0].row} even alone: "
-                                            f"{exc}") from exc
-                        victim = running.pop()  # the newest: it waits, first in line, until another request has left
-                        session.release(victim.row)
-                        victim.status = "waiting"
-                        waiting.appendleft(victim)
-                        self.preemptions += 1
-                        blocked = True
-                        continue
-                    for seq, row_logits in zip(list(running), logits):
-                        seq.take(row_logits)
-                        self.decode_tokens += 1
-                        if seq.done(self.eos):
-                            seq.status = "finished"
-                            running.remove(seq)
-                            if self.continuous:
-                                session.release(seq.row)
-                                blocked = False
-                    elapsed = clock() - begin
-                    self.latencies.append(elapsed)
-                    self.decode_s += elapsed
-                step += 1
-            return None
-        finally:
-            self.total_s = clock() - t0
+                        self._first_token(seq, logits, running)
+                        if seq.status == "finished" and self.continuous:
+                            session.release(seq.row)
+            decode_now = self.continuous or not (pending or waiting or prefilling)
+            if running and decode_now:
+                try:
+                    logits = session.decode([s.row for s in running], [s.generated[-1] for s in running])
+                except (DeviceOOM, torch.OutOfMemoryError) as exc:
+                    if not (self.continuous and isinstance(exc, OutOfBlocks)):
+                        return oom_record(exc, "decode")
+                    if len(running) == 1:
+                        raise UserError(f"the block pool cannot hold request {running[0].row} even alone: "
+                                        f"{exc}") from exc
+                    victim = running.pop()  # the newest: it waits, first in line, until another request has left
+                    session.release(victim.row)
+                    victim.status = "waiting"
+                    waiting.appendleft(victim)
+                    self.preemptions += 1
+                    blocked = True
+                    continue
+                stepped = list(running)
+                for seq, row_logits in zip(stepped, logits):
+                    seq.take(row_logits)
+                self.clock.handed(seq.row for seq in stepped)
+                for seq in stepped:
+                    if seq.done(self.eos):
+                        seq.status = "finished"
+                        running.remove(seq)
+                        if self.continuous:
+                            session.release(seq.row)
+                            blocked = False
+            settle()
+            step += 1
+        return None
 
-    def _first_token(self, seq: Sequence, logits, running: list[Sequence], clock) -> None:
+    def _first_token(self, seq: Sequence, logits, running: list[Sequence]) -> None:
         seq.take(logits)
-        seq.ttft = clock() - seq.arrived_at
+        self.clock.handed([seq.row])
         if seq.done(self.eos):
             seq.status = "finished"
         else:
@@ -217,9 +207,7 @@ class _Loop:
             for out, seq in zip(outputs, self.seqs):
                 out.update(logprobs=seq.logprobs, greedy=seq.greedy)
         metrics = build_metrics(
-            ttft=[s.ttft for s in self.seqs if s.ttft is not None], step_latencies=self.latencies,
-            prefill_s=self.prefill_s, decode_s=self.decode_s, total_s=self.total_s, decode_tokens=self.decode_tokens,
-            sections=dict(engine.timers.seconds), setup_s=setup_s, completed=oom is None,
+            **self.clock.metrics(), sections=dict(engine.timers.seconds), setup_s=setup_s, completed=oom is None,
             preemptions=self.preemptions)
         return RunResult(outputs=outputs, metrics=metrics, memory=memory or engine.ledger.snapshot(),
                          policy={"name": engine.policy.name, **engine.policy.settings()}, oom=oom,

@@ -15,7 +15,9 @@ import torch
 from kvlib.errors import DeviceOOM
 
 TIERS = ("device", "host")
-COMPONENTS = ("weights", "activations", "kv", "kv_reserved", "overhead")
+# weights_packed: copies of weights kept beside them in a faster layout (a tied LM head packed for oneDNN): what the
+# speed costs in memory, shown apart
+COMPONENTS = ("weights", "weights_packed", "activations", "kv", "kv_reserved", "overhead")
 
 
 class MemoryLedger:
@@ -71,7 +73,7 @@ class MemoryLedger:
         for tier in TIERS:
             comps = {c: self.current[(tier, c)] for c in COMPONENTS}
             out[tier] = {
-                "kv_bytes": comps["kv"],
+                "kv_bytes": None if "kv" in self.unmeasured else comps["kv"],
                 "total_bytes": sum(comps.values()),
                 "peak_bytes": self.peak_total[tier],
                 "components": comps,

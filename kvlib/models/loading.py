@@ -89,9 +89,10 @@ class PackedLinear(torch.nn.Module):
     original (a tied weight excepted, see prepack_linears). Its summation order differs from sgemm's: one layer's
     outputs agree within 2e-4, the model's logits within 1e-3, greedy tokens exactly (tests/test_forward.py)."""
 
-    def __init__(self, linear: torch.nn.Linear):
+    def __init__(self, linear: torch.nn.Linear, copies_shared: bool = False):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.copies_shared = copies_shared  # its weight is another module's too (a tied head): this one is a copy
         packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), PACK_BATCH_HINT)
         self.weight = torch.nn.Parameter(packed, requires_grad=False)
         self.bias = linear.bias
@@ -116,10 +117,13 @@ def prepack_linears(model: torch.nn.Module) -> int:
 
     A tied LM head shares its weight with the embedding table, which lookups need dense: the head gets a packed copy
     of it and the table stays, as vLLM's CPU backend does (its vocabulary embedding keeps the weight and builds a
-    oneDNN matmul beside it). The copy is a parameter, so `weights_bytes` books it: 113 MB more for SmolLM2-135M's
-    538 MB, for a head that took 12-15 ms of a batch-16 decode step dense and 3.7 ms packed (3.0 vs 7.5 ms at 1 row,
+    oneDNN matmul beside it). The copy is booked apart, as `weights_packed` (LoadedModel.packed_copy_bytes): 113 MB
+    beside SmolLM2-135M's 538 MB, for a head that took 12-15 ms of a batch-16 decode step dense and 3.7 ms packed (3.0 vs 7.5 ms at 1 row,
     benchmarks/bench_decode.py measures the whole step)."""
-    return replace_modules(model, lambda m: type(m) is torch.nn.Linear, PackedLinear)
+    others = {p.data_ptr() for m in model.modules() if type(m) is not torch.nn.Linear
+              for p in m.parameters(recurse=False)}
+    return replace_modules(model, lambda m: type(m) is torch.nn.Linear,
+                           lambda m: PackedLinear(m, copies_shared=m.weight.data_ptr() in others))
 
 
 @dataclass
@@ -135,7 +139,14 @@ class LoadedModel:
 
     @property
     def weights_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        """The model's own weights, each once (a packed copy of one apart: packed_copy_bytes)."""
+        return sum(p.numel() * p.element_size() for p in self.model.parameters()) - self.packed_copy_bytes
+
+    @property
+    def packed_copy_bytes(self) -> int:
+        """Weights held twice for speed: a tied LM head's packed copy (prepack_linears)."""
+        return sum(m.weight.numel() * m.weight.element_size() for m in self.model.modules()
+                   if isinstance(m, PackedLinear) and m.copies_shared)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, step) -> torch.Tensor:
         """The logits [B, V] after the last of the [B, T] new tokens, attention handed to step.policy: the one way the

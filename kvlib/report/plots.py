@@ -7,7 +7,7 @@ import pandas as pd
 import seaborn as sns
 
 GB = 2**30
-COMPONENTS = ["weights", "activations", "kv", "kv_reserved", "overhead"]
+COMPONENTS = ["weights", "weights_packed", "activations", "kv", "kv_reserved", "overhead"]
 
 
 def _style():

@@ -1,13 +1,13 @@
 """Memory, throughput and latency vs batch size on mixed-length prompts (paper Fig. 3, 4, 5)."""
 
 from kvlib.models.workloads import mixed_length_prompts
-from kvlib.study.experiments.common import model_of, run_measured_from_outside
+from kvlib.study.experiments.common import model_of, run_timed
 
 
 def run_point(point) -> list[dict]:
     v = point.values
     prompts = mixed_length_prompts(model_of(point).tokenizer, v["batch_size"], v["min_prompt_tokens"],
                                    v["max_prompt_tokens"], seed=v.get("seed", 0), source=v.get("text_source"))
-    row = run_measured_from_outside(point, prompts, v["max_new_tokens"])
+    row = run_timed(point, prompts, v["max_new_tokens"])
     row["prompt_tokens_total"] = sum(map(len, prompts))
     return [row]
