@@ -1,8 +1,10 @@
 """The booking rule: the ledger books what a policy holds, no more and no less, for every registered policy.
 
 A census walks the policy's attributes and adds up the storage of every tensor it finds (each storage once, views
-included); after every forward pass it must equal what the ledger books for the policy (KV, KV reserved, overhead) in
-each tier, within 1 %.
+included; modules a policy holds beside the model's, InfiniGen's query projections, by their parameters); after every
+forward pass it must equal what the ledger books for the policy (KV, KV reserved, overhead) in each tier, within 1 %.
+On SmolLM2 through kvlib's own forward (fused, prepacked) the model's weights are counted too: the ledger's weights and
+weights_packed are its parameters, the packed copy of its tied head apart.
 """
 
 import dataclasses
@@ -30,26 +32,40 @@ def test_every_policy_has_a_case():
     assert set(CASES) == set(available()), "add the new policy to CASES (and to its other registry-wide tests)"
 
 
+def storage_of(tensor: torch.Tensor) -> tuple[int, int]:
+    """(what identifies its storage, the storage's bytes); a prepacked oneDNN weight hides its storage: the tensor
+    itself, its elements' bytes (as weights_bytes counts it)."""
+    try:
+        storage = tensor.untyped_storage()
+        return storage.data_ptr(), storage.nbytes()
+    except NotImplementedError:
+        return id(tensor), tensor.numel() * tensor.element_size()
+
+
 def census(policy) -> dict[str, int]:
-    """Bytes of every tensor the policy holds, by tier: by device on CUDA, by the policy's host_tensors on a CPU."""
-    seen: set[int] = set()
+    """Bytes of every tensor the policy holds, by tier: by device on CUDA, by the policy's host_tensors on a CPU. The
+    model's own parameters are the model's, not the policy's, wherever the policy holds them."""
+    seen: set[int] = {storage_of(p)[0] for p in policy.model.model.parameters()}
     out = {"device": 0, "host": 0}
 
     def walk(obj, tier):
         if isinstance(obj, torch.Tensor):
-            storage = obj.untyped_storage()
-            if storage.data_ptr() in seen:
+            key, nbytes = storage_of(obj)
+            if key in seen:
                 return
-            seen.add(storage.data_ptr())
+            seen.add(key)
             if policy.device.type == "cuda":
                 tier = "device" if obj.is_cuda else "host"
-            out[tier] += storage.nbytes()
+            out[tier] += nbytes
         elif isinstance(obj, (list, tuple)):
             for item in obj:
                 walk(item, tier)
         elif isinstance(obj, dict):
             for item in obj.values():
                 walk(item, tier)
+        elif isinstance(obj, torch.nn.Module):
+            for parameter in obj.parameters():
+                walk(parameter, tier)
         elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
             for f in dataclasses.fields(obj):
                 walk(getattr(obj, f.name), tier)
@@ -76,12 +92,11 @@ def record_census(engine) -> list[tuple[dict, dict]]:
     return records
 
 
-@pytest.mark.parametrize("name", available())
-def test_the_ledger_books_what_the_policy_holds(tiny, name):
+def check_census(model, name):
     torch.manual_seed(1)
     prompts = [torch.randint(100, 5000, (n,)).tolist() for n in (70, 120, 40)]
     policy = make_policy(name, **CASES[name])
-    engine = Engine(tiny, policy)
+    engine = Engine(model, policy)
     records = record_census(engine)
     mode = "chunked" if "chunked" in policy.supported_prefill else policy.preferred_prefill
     engine.generate(prompts + [prompts[0]], 8, prefill_mode=mode, chunk_size=32, stop_at_eos=False,
@@ -91,6 +106,25 @@ def test_the_ledger_books_what_the_policy_holds(tiny, name):
         for tier in ("device", "host"):
             assert ledger[tier] == pytest.approx(held[tier], rel=0.01), (tier, held, ledger)
     assert max(held["device"] for held, _ in records) > 0
+    return engine
+
+
+@pytest.mark.parametrize("name", available())
+def test_the_ledger_books_what_the_policy_holds(tiny, name):
+    check_census(tiny, name)
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("name", available())
+def test_on_kvlibs_own_forward_the_ledger_books_the_weights_their_packed_copy_and_the_policy(smollm, name):
+    """SmolLM2 fused and prepacked, as the book runs it: every policy's tensors and modules, and the model's weights
+    (each parameter once, its tied head's packed copy booked apart as weights_packed)."""
+    assert smollm.kvlib_forward is not None and smollm.packed_copy_bytes > 0
+    engine = check_census(smollm, name)
+    parameters = sum(p.numel() * p.element_size() for p in smollm.model.parameters())
+    components = engine.ledger.peak
+    assert components[("device", "weights")] + components[("device", "weights_packed")] == parameters
+    assert components[("device", "weights_packed")] == smollm.packed_copy_bytes
 
 
 def test_infinigen_books_one_live_fetch_and_what_the_gather_moved(tiny):
