@@ -4,7 +4,9 @@ A conversation starts with a fact as the user's message and an assistant acknowl
 turn by turn into one engine row, with the policy's cache carried along (H2O evicts after every turn, for good). After
 turns 2, 4, 6, ... a question about the fact is branched off: the policy forks the conversation's row into a second
 row, the question is prefilled there and the answer generated greedily, and the conversation goes on in its own row
-untouched. Correct = the answer contains the expected string. The conversations' own assistant replies are fed (not
+untouched. Correct = the answer states the expected value as whole words (`facts.answered`: "fig" is not found in
+"config"), case and punctuation aside; answers may run to the longest statement of a fact plus a margin
+(`facts.answer_cap`). The conversations' own assistant replies are fed (not
 regenerated), so every policy sees the same context and differences come from cache management alone.
 
 Conversations: LMSYS-Chat-1M through `datasets` (paper profile), or built offline from the CPython documentation.
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 
 from kvlib.engine import Engine
 from kvlib.errors import UserError
-from kvlib.evaluation.facts import Fact, draw
+from kvlib.evaluation.facts import Fact, answer_cap, answered, draw
 from kvlib.models.workloads import corpus_ids
 
 ACK = "Got it, I will remember that."
@@ -71,14 +73,14 @@ def offline_conversations(tokenizer, buckets: list[list[int]], per_bucket: int, 
     corpus = corpus_ids(tokenizer, max(hi for _, hi in buckets))
     convs = []
     for lo, hi in buckets:
-        for _ in range(per_bucket):
+        for index in range(per_bucket):
             per_side = (rng.randrange(lo, hi) - 60) // (2 * turns) - 20  # chat markup and phrasing take the rest
             exchanges = []
             for _ in range(turns):
                 asked = _excerpt(tokenizer, corpus, per_side, rng)
                 exchanges.append((f"Here is part of the Python documentation:\n\n{asked}\n\nWhat does it explain?",
                                   f"It explains the following.\n\n{_excerpt(tokenizer, corpus, per_side, rng)}"))
-            convs.append(Conversation(f"pydoc-{len(convs)}", draw(rng, len(convs)), exchanges, (lo, hi)))
+            convs.append(Conversation(f"pydoc-{len(convs)}", draw(rng, index), exchanges, (lo, hi)))
     return convs
 
 
@@ -106,21 +108,31 @@ def dataset_conversations(tokenizer, source: dict, buckets: list[list[int]], per
                  if u["role"] == "user" and a["role"] == "assistant"][:max_turns]
         if len(pairs) < min_turns:
             continue
-        conv = Conversation(str(record.get("conversation_id", i)), draw(rng, len(convs)), pairs, (0, 0))
-        length = conversation_tokens(tokenizer, conv)
-        bucket = next((b for b in wanted if b[0] <= length < b[1] and wanted[b]), None)
-        if bucket is not None:
-            wanted[bucket] -= 1
-            conv.bucket = bucket
+        conv = _bucketed(tokenizer, str(record.get("conversation_id", i)), pairs, wanted, per_bucket, rng)
+        if conv is not None:
+            wanted[conv.bucket] -= 1
             convs.append(conv)
     return convs
 
 
+def _bucketed(tokenizer, name: str, pairs, wanted: dict, per_bucket: int, rng: random.Random) -> Conversation | None:
+    """The conversation in the first open bucket its length falls in, its fact the next of that bucket's sequence (so
+    every bucket holds the same kinds of fact); None where it fits none."""
+    for bucket, left in wanted.items():
+        if not left:
+            continue
+        conv = Conversation(name, draw(random.Random(rng.random()), per_bucket - left), pairs, bucket)
+        if bucket[0] <= conversation_tokens(tokenizer, conv) < bucket[1]:
+            return conv
+    return None
+
+
 # -- the test ------------------------------------------------------------------------------------------------------
 def run_conversation(engine: Engine, conv: Conversation, query_turns: list[int], prefill_mode: str,
-                     chunk_size: int = 512, answer_tokens: int = 16) -> list[dict]:
+                     chunk_size: int = 512, answer_tokens: int | None = None) -> list[dict]:
     """Feed a conversation turn by turn in row 0; at each query turn, ask about the fact in row 1. One row per ask."""
     tok = engine.model.tokenizer
+    answer_tokens = answer_tokens or answer_cap(tok)
     asked = [t for t in query_turns if t <= len(conv.exchanges)]
     pieces = [_extension(tok, [], messages(conv, 0))]
     pieces += [_extension(tok, messages(conv, t - 1), messages(conv, t)) for t in range(1, max(asked, default=0) + 1)]
@@ -148,6 +160,6 @@ def run_conversation(engine: Engine, conv: Conversation, query_turns: list[int],
             rows.append({"conversation": conv.id, "bucket": bucket_label(conv.bucket), "turn": turn,
                          "context_tokens": held, "fact": conv.fact.question,
                          "expected": conv.fact.answer, "answer": text,
-                         "correct": conv.fact.answer.lower() in text.lower(),
+                         "correct": answered(conv.fact.answer, text), "answer_tokens": answer_tokens,
                          **engine.policy.usage.summary()})
     return rows

@@ -18,5 +18,5 @@ def run_point(point) -> list[dict]:
     rows = []
     for conv in convs:
         rows += run_conversation(engine, conv, turns, engine.policy.preferred_prefill,
-                                 chunk_size=v.get("chunk_size", 512), answer_tokens=v.get("answer_tokens", 12))
+                                 chunk_size=v.get("chunk_size", 512), answer_tokens=v.get("answer_tokens"))
     return rows
