@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from kvlib.engine import Engine
 from kvlib.errors import UserError
 from kvlib.evaluation.facts import Fact, answer_cap, answered, draw
+from kvlib.evaluation.generation import answer_rows, check_protocol
 from kvlib.models.workloads import corpus_ids
 
 ACK = "Got it, I will remember that."
@@ -128,38 +129,63 @@ def _bucketed(tokenizer, name: str, pairs, wanted: dict, per_bucket: int, rng: r
 
 
 # -- the test ------------------------------------------------------------------------------------------------------
-def run_conversation(engine: Engine, conv: Conversation, query_turns: list[int], prefill_mode: str,
-                     chunk_size: int = 512, answer_tokens: int | None = None) -> list[dict]:
-    """Feed a conversation turn by turn in row 0; at each query turn, ask about the fact in row 1. One row per ask."""
-    tok = engine.model.tokenizer
-    answer_tokens = answer_tokens or answer_cap(tok)
+@dataclass
+class _Plan:
+    """A conversation as token pieces: its turns in order, and the question asked after each query turn."""
+
+    conv: Conversation
+    pieces: list[list[int]]
+    asks: dict[int, list[int]]
+    total: int  # the most tokens its rows hold: every turn, the longest question and its answer
+
+
+def _plan(tok, conv: Conversation, query_turns: list[int], answer_tokens: int, max_context: int) -> _Plan:
     asked = [t for t in query_turns if t <= len(conv.exchanges)]
     pieces = [_extension(tok, [], messages(conv, 0))]
     pieces += [_extension(tok, messages(conv, t - 1), messages(conv, t)) for t in range(1, max(asked, default=0) + 1)]
     question = [{"role": "user", "content": conv.fact.question + ASK}]
-    longest_question = max(len(_extension(tok, messages(conv, t), messages(conv, t) + question, ask=True))
-                           for t in asked) if asked else 0
-    total = sum(map(len, pieces)) + longest_question + answer_tokens
-    if total > engine.model.spec.max_context:
-        raise UserError(f"conversation {conv.id} needs {total} tokens; the model's context is "
-                        f"{engine.model.spec.max_context}")
-    rows, held = [], 0
-    with engine.session([total, total], answer_tokens) as session:
-        for turn, piece in enumerate(pieces):
-            session.prefill(0, piece, prefill_mode, chunk_size)
-            held += len(piece)
-            if turn not in asked:
-                continue
-            session.fork(0, 1)
-            ask = _extension(tok, messages(conv, turn), messages(conv, turn) + question, ask=True)
-            logits = session.prefill(1, ask, prefill_mode, chunk_size)
-            answer = [int(logits.argmax())]
-            while len(answer) < answer_tokens and answer[-1] != tok.eos_token_id:
-                answer.append(int(session.decode([1], [answer[-1]])[0].argmax()))
-            text = tok.decode(answer, skip_special_tokens=True)
-            rows.append({"conversation": conv.id, "bucket": bucket_label(conv.bucket), "turn": turn,
-                         "context_tokens": held, "fact": conv.fact.question,
-                         "expected": conv.fact.answer, "answer": text,
-                         "correct": answered(conv.fact.answer, text), "answer_tokens": answer_tokens,
-                         **engine.policy.usage.summary()})
+    asks = {t: _extension(tok, messages(conv, t), messages(conv, t) + question, ask=True) for t in asked}
+    total = sum(map(len, pieces)) + max(map(len, asks.values()), default=0) + answer_tokens
+    if total > max_context:
+        raise UserError(f"conversation {conv.id} needs {total} tokens; the model's context is {max_context}")
+    return _Plan(conv, pieces, asks, total)
+
+
+def run_conversation(engine: Engine, conv: Conversation, query_turns: list[int], prefill_mode: str,
+                     chunk_size: int = 512, answer_tokens: int | None = None, protocol: str = "deployed"
+                     ) -> list[dict]:
+    """One conversation alone (run_conversations with one)."""
+    return run_conversations(engine, [conv], query_turns, prefill_mode, chunk_size, answer_tokens, protocol)
+
+
+def run_conversations(engine: Engine, convs: list[Conversation], query_turns: list[int], prefill_mode: str,
+                      chunk_size: int = 512, answer_tokens: int | None = None, protocol: str = "deployed"
+                      ) -> list[dict]:
+    """Conversations in lockstep on one Session: conversation c in row 2c, fed turn by turn; after a query turn each
+    conversation's question is branched into row 2c + 1 and all of them are answered together
+    (kvlib.evaluation.generation, under `protocol`). One row per question; each answer is the one the conversation
+    alone would get (tested). The KV usage in a row is its lockstep group's so far."""
+    check_protocol(protocol)
+    tok = engine.model.tokenizer
+    answer_tokens = answer_tokens or answer_cap(tok)
+    plans = [_plan(tok, conv, query_turns, answer_tokens, engine.model.spec.max_context) for conv in convs]
+    rows, held = [], [0] * len(plans)
+    with engine.session([plan.total for plan in plans for _ in (0, 1)], answer_tokens) as session:
+        for turn in range(max(len(plan.pieces) for plan in plans)):
+            for c, plan in enumerate(plans):
+                if turn < len(plan.pieces):
+                    session.prefill(2 * c, plan.pieces[turn], prefill_mode, chunk_size)
+                    held[c] += len(plan.pieces[turn])
+            asking = [c for c, plan in enumerate(plans) if turn in plan.asks]
+            for c in asking:
+                session.fork(2 * c, 2 * c + 1)
+            answers = answer_rows(session, [2 * c + 1 for c in asking], [plans[c].asks[turn] for c in asking],
+                                  answer_tokens, protocol, prefill_mode, chunk_size, tok.eos_token_id)
+            usage = engine.policy.usage.summary()
+            for c, answer in zip(asking, answers):
+                conv, text = plans[c].conv, tok.decode(answer, skip_special_tokens=True)
+                rows.append({"conversation": conv.id, "bucket": bucket_label(conv.bucket), "turn": turn,
+                             "context_tokens": held[c], "fact": conv.fact.question, "expected": conv.fact.answer,
+                             "answer": text, "correct": answered(conv.fact.answer, text),
+                             "answer_tokens": answer_tokens, "protocol": protocol, **usage})
     return rows
