@@ -51,11 +51,26 @@ def test_the_shipped_profiles_are_valid():
     ({"policy_settings": {"h2o": {"budjet": 0.3}}}, "unknown key 'budjet'"),
     ({"experiments": {"ttft": {"grid": {"prompt_tokens": []}}}}, "non-empty list"),
     ({"device_capacity_gb": -1}, "device_capacity_gb"),
+    ({"validity_gate": 1.5}, "validity_gate must be a share"),
+    ({"experiments": {"ttft": {"model": ["smollm2-135m"]}}}, "experiments.ttft.model must be a model name"),
 ])
 def test_invalid_profiles_get_one_clear_error(root, change, message):
     write_profile(root, "bad", {**PROFILE, **change})
     with pytest.raises(UserError, match=message):
         study.load_profile("bad")
+
+
+def test_an_experiment_names_its_own_model_and_the_gate_is_a_setting(root):
+    """accuracy and retention on the model that passes their tasks, the systems chapters on the profile's model."""
+    accuracy = {"policies": ["full"], "grid": {"task": ["kvlib_recall"]}, "model": "qwen2.5-coder-0.5b"}
+    write_profile(root, "two", {**PROFILE, "validity_gate": 0.8,
+                                "experiments": {**PROFILE["experiments"], "accuracy": accuracy}})
+    profile = study.load_profile("two")
+    assert {p.model for p in profile.points("accuracy")} == {"qwen2.5-coder-0.5b"}
+    assert {p.model for p in profile.points("ttft")} == {"smollm2-135m"}
+    assert all(p.columns()["model"] == "qwen2.5-coder-0.5b" for p in profile.points("accuracy"))
+    write_profile(root, "one", PROFILE)
+    assert profile.validity_gate == 0.8 and study.load_profile("one").validity_gate == 0.7
 
 
 def test_unknown_profile(root):

@@ -10,6 +10,7 @@ import math
 import pandas as pd
 
 from kvlib.report import stats
+from kvlib.report.gate import GATE, accuracy_gate, beyond_model, passing, retention_gate
 from kvlib.report.tables import (
     accuracy_item,
     accuracy_table,
@@ -298,13 +299,19 @@ def _scored_rows(df: pd.DataFrame) -> pd.DataFrame:
     return d.assign(budget=d["budget"].fillna(1.0) if "budget" in d else 1.0)
 
 
-def accuracy(df: pd.DataFrame) -> list[str]:
+def accuracy(df: pd.DataFrame, gate: float = GATE) -> list[str]:
+    """Each task's full-cache score, then, where the full cache passes the validity gate (kvlib.report.gate), each
+    policy's paired change from it; a task the full cache fails is said to be beyond the model, with no verdict."""
     out = [f"Paper: {PAPER['accuracy']}"]
     table = accuracy_table(df)
     rows = _scored_rows(df)
+    gated = accuracy_gate(df, gate)
+    gated = gated[gated["length"].isna()]
+    valid = passing(gated, "task")
     pairs = {}
     for task in table.loc[table["metric"] == "accuracy", "task"].unique():
-        pairs.update(_pairs_against_full(rows[rows["task"] == task], (task,)))
+        if task in valid:
+            pairs.update(_pairs_against_full(rows[rows["task"] == task], (task,)))
     drops = _family(pairs, "correct", accuracy_item(rows))
     for task, t in table.groupby("task"):
         full = t[t["policy"] == "full"]
@@ -314,6 +321,9 @@ def accuracy(df: pd.DataFrame) -> list[str]:
         unit = (lambda x: f"{x:.1%}") if metric == "accuracy" else (lambda x: f"{x:.2f}")
         out.append(f"Ours: {task} ({t['items'].iloc[0]} items), full cache {metric} {unit(base['score'])} "
                    f"(95 % interval {unit(base['low'])}-{unit(base['high'])}).")
+        if metric == "accuracy" and task not in valid:
+            out += beyond_model(gated[gated["task"] == task], gate)
+            continue
         for budget, b in t[t["policy"] != "full"].groupby("budget"):
             parts = []
             for _, row in b.iterrows():
@@ -326,13 +336,36 @@ def accuracy(df: pd.DataFrame) -> list[str]:
             if (task, budget, H2O_VS_INFINIGEN) in drops:
                 out.append(f"Ours: {task} at budget {budget:g}: "
                            f"{_who_loses_more(drops[(task, budget, H2O_VS_INFINIGEN)])}.")
-    return out + _accuracy_rule(drops) + ruler(df)
+    return out + _accuracy_rule(drops) + ruler(df, gate)
 
 
-def ruler(df: pd.DataFrame) -> list[str]:
-    """RULER read against the paper's accuracy finding: the mean over subtasks per length, each policy's change from
-    the full cache at each budget on the same items (resampled within each subtask), and whether H2O loses more
-    than InfiniGen."""
+def ruler(df: pd.DataFrame, gate: float = GATE) -> list[str]:
+    """RULER read against the paper's accuracy finding, per protocol where rows ran under several: the subtasks and
+    lengths the full cache passes (the validity gate; the others said to be beyond the model), the mean over those
+    subtasks per length, each policy's change from the full cache at each budget on the same items (resampled within
+    each subtask), and whether H2O loses more than InfiniGen."""
+    if "ruler_score" not in df or df["ruler_score"].isna().all():
+        return []
+    d = df[df["ruler_score"].notna()]
+    gated = accuracy_gate(d, gate)
+    gated = gated[gated["length"].notna()]
+    valid = {(t, int(n)) for t, n, ok in zip(gated["task"], gated["length"], gated["passes"]) if ok}
+    kept = d[[(t, int(n)) in valid for t, n in zip(d["task"], d["length"])]]
+    return beyond_model(gated, gate, "RULER subtask") + per_protocol(_ruler, kept)
+
+
+def per_protocol(lines_of, df: pd.DataFrame) -> list[str]:
+    """lines_of(df) for each protocol the rows ran under (kvlib.evaluation.generation): a score as deployed and a
+    strict one are different measurements, never pooled."""
+    if "protocol" not in df or df["protocol"].nunique() <= 1:
+        return lines_of(df)
+    out = []
+    for protocol, g in df.groupby("protocol", sort=True):
+        out += [line.replace("Ours: ", f"Ours ({protocol} protocol): ", 1) for line in lines_of(g)]
+    return out
+
+
+def _ruler(df: pd.DataFrame) -> list[str]:
     table = ruler_table(df)
     if table.empty:
         return []
@@ -364,12 +397,24 @@ def ruler(df: pd.DataFrame) -> list[str]:
                   for line in _accuracy_rule(drops, "items resampled within each subtask")]
 
 
-def retention(df: pd.DataFrame) -> list[str]:
+def retention(df: pd.DataFrame, gate: float = GATE) -> list[str]:
     """Each policy's retention against the full cache's on the same questions, conversations resampled within each
-    bucket (a conversation's questions share one context: they are not independent)."""
+    bucket (a conversation's questions share one context: they are not independent), over the buckets the full cache
+    passes (the validity gate; the others said to be beyond the model), per protocol."""
     out = [f"Paper: {PAPER['retention']}"]
     if df.empty or "full" not in set(df["policy"]):
         return out + ["Ours: no full-cache run to compare with."]
+    gated = retention_gate(df, gate)
+    valid = passing(gated, "bucket")
+    out += beyond_model(gated, gate, "retention bucket")
+    kept = df[df["bucket"].isin(valid)]
+    if kept.empty:
+        return out + ["Ours: no bucket passes the validity gate: no verdict on retention."]
+    return out + per_protocol(_retention, kept)
+
+
+def _retention(df: pd.DataFrame) -> list[str]:
+    out = []
     item, cluster, stratum = retention_design(df)
     paired = set(item) <= set(df.columns)
     d = df.assign(correct=df["correct"].astype(float), budget=df["budget"].fillna(1.0) if "budget" in df else 1.0)

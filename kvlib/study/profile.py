@@ -1,6 +1,7 @@
 """A params profile (params/<name>.yaml, or a user's own YAML file) and the typed grid points it expands into.
 
-    model: smollm2-135m              # default model of every experiment
+    model: smollm2-135m              # default model of every experiment (an experiment's own `model:` overrides it)
+    validity_gate: 0.7               # policies are compared on a task only where the full cache scores at least this
     weights: random                  # optional: seeded random weights (systems experiments only; kvlib.models)
     device_capacity_gb: 1.0          # configured device memory (OOM boundaries); null = unlimited
     policy_settings: {h2o: {budget: 0.3}}   # per-policy settings used wherever the policy runs
@@ -10,6 +11,7 @@
         grid: {prompt_tokens: [512, 2048], prefill: [full, fused, chunked]}
         fixed: {chunk_size: 512}
       accuracy:
+        model: qwen2.5-coder-0.5b    # this experiment's model
         policies: [full, h2o, infinigen]
         grid: {task: [kvlib_recall], budget: [0.1, 0.5]}   # a setting as an axis: full (no budget) runs once
         repeats: 1                   # timing experiments: 3 or more (every repeat stored)
@@ -33,11 +35,13 @@ import yaml
 from kvlib.errors import UserError
 from kvlib.models import WEIGHTS
 from kvlib.models.random_weights import check_experiment
+from kvlib.report.gate import GATE
 from kvlib.settings import capacity_bytes
 from kvlib.study.runners import make_runner, runner_class, runners
 
 EXPERIMENTS = ("ttft", "batch_scaling", "decode_length", "accuracy", "retention")
-PROFILE_KEYS = {"model", "device_capacity_gb", "policy_settings", "experiments", "description", "device", "weights"}
+PROFILE_KEYS = {"model", "device_capacity_gb", "policy_settings", "experiments", "description", "device", "weights",
+                "validity_gate"}
 EXPERIMENT_KEYS = {"policies", "grid", "fixed", "model", "repeats"}
 
 
@@ -83,6 +87,7 @@ class Profile:
     experiments: dict
     device: str | None = None
     weights: str = "pretrained"
+    validity_gate: float = GATE  # the full cache's score a task needs before policies are compared on it
 
     def repeats(self, experiment: str) -> int:
         return self.experiments[experiment].get("repeats", 1)
@@ -180,7 +185,13 @@ def validate_profile(name: str, raw: dict, where: str | None = None) -> Profile:
             raise UserError(f"{here}.repeats must be an integer >= 1, got {repeats!r}")
     capacity = raw.get("device_capacity_gb")
     _checked(where, capacity_bytes, capacity)
-    profile = Profile(name, raw["model"], capacity, settings, experiments, raw.get("device"), weights)
+    gate = raw.get("validity_gate", GATE)
+    if isinstance(gate, bool) or not isinstance(gate, (int, float)) or not 0 < gate <= 1:
+        raise UserError(f"{where}: validity_gate must be a share in (0, 1], got {gate!r}")
+    for exp, spec in experiments.items():
+        if "model" in spec and not isinstance(spec["model"], str):
+            raise UserError(f"{where}: experiments.{exp}.model must be a model name, got {spec['model']!r}")
+    profile = Profile(name, raw["model"], capacity, settings, experiments, raw.get("device"), weights, float(gate))
     for exp in experiments:  # bad settings on a grid axis (a budget of 2) fail here, before anything runs
         _checked(f"{where}: experiments.{exp}", profile.points, exp)
     return profile
