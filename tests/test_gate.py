@@ -72,3 +72,11 @@ def test_two_protocols_are_read_apart_never_pooled():
     lines = findings.retention(df)
     assert any(line.startswith("Ours (deployed protocol): 20 questions per policy") for line in lines)
     assert any(line.startswith("Ours (strict protocol): 20 questions per policy") for line in lines)
+
+
+def test_exploratory_policies_are_labelled_so():
+    df = pd.DataFrame(recall_rows("easy", 45)).assign(role="confirmatory")
+    streaming = df[df["policy"] == "h2o"].assign(policy="streaming", role="exploratory")
+    lines = findings.accuracy(pd.concat([df, streaming]))
+    assert any("streaming (exploratory)" in line for line in lines)
+    assert not any("h2o (exploratory)" in line for line in lines)

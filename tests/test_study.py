@@ -73,6 +73,19 @@ def test_an_experiment_names_its_own_model_and_the_gate_is_a_setting(root):
     assert profile.validity_gate == 0.8 and study.load_profile("one").validity_gate == 0.7
 
 
+def test_exploratory_policies_run_on_their_own_fixed_values_and_say_so(root):
+    accuracy = {"policies": ["full", "h2o", "streaming"], "grid": {"task": ["kvlib_recall"], "budget": [0.1]},
+                "fixed": {"limit": 200}, "exploratory": {"policies": ["streaming"], "fixed": {"limit": 40}}}
+    write_profile(root, "explore", {**PROFILE, "experiments": {"accuracy": accuracy}})
+    points = {p.runner: p for p in study.load_profile("explore").points("accuracy")}
+    assert points["streaming"].values["limit"] == 40 and points["streaming"].values["role"] == "exploratory"
+    assert points["h2o"].values["limit"] == 200 and points["h2o"].values["role"] == "confirmatory"
+    assert points["full"].columns()["role"] == "confirmatory"
+    write_profile(root, "bad", {**PROFILE, "experiments": {"accuracy": {**accuracy, "exploratory": {"policy": []}}}})
+    with pytest.raises(UserError, match="exploratory: unknown key 'policy'"):
+        study.load_profile("bad")
+
+
 def test_unknown_profile(root):
     with pytest.raises(UserError, match="unknown profile 'nope'"):
         study.load_profile("nope")

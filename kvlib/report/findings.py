@@ -236,6 +236,13 @@ def _decode_length(df: pd.DataFrame) -> list[str]:
     return out
 
 
+def _role(df: pd.DataFrame, policy: str) -> str:
+    """" (exploratory)" for a policy the profile ran on fewer items (kvlib.study.profile: `exploratory`)."""
+    if "role" not in df:
+        return ""
+    return " (exploratory)" if (df.loc[df["policy"] == policy, "role"] == "exploratory").any() else ""
+
+
 def _change(drop: stats.Drop) -> str:
     """A policy's change from its reference in pp with the interval and the verdict word: the reader sees the score
     move, so the sign is the score's (a drop of 12 pp reads -12.0)."""
@@ -331,7 +338,7 @@ def accuracy(df: pd.DataFrame, gate: float = GATE) -> list[str]:
                          else f"{row['score'] / base['score'] - 1:+.1%}")
                 used = (f"; attended {row['kv_share_attended']:.0%} of the KV"
                         if not math.isnan(row["kv_share_attended"]) else "")
-                parts.append(f"{row['policy']} {unit(row['score'])} ({delta}{used})")
+                parts.append(f"{row['policy']}{_role(df, row['policy'])} {unit(row['score'])} ({delta}{used})")
             out.append(f"Ours: {task} at budget {budget:g}: " + ", ".join(parts) + ".")
             if (task, budget, H2O_VS_INFINIGEN) in drops:
                 out.append(f"Ours: {task} at budget {budget:g}: "
@@ -386,7 +393,8 @@ def _ruler(df: pd.DataFrame) -> list[str]:
         out.append(f"Ours: RULER at {length:,} tokens ({', '.join(tasks)}; {base['items']} items), full cache "
                    f"{base['score']:.1%} (95 % interval {base['low']:.1%}-{base['high']:.1%}).")
         for budget, b in t[t["policy"] != "full"].groupby("budget"):
-            parts = [f"{row['policy']} {row['score']:.1%} ({_change(drops[(length, budget, row['policy'])])}"
+            parts = [f"{row['policy']}{_role(df, row['policy'])} {row['score']:.1%} "
+                     f"({_change(drops[(length, budget, row['policy'])])}"
                      + (f"; attended {row['kv_share_attended']:.0%} of the KV"
                         if not math.isnan(row["kv_share_attended"]) else "") + ")" for _, row in b.iterrows()]
             out.append(f"Ours: RULER at {length:,} tokens, budget {budget:g}: " + ", ".join(parts) + ".")
@@ -436,7 +444,7 @@ def _retention(df: pd.DataFrame) -> list[str]:
         at = f" at budget {budget:g}" if budgeted.get(policy, 0) > 1 else ""
         used = (f"; attending {g['kv_share_attended'].median():.0%} of the KV"
                 if "kv_share_attended" in g and g["kv_share_attended"].notna().any() else "")
-        out.append(f"Ours: {policy}{at} answers {drop.score:.0%} ({_change(drop)}{used}).")
+        out.append(f"Ours: {policy}{_role(df, policy)}{at} answers {drop.score:.0%} ({_change(drop)}{used}).")
     by_bucket = df.groupby(["bucket", "policy"])["correct"].mean().unstack()
     for bucket, row in by_bucket.iterrows():
         out.append(f"Ours: bucket {bucket}: " + ", ".join(f"{p} {v:.0%}" for p, v in row.items()) + ".")

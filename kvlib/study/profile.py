@@ -14,6 +14,7 @@
         model: qwen2.5-coder-0.5b    # this experiment's model
         policies: [full, h2o, infinigen]
         grid: {task: [kvlib_recall], budget: [0.1, 0.5]}   # a setting as an axis: full (no budget) runs once
+        exploratory: {policies: [streaming], fixed: {limit: 50}}   # these policies on fewer items, labelled so
         repeats: 1                   # timing experiments: 3 or more (every repeat stored)
 
 A grid or fixed value named after a runner's setting (`budget`, `budget_rule`) is that runner's setting, for the
@@ -42,7 +43,7 @@ from kvlib.study.runners import make_runner, runner_class, runners
 EXPERIMENTS = ("ttft", "batch_scaling", "decode_length", "accuracy", "retention")
 PROFILE_KEYS = {"model", "device_capacity_gb", "policy_settings", "experiments", "description", "device", "weights",
                 "validity_gate"}
-EXPERIMENT_KEYS = {"policies", "grid", "fixed", "model", "repeats"}
+EXPERIMENT_KEYS = {"policies", "grid", "fixed", "model", "repeats", "exploratory"}
 
 
 @dataclass(frozen=True)
@@ -103,7 +104,7 @@ class Profile:
             # an axis named after a setting (e.g. budget) varies only the runners that have it
             axes = sorted(a for a in grid if a in own or a not in any_setting)
             for values in itertools.product(*(grid[a] for a in axes)):
-                given = {**fixed, **dict(zip(axes, values))}
+                given = {**fixed, **self._exploratory_values(spec, name), **dict(zip(axes, values))}
                 settings = {**self.policy_settings.get(name, {}), **{k: v for k, v in given.items() if k in own}}
                 workload = {k: v for k, v in given.items() if k not in any_setting}
                 cls = runner_class(name)
@@ -113,6 +114,18 @@ class Profile:
                                     spec.get("model", self.model), self.weights, self.device,
                                     self.device_capacity_gb))
         return points
+
+    @staticmethod
+    def _exploratory_values(spec: dict, runner: str) -> dict:
+        """An experiment whose `exploratory: {policies: [...], fixed: {...}}` names policies runs them with those
+        fixed values over the experiment's (fewer items, say), and every point says which it is (`role`): the
+        confirmatory points carry the verdicts, the exploratory ones are read as such."""
+        exploratory = spec.get("exploratory")
+        if not exploratory:
+            return {}
+        if runner in exploratory.get("policies", []):
+            return {**exploratory.get("fixed", {}), "role": "exploratory"}
+        return {"role": "confirmatory"}
 
     def _runners(self, names) -> list[str]:
         from kvlib.policies import available
@@ -180,6 +193,9 @@ def validate_profile(name: str, raw: dict, where: str | None = None) -> Profile:
         for axis, values in (spec.get("grid") or {}).items():
             if not isinstance(values, list) or not values:
                 raise UserError(f"{here}.grid.{axis} must be a non-empty list")
+        exploratory = spec.get("exploratory") or {}
+        _no_unknown(exploratory, {"policies", "fixed"}, f"{here}.exploratory")
+        _no_unknown({p: None for p in exploratory.get("policies", [])}, set(runners()), f"{here}.exploratory.policies")
         repeats = spec.get("repeats", 1)
         if not isinstance(repeats, int) or repeats < 1:
             raise UserError(f"{here}.repeats must be an integer >= 1, got {repeats!r}")
