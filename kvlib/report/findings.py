@@ -465,9 +465,12 @@ CONFIRMED, REFUTED, INCONCLUSIVE, NOT_TESTABLE = "confirmed", "refuted", "inconc
 
 FINDINGS = {
     1: "full-matrix prefill runs out of memory at ~10K tokens; fused attention rescues InfiniGen, chunked prefill "
-       "rescues H2O",
-    2: "vLLM has the highest decode throughput; InfiniGen is an order of magnitude slower",
-    3: "InfiniGen's host memory grows with batch; H2O's is small",
+       "rescues H2O (tested: where full-matrix prefill runs out of the configured device memory in the grid, InfiniGen "
+       "fused and H2O chunked complete)",
+    2: "vLLM has the highest decode throughput, InfiniGen an order of magnitude below (tested: vLLM faster than H2O "
+       "and than InfiniGen at the largest batch; the ratios say how much)",
+    3: "InfiniGen's host memory grows with batch; H2O's is small (tested: InfiniGen's host peak larger at the largest "
+       "batch than at the smallest, and above H2O's there)",
     4: "at budget 0.5 H2O and InfiniGen are near the full cache; at 0.1 H2O loses more than InfiniGen",
     5: "retention: InfiniGen within a few pp of the full cache, H2O 17-27 pp lower",
 }
