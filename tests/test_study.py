@@ -51,10 +51,38 @@ def test_the_shipped_profiles_are_valid():
     ({"policy_settings": {"h2o": {"budjet": 0.3}}}, "unknown key 'budjet'"),
     ({"experiments": {"ttft": {"grid": {"prompt_tokens": []}}}}, "non-empty list"),
     ({"device_capacity_gb": -1}, "device_capacity_gb"),
+    ({"validity_gate": 1.5}, "validity_gate must be a share"),
+    ({"experiments": {"ttft": {"model": ["smollm2-135m"]}}}, "experiments.ttft.model must be a model name"),
 ])
 def test_invalid_profiles_get_one_clear_error(root, change, message):
     write_profile(root, "bad", {**PROFILE, **change})
     with pytest.raises(UserError, match=message):
+        study.load_profile("bad")
+
+
+def test_an_experiment_names_its_own_model_and_the_gate_is_a_setting(root):
+    """accuracy and retention on the model that passes their tasks, the systems chapters on the profile's model."""
+    accuracy = {"policies": ["full"], "grid": {"task": ["kvlib_recall"]}, "model": "qwen2.5-coder-0.5b"}
+    write_profile(root, "two", {**PROFILE, "validity_gate": 0.8,
+                                "experiments": {**PROFILE["experiments"], "accuracy": accuracy}})
+    profile = study.load_profile("two")
+    assert {p.model for p in profile.points("accuracy")} == {"qwen2.5-coder-0.5b"}
+    assert {p.model for p in profile.points("ttft")} == {"smollm2-135m"}
+    assert all(p.columns()["model"] == "qwen2.5-coder-0.5b" for p in profile.points("accuracy"))
+    write_profile(root, "one", PROFILE)
+    assert profile.validity_gate == 0.8 and study.load_profile("one").validity_gate == 0.7
+
+
+def test_exploratory_policies_run_on_their_own_fixed_values_and_say_so(root):
+    accuracy = {"policies": ["full", "h2o", "streaming"], "grid": {"task": ["kvlib_recall"], "budget": [0.1]},
+                "fixed": {"limit": 200}, "exploratory": {"policies": ["streaming"], "fixed": {"limit": 40}}}
+    write_profile(root, "explore", {**PROFILE, "experiments": {"accuracy": accuracy}})
+    points = {p.runner: p for p in study.load_profile("explore").points("accuracy")}
+    assert points["streaming"].values["limit"] == 40 and points["streaming"].values["role"] == "exploratory"
+    assert points["h2o"].values["limit"] == 200 and points["h2o"].values["role"] == "confirmatory"
+    assert points["full"].columns()["role"] == "confirmatory"
+    write_profile(root, "bad", {**PROFILE, "experiments": {"accuracy": {**accuracy, "exploratory": {"policy": []}}}})
+    with pytest.raises(UserError, match="exploratory: unknown key 'policy'"):
         study.load_profile("bad")
 
 

@@ -6,6 +6,8 @@ Several kinds, each with several values, so a model cannot score by always answe
 from __future__ import annotations
 
 import random
+import re
+import unicodedata
 from dataclasses import dataclass
 
 
@@ -34,7 +36,37 @@ KINDS = [
 
 
 def draw(rng: random.Random, index: int) -> Fact:
-    """The index-th fact of a sequence: kinds in turn, the value drawn at random."""
+    """The index-th fact of a sequence: kinds in turn, the value drawn at random. Callers number facts within each
+    bucket or length (index 0 in every one), so every bucket holds the same kinds: kind never stands in for length."""
     template, question, values = KINDS[index % len(KINDS)]
     answer = rng.choice(values)
     return Fact(template.format(answer), question, answer, tuple(v for v in values if v != answer))
+
+
+def words(text: str) -> list[str]:
+    """Lower-case words, accents folded and punctuation dropped: "Kraków." and "krakow" read alike, and "config" is
+    one word, not a "fig" within it."""
+    folded = unicodedata.normalize("NFKD", text.casefold())
+    plain = "".join(c for c in folded if not unicodedata.combining(c))
+    return re.findall(r"[^\W_]+", plain)
+
+
+def answered(expected: str, answer: str) -> bool:
+    """Whether an answer states the expected value as whole words (case and punctuation aside): "fig" is answered by
+    "It is the fig." and not by "config"; "4729" not by "47291"."""
+    want, said = words(expected), words(answer)
+    if not want:
+        return False
+    return any(said[i:i + len(want)] == want for i in range(len(said) - len(want) + 1))
+
+
+# Tokens allowed beyond the longest statement of a fact: an answer may open with a word or two ("Sure, ...").
+ANSWER_MARGIN = 6
+
+
+def answer_cap(tokenizer, margin: int = ANSWER_MARGIN) -> int:
+    """How many tokens an answer may take: the longest statement of any fact in full (a model that answers "The code
+    of the garage door is 4729." must reach the code), plus a margin. Measured with the model's own tokenizer."""
+    longest = max(len(tokenizer.encode(template.format(value), add_special_tokens=False))
+                  for template, _, values in KINDS for value in values)
+    return longest + margin

@@ -11,6 +11,8 @@ continuation token straight from the prefill would see the whole context, and a 
 
 from __future__ import annotations
 
+import json
+
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
@@ -18,6 +20,7 @@ from tqdm import tqdm
 
 from kvlib.engine import Engine
 from kvlib.errors import UserError
+from kvlib.evaluation.generation import answer_rows, check_protocol
 from kvlib.models import load_model
 from kvlib.policies import make_policy
 
@@ -26,8 +29,11 @@ from kvlib.policies import make_policy
 class KVLibLM(TemplateLM):
     def __init__(self, pretrained: str = "smollm2-135m", policy: str = "full", batch_size: int | str = 8,
                  device: str | None = None, max_length: int | None = None, loaded=None,
-                 calibration: list[int] | None = None, **policy_settings):
+                 calibration: list[int] | None = None, protocol: str = "deployed", **policy_settings):
+        """protocol: where generated answers' first token comes from (kvlib.evaluation.generation); scored
+        continuations always come from decode steps."""
         super().__init__()
+        self.protocol = check_protocol(protocol)
         kv_policy = make_policy(policy, **policy_settings)  # bad settings fail here, before the model is loaded
         self.loaded = loaded or load_model(pretrained, device=device)
         self.tokenizer = self.loaded.tokenizer
@@ -109,16 +115,44 @@ class KVLibLM(TemplateLM):
         return totals
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        answers = []
-        for req in tqdm(requests, disable=disable_tqdm, desc="kvlib generate_until"):
-            context, gen_kwargs = req.args
-            until = gen_kwargs.get("until") or [self.tokenizer.decode([self.eot_token_id])]
-            until = [until] if isinstance(until, str) else list(until)
-            max_new = int(gen_kwargs.get("max_gen_toks", 256))
-            prompt = self.tok_encode(context)[-(self.max_length - max_new):]
-            result = self._generate([prompt], max_new)
-            text = result.outputs[0]["text"]
-            for stop in until:
-                text = text.split(stop)[0] if stop else text
-            answers.append(text)
+        """Greedy answers, batch_size requests at a time through one Session (kvlib.evaluation.generation, under this
+        model's protocol): requests with the same generation settings together, longest prompts first; each answer
+        as the request alone would get it (tested)."""
+        asked = [self._request(req) for req in requests]
+        order = sorted(range(len(asked)), key=lambda i: (json.dumps(asked[i][1:], default=str), -len(asked[i][0])))
+        batches = [order[i:i + self.batch_size] for i in range(0, len(order), self.batch_size)]
+        answers: list[str | None] = [None] * len(asked)
+        for batch in tqdm(batches, disable=disable_tqdm, desc="kvlib generate_until"):
+            by_settings: dict[str, list[int]] = {}
+            for i in batch:  # a batch may straddle two settings: each runs apart
+                by_settings.setdefault(json.dumps(asked[i][1:], default=str), []).append(i)
+            for group in by_settings.values():
+                for i, text in zip(group, self._answer([asked[i][0] for i in group], *asked[group[0]][1:])):
+                    answers[i] = text
         return answers
+
+    def _request(self, req) -> tuple[list[int], int, tuple[str, ...]]:
+        """(prompt tokens, answer cap, stop strings) of a generate_until request."""
+        context, gen_kwargs = req.args
+        until = gen_kwargs.get("until") or [self.tokenizer.decode([self.eot_token_id])]
+        until = (until,) if isinstance(until, str) else tuple(until)
+        max_new = int(gen_kwargs.get("max_gen_toks", 256))
+        return self.tok_encode(context)[-(self.max_length - max_new):], max_new, until
+
+    def _answer(self, prompts: list[list[int]], max_new: int, until: tuple[str, ...]) -> list[str]:
+        engine, mode = self.engine, self.engine.policy.preferred_prefill
+        for prompt in prompts:
+            engine.validate([prompt], max_new, mode, 512)
+        with engine.session([len(p) for p in prompts], max_new) as session:
+            tokens = answer_rows(session, list(range(len(prompts))), prompts, max_new, self.protocol, mode,
+                                 eos=self.eot_token_id)
+            usage = engine.policy.usage.summary()
+        self.tokens_attended += usage.get("kv_tokens_attended_total", 0)
+        self.tokens_seen += usage.get("kv_tokens_seen_total", 0)
+        return [_cut(self.tokenizer.decode(t, skip_special_tokens=True), until) for t in tokens]
+
+
+def _cut(text: str, until: tuple[str, ...]) -> str:
+    for stop in until:
+        text = text.split(stop)[0] if stop else text
+    return text

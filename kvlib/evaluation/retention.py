@@ -4,7 +4,9 @@ A conversation starts with a fact as the user's message and an assistant acknowl
 turn by turn into one engine row, with the policy's cache carried along (H2O evicts after every turn, for good). After
 turns 2, 4, 6, ... a question about the fact is branched off: the policy forks the conversation's row into a second
 row, the question is prefilled there and the answer generated greedily, and the conversation goes on in its own row
-untouched. Correct = the answer contains the expected string. The conversations' own assistant replies are fed (not
+untouched. Correct = the answer states the expected value as whole words (`facts.answered`: "fig" is not found in
+"config"), case and punctuation aside; answers may run to the longest statement of a fact plus a margin
+(`facts.answer_cap`). The conversations' own assistant replies are fed (not
 regenerated), so every policy sees the same context and differences come from cache management alone.
 
 Conversations: LMSYS-Chat-1M through `datasets` (paper profile), or built offline from the CPython documentation.
@@ -17,7 +19,8 @@ from dataclasses import dataclass
 
 from kvlib.engine import Engine
 from kvlib.errors import UserError
-from kvlib.evaluation.facts import Fact, draw
+from kvlib.evaluation.facts import Fact, answer_cap, answered, draw
+from kvlib.evaluation.generation import answer_rows, check_protocol
 from kvlib.models.workloads import corpus_ids
 
 ACK = "Got it, I will remember that."
@@ -71,14 +74,14 @@ def offline_conversations(tokenizer, buckets: list[list[int]], per_bucket: int, 
     corpus = corpus_ids(tokenizer, max(hi for _, hi in buckets))
     convs = []
     for lo, hi in buckets:
-        for _ in range(per_bucket):
+        for index in range(per_bucket):
             per_side = (rng.randrange(lo, hi) - 60) // (2 * turns) - 20  # chat markup and phrasing take the rest
             exchanges = []
             for _ in range(turns):
                 asked = _excerpt(tokenizer, corpus, per_side, rng)
                 exchanges.append((f"Here is part of the Python documentation:\n\n{asked}\n\nWhat does it explain?",
                                   f"It explains the following.\n\n{_excerpt(tokenizer, corpus, per_side, rng)}"))
-            convs.append(Conversation(f"pydoc-{len(convs)}", draw(rng, len(convs)), exchanges, (lo, hi)))
+            convs.append(Conversation(f"pydoc-{len(convs)}", draw(rng, index), exchanges, (lo, hi)))
     return convs
 
 
@@ -106,48 +109,83 @@ def dataset_conversations(tokenizer, source: dict, buckets: list[list[int]], per
                  if u["role"] == "user" and a["role"] == "assistant"][:max_turns]
         if len(pairs) < min_turns:
             continue
-        conv = Conversation(str(record.get("conversation_id", i)), draw(rng, len(convs)), pairs, (0, 0))
-        length = conversation_tokens(tokenizer, conv)
-        bucket = next((b for b in wanted if b[0] <= length < b[1] and wanted[b]), None)
-        if bucket is not None:
-            wanted[bucket] -= 1
-            conv.bucket = bucket
+        conv = _bucketed(tokenizer, str(record.get("conversation_id", i)), pairs, wanted, per_bucket, rng)
+        if conv is not None:
+            wanted[conv.bucket] -= 1
             convs.append(conv)
     return convs
 
 
+def _bucketed(tokenizer, name: str, pairs, wanted: dict, per_bucket: int, rng: random.Random) -> Conversation | None:
+    """The conversation in the first open bucket its length falls in, its fact the next of that bucket's sequence (so
+    every bucket holds the same kinds of fact); None where it fits none."""
+    for bucket, left in wanted.items():
+        if not left:
+            continue
+        conv = Conversation(name, draw(random.Random(rng.random()), per_bucket - left), pairs, bucket)
+        if bucket[0] <= conversation_tokens(tokenizer, conv) < bucket[1]:
+            return conv
+    return None
+
+
 # -- the test ------------------------------------------------------------------------------------------------------
-def run_conversation(engine: Engine, conv: Conversation, query_turns: list[int], prefill_mode: str,
-                     chunk_size: int = 512, answer_tokens: int = 16) -> list[dict]:
-    """Feed a conversation turn by turn in row 0; at each query turn, ask about the fact in row 1. One row per ask."""
-    tok = engine.model.tokenizer
+@dataclass
+class _Plan:
+    """A conversation as token pieces: its turns in order, and the question asked after each query turn."""
+
+    conv: Conversation
+    pieces: list[list[int]]
+    asks: dict[int, list[int]]
+    total: int  # the most tokens its rows hold: every turn, the longest question and its answer
+
+
+def _plan(tok, conv: Conversation, query_turns: list[int], answer_tokens: int, max_context: int) -> _Plan:
     asked = [t for t in query_turns if t <= len(conv.exchanges)]
     pieces = [_extension(tok, [], messages(conv, 0))]
     pieces += [_extension(tok, messages(conv, t - 1), messages(conv, t)) for t in range(1, max(asked, default=0) + 1)]
     question = [{"role": "user", "content": conv.fact.question + ASK}]
-    longest_question = max(len(_extension(tok, messages(conv, t), messages(conv, t) + question, ask=True))
-                           for t in asked) if asked else 0
-    total = sum(map(len, pieces)) + longest_question + answer_tokens
-    if total > engine.model.spec.max_context:
-        raise UserError(f"conversation {conv.id} needs {total} tokens; the model's context is "
-                        f"{engine.model.spec.max_context}")
-    rows, held = [], 0
-    with engine.session([total, total], answer_tokens) as session:
-        for turn, piece in enumerate(pieces):
-            session.prefill(0, piece, prefill_mode, chunk_size)
-            held += len(piece)
-            if turn not in asked:
-                continue
-            session.fork(0, 1)
-            ask = _extension(tok, messages(conv, turn), messages(conv, turn) + question, ask=True)
-            logits = session.prefill(1, ask, prefill_mode, chunk_size)
-            answer = [int(logits.argmax())]
-            while len(answer) < answer_tokens and answer[-1] != tok.eos_token_id:
-                answer.append(int(session.decode([1], [answer[-1]])[0].argmax()))
-            text = tok.decode(answer, skip_special_tokens=True)
-            rows.append({"conversation": conv.id, "bucket": bucket_label(conv.bucket), "turn": turn,
-                         "context_tokens": held, "fact": conv.fact.question,
-                         "expected": conv.fact.answer, "answer": text,
-                         "correct": conv.fact.answer.lower() in text.lower(),
-                         **engine.policy.usage.summary()})
+    asks = {t: _extension(tok, messages(conv, t), messages(conv, t) + question, ask=True) for t in asked}
+    total = sum(map(len, pieces)) + max(map(len, asks.values()), default=0) + answer_tokens
+    if total > max_context:
+        raise UserError(f"conversation {conv.id} needs {total} tokens; the model's context is {max_context}")
+    return _Plan(conv, pieces, asks, total)
+
+
+def run_conversation(engine: Engine, conv: Conversation, query_turns: list[int], prefill_mode: str,
+                     chunk_size: int = 512, answer_tokens: int | None = None, protocol: str = "deployed"
+                     ) -> list[dict]:
+    """One conversation alone (run_conversations with one)."""
+    return run_conversations(engine, [conv], query_turns, prefill_mode, chunk_size, answer_tokens, protocol)
+
+
+def run_conversations(engine: Engine, convs: list[Conversation], query_turns: list[int], prefill_mode: str,
+                      chunk_size: int = 512, answer_tokens: int | None = None, protocol: str = "deployed"
+                      ) -> list[dict]:
+    """Conversations in lockstep on one Session: conversation c in row 2c, fed turn by turn; after a query turn each
+    conversation's question is branched into row 2c + 1 and all of them are answered together
+    (kvlib.evaluation.generation, under `protocol`). One row per question; each answer is the one the conversation
+    alone would get (tested). The KV usage in a row is its lockstep group's so far."""
+    check_protocol(protocol)
+    tok = engine.model.tokenizer
+    answer_tokens = answer_tokens or answer_cap(tok)
+    plans = [_plan(tok, conv, query_turns, answer_tokens, engine.model.spec.max_context) for conv in convs]
+    rows, held = [], [0] * len(plans)
+    with engine.session([plan.total for plan in plans for _ in (0, 1)], answer_tokens) as session:
+        for turn in range(max(len(plan.pieces) for plan in plans)):
+            for c, plan in enumerate(plans):
+                if turn < len(plan.pieces):
+                    session.prefill(2 * c, plan.pieces[turn], prefill_mode, chunk_size)
+                    held[c] += len(plan.pieces[turn])
+            asking = [c for c, plan in enumerate(plans) if turn in plan.asks]
+            for c in asking:
+                session.fork(2 * c, 2 * c + 1)
+            answers = answer_rows(session, [2 * c + 1 for c in asking], [plans[c].asks[turn] for c in asking],
+                                  answer_tokens, protocol, prefill_mode, chunk_size, tok.eos_token_id)
+            usage = engine.policy.usage.summary()
+            for c, answer in zip(asking, answers):
+                conv, text = plans[c].conv, tok.decode(answer, skip_special_tokens=True)
+                rows.append({"conversation": conv.id, "bucket": bucket_label(conv.bucket), "turn": turn,
+                             "context_tokens": held[c], "fact": conv.fact.question, "expected": conv.fact.answer,
+                             "answer": text, "correct": answered(conv.fact.answer, text),
+                             "answer_tokens": answer_tokens, "protocol": protocol, **usage})
     return rows

@@ -1,8 +1,9 @@
 """lm-eval tasks: the project's offline ones, generated from local text, and a runner returning per-item rows.
 
 Offline tasks (the `embedded` profile), written as ordinary lm-eval task folders (YAML + JSONL) from a seed:
-- `kvlib_recall`: a fact stated at the start of a long stretch of real text (the CPython documentation), then a
-  question about it; multiple choice among values of the same kind. Lengths up to the model's context.
+- `kvlib_recall`: a fact stated inside a long stretch of real text (the CPython documentation), at a depth that
+  varies (RECALL_DEPTHS), then a question about it; multiple choice among values of the same kind. Lengths up to the
+  model's context; every length holds the same kinds of fact at the same depths.
 - `kvlib_pydoc_perplexity`: rolling log-likelihood of stretches of the CPython documentation.
 The `paper` profile names lm-eval's own tasks (piqa, hellaswag, ...), which need the Hugging Face hub.
 """
@@ -17,26 +18,43 @@ from pathlib import Path
 import yaml
 
 from kvlib.errors import UserError
-from kvlib.evaluation.facts import draw
+from kvlib.evaluation.facts import KINDS, draw
 from kvlib.models.workloads import corpus_ids
 from kvlib.paths import cache_dir
 
 OFFLINE_TASKS = ("kvlib_recall", "kvlib_pydoc_perplexity")
 
 
-def recall_docs(tokenizer, lengths: list[int], items_per_length: int, choices: int, seed: int) -> list[dict]:
+# Where the fact sits in the recall context, as a share of the filler before it. Not at 0 alone: the first tokens are
+# StreamingLLM's sinks (kept whatever the budget), and H2O's recent window keeps the last ones.
+RECALL_DEPTHS = (0.1, 0.5, 0.9)
+
+
+def recall_design(index: int, kinds: int, depths: int) -> tuple[int, int]:
+    """(fact index, depth index) of the index-th item at one length: kinds in turn, and the depth shifted by one every
+    round of kinds, so that over kinds x depths items every kind meets every depth once. Numbered within each length,
+    so every length holds the same kinds at the same depths."""
+    return index, (index + index // kinds) % depths
+
+
+def recall_docs(tokenizer, lengths: list[int], items_per_length: int, choices: int, seed: int,
+                depths: tuple[float, ...] = RECALL_DEPTHS) -> list[dict]:
     rng = random.Random(seed)
     corpus = corpus_ids(tokenizer, max(lengths) + 1)
     docs = []
     for length in lengths:
-        for _ in range(items_per_length):
-            fact = draw(rng, len(docs))
+        for index in range(items_per_length):
+            fact_index, depth_index = recall_design(index, len(KINDS), len(depths))
+            fact, depth = draw(rng, fact_index), depths[depth_index]
             start = rng.randrange(len(corpus) - length)
-            filler = tokenizer.decode(corpus[start:start + length])
+            filler = corpus[start:start + length]
+            cut = round(depth * length)
+            before, after = tokenizer.decode(filler[:cut]), tokenizer.decode(filler[cut:])
             options = [fact.answer, *rng.sample(fact.alternatives, choices - 1)]
             rng.shuffle(options)
-            docs.append({"context": f"{fact.statement}\n\n{filler}\n\nQuestion: {fact.question}\nAnswer:",
-                         "choices": options, "answer": options.index(fact.answer), "length": length})
+            context = "\n\n".join(part for part in (before, fact.statement, after) if part)
+            docs.append({"context": f"{context}\n\nQuestion: {fact.question}\nAnswer:", "choices": options,
+                         "answer": options.index(fact.answer), "length": length, "depth": depth})
     return docs
 
 
@@ -65,18 +83,25 @@ TASK_BODIES = {
 }
 
 
+# Bumped whenever the generators change what they write, so that a cached folder of the old items is not reused.
+TASKS_FORMAT = 2
+
+
 def write_offline_tasks(tokenizer, recall_lengths: list[int], recall_items: int = 4, recall_choices: int = 4,
-                        perplexity_docs_n: int = 4, perplexity_tokens: int = 256, seed: int = 0) -> Path:
+                        perplexity_docs_n: int = 4, perplexity_tokens: int = 256, seed: int = 0,
+                        recall_depths: list[float] | None = None) -> Path:
     """Generate both offline tasks into a folder named by their settings (reused when it exists); return it."""
+    depths = tuple(recall_depths or RECALL_DEPTHS)
     settings = {"recall_lengths": recall_lengths, "recall_items": recall_items, "recall_choices": recall_choices,
-                "perplexity_docs": perplexity_docs_n, "perplexity_tokens": perplexity_tokens, "seed": seed,
-                "tokenizer": tokenizer.name_or_path}
+                "recall_depths": list(depths), "perplexity_docs": perplexity_docs_n,
+                "perplexity_tokens": perplexity_tokens, "seed": seed, "tokenizer": tokenizer.name_or_path,
+                "format": TASKS_FORMAT}
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
     folder = cache_dir() / "tasks" / key
     if (folder / "done").exists():
         return folder
     folder.mkdir(parents=True, exist_ok=True)
-    docs = {"kvlib_recall": recall_docs(tokenizer, recall_lengths, recall_items, recall_choices, seed),
+    docs = {"kvlib_recall": recall_docs(tokenizer, recall_lengths, recall_items, recall_choices, seed, depths),
             "kvlib_pydoc_perplexity": perplexity_docs(tokenizer, perplexity_docs_n, perplexity_tokens, seed)}
     for name, rows in docs.items():
         data = folder / f"{name}.jsonl"
@@ -113,7 +138,8 @@ def evaluate(lm, tasks: list[str], include_path: str | Path | None = None, limit
     rows = []
     for task, samples in out["samples"].items():
         for sample in samples:
-            row = {"task": task, "doc_id": sample["doc_id"], "length": sample["doc"].get("length")}
+            row = {"task": task, "doc_id": sample["doc_id"], "length": sample["doc"].get("length"),
+                   **({"depth": sample["doc"]["depth"]} if "depth" in sample["doc"] else {})}
             if "acc" in sample:
                 scores = [float(r[0]) for r in sample["filtered_resps"]]
                 row.update(correct=float(sample["acc"]), choice_logliks=json.dumps(scores), target=sample["target"])

@@ -1,6 +1,7 @@
 """A params profile (params/<name>.yaml, or a user's own YAML file) and the typed grid points it expands into.
 
-    model: smollm2-135m              # default model of every experiment
+    model: smollm2-135m              # default model of every experiment (an experiment's own `model:` overrides it)
+    validity_gate: 0.7               # policies are compared on a task only where the full cache scores at least this
     weights: random                  # optional: seeded random weights (systems experiments only; kvlib.models)
     device_capacity_gb: 1.0          # configured device memory (OOM boundaries); null = unlimited
     policy_settings: {h2o: {budget: 0.3}}   # per-policy settings used wherever the policy runs
@@ -10,8 +11,10 @@
         grid: {prompt_tokens: [512, 2048], prefill: [full, fused, chunked]}
         fixed: {chunk_size: 512}
       accuracy:
+        model: qwen2.5-coder-0.5b    # this experiment's model
         policies: [full, h2o, infinigen]
         grid: {task: [kvlib_recall], budget: [0.1, 0.5]}   # a setting as an axis: full (no budget) runs once
+        exploratory: {policies: [streaming], fixed: {limit: 50}}   # these policies on fewer items, labelled so
         repeats: 1                   # timing experiments: 3 or more (every repeat stored)
 
 A grid or fixed value named after a runner's setting (`budget`, `budget_rule`) is that runner's setting, for the
@@ -33,12 +36,14 @@ import yaml
 from kvlib.errors import UserError
 from kvlib.models import WEIGHTS
 from kvlib.models.random_weights import check_experiment
+from kvlib.report.gate import GATE
 from kvlib.settings import capacity_bytes
 from kvlib.study.runners import make_runner, runner_class, runners
 
 EXPERIMENTS = ("ttft", "batch_scaling", "decode_length", "accuracy", "retention")
-PROFILE_KEYS = {"model", "device_capacity_gb", "policy_settings", "experiments", "description", "device", "weights"}
-EXPERIMENT_KEYS = {"policies", "grid", "fixed", "model", "repeats"}
+PROFILE_KEYS = {"model", "device_capacity_gb", "policy_settings", "experiments", "description", "device", "weights",
+                "validity_gate"}
+EXPERIMENT_KEYS = {"policies", "grid", "fixed", "model", "repeats", "exploratory"}
 
 
 @dataclass(frozen=True)
@@ -83,6 +88,7 @@ class Profile:
     experiments: dict
     device: str | None = None
     weights: str = "pretrained"
+    validity_gate: float = GATE  # the full cache's score a task needs before policies are compared on it
 
     def repeats(self, experiment: str) -> int:
         return self.experiments[experiment].get("repeats", 1)
@@ -98,7 +104,7 @@ class Profile:
             # an axis named after a setting (e.g. budget) varies only the runners that have it
             axes = sorted(a for a in grid if a in own or a not in any_setting)
             for values in itertools.product(*(grid[a] for a in axes)):
-                given = {**fixed, **dict(zip(axes, values))}
+                given = {**fixed, **self._exploratory_values(spec, name), **dict(zip(axes, values))}
                 settings = {**self.policy_settings.get(name, {}), **{k: v for k, v in given.items() if k in own}}
                 workload = {k: v for k, v in given.items() if k not in any_setting}
                 cls = runner_class(name)
@@ -108,6 +114,18 @@ class Profile:
                                     spec.get("model", self.model), self.weights, self.device,
                                     self.device_capacity_gb))
         return points
+
+    @staticmethod
+    def _exploratory_values(spec: dict, runner: str) -> dict:
+        """An experiment whose `exploratory: {policies: [...], fixed: {...}}` names policies runs them with those
+        fixed values over the experiment's (fewer items, say), and every point says which it is (`role`): the
+        confirmatory points carry the verdicts, the exploratory ones are read as such."""
+        exploratory = spec.get("exploratory")
+        if not exploratory:
+            return {}
+        if runner in exploratory.get("policies", []):
+            return {**exploratory.get("fixed", {}), "role": "exploratory"}
+        return {"role": "confirmatory"}
 
     def _runners(self, names) -> list[str]:
         from kvlib.policies import available
@@ -175,12 +193,21 @@ def validate_profile(name: str, raw: dict, where: str | None = None) -> Profile:
         for axis, values in (spec.get("grid") or {}).items():
             if not isinstance(values, list) or not values:
                 raise UserError(f"{here}.grid.{axis} must be a non-empty list")
+        exploratory = spec.get("exploratory") or {}
+        _no_unknown(exploratory, {"policies", "fixed"}, f"{here}.exploratory")
+        _no_unknown({p: None for p in exploratory.get("policies", [])}, set(runners()), f"{here}.exploratory.policies")
         repeats = spec.get("repeats", 1)
         if not isinstance(repeats, int) or repeats < 1:
             raise UserError(f"{here}.repeats must be an integer >= 1, got {repeats!r}")
     capacity = raw.get("device_capacity_gb")
     _checked(where, capacity_bytes, capacity)
-    profile = Profile(name, raw["model"], capacity, settings, experiments, raw.get("device"), weights)
+    gate = raw.get("validity_gate", GATE)
+    if isinstance(gate, bool) or not isinstance(gate, (int, float)) or not 0 < gate <= 1:
+        raise UserError(f"{where}: validity_gate must be a share in (0, 1], got {gate!r}")
+    for exp, spec in experiments.items():
+        if "model" in spec and not isinstance(spec["model"], str):
+            raise UserError(f"{where}: experiments.{exp}.model must be a model name, got {spec['model']!r}")
+    profile = Profile(name, raw["model"], capacity, settings, experiments, raw.get("device"), weights, float(gate))
     for exp in experiments:  # bad settings on a grid axis (a budget of 2) fail here, before anything runs
         _checked(f"{where}: experiments.{exp}", profile.points, exp)
     return profile

@@ -1,6 +1,6 @@
 """Retention of an early fact across context-length buckets and turns (paper Fig. 8): one row per question."""
 
-from kvlib.evaluation.retention import dataset_conversations, offline_conversations, run_conversation
+from kvlib.evaluation.retention import dataset_conversations, offline_conversations, run_conversations
 from kvlib.study.experiments.common import make_engine
 
 
@@ -15,8 +15,11 @@ def run_point(point) -> list[dict]:
     else:
         convs = offline_conversations(tokenizer, v["buckets"], v["per_bucket"], turns=max(turns),
                                       seed=v.get("seed", 0))
+    # conversations in lockstep groups (their answers decode together), in bucket order so a group's lengths are near
+    size = v.get("lockstep", 1)
     rows = []
-    for conv in convs:
-        rows += run_conversation(engine, conv, turns, engine.policy.preferred_prefill,
-                                 chunk_size=v.get("chunk_size", 512), answer_tokens=v.get("answer_tokens", 12))
+    for begin in range(0, len(convs), size):
+        rows += run_conversations(engine, convs[begin:begin + size], turns, engine.policy.preferred_prefill,
+                                  chunk_size=v.get("chunk_size", 512), answer_tokens=v.get("answer_tokens"),
+                                  protocol=v.get("protocol", "deployed"))
     return rows

@@ -1,0 +1,66 @@
+"""The validity gate: a comparison of policies on a task (or a retention bucket) means something only where the full
+cache passes it with that model. A task the full cache fails measures the model, not the policies: there the book
+says the task is beyond the model and draws no verdict.
+
+"Passes" is the full cache's mean score over the items at least the gate (a profile setting, `validity_gate`;
+GATE by default). Scored units only: accuracy's multiple-choice tasks, each RULER subtask at each length, each
+retention bucket; a perplexity has no pass mark and is never gated.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+GATE = 0.70  # the share of items the full cache must get right for a comparison on them to be reported
+
+
+def _full(df: pd.DataFrame) -> pd.DataFrame:
+    return df[df["policy"] == "full"] if "policy" in df else df.iloc[0:0]
+
+
+def _gated(df: pd.DataFrame, value: str, unit: list[str], gate: float) -> pd.DataFrame:
+    """One row per model and unit: the full cache's mean `value`, its items, and whether it reaches the gate."""
+    columns = ["model", *unit, "full_score", "items", "passes"]
+    full = _full(df).dropna(subset=[value]) if value in df else df.iloc[0:0]
+    if full.empty:
+        return pd.DataFrame(columns=columns)
+    by = (["model"] if "model" in full else []) + unit
+    out = full.groupby(by, dropna=False)[value].agg(full_score="mean", items="size").reset_index()
+    if "model" not in out:
+        out.insert(0, "model", None)
+    return out.assign(full_score=out["full_score"].astype(float), passes=out["full_score"] >= gate)[columns]
+
+
+def accuracy_gate(df: pd.DataFrame, gate: float = GATE) -> pd.DataFrame:
+    """The gate per model and scored task (multiple choice: `correct`); RULER per subtask and length."""
+    scored = df[df["ruler_score"].isna()] if "ruler_score" in df else df
+    tasks = _gated(scored, "correct", ["task"], gate).assign(length=pd.NA)
+    ruler = _gated(df, "ruler_score", ["task", "length"], gate) if "ruler_score" in df else tasks.iloc[0:0]
+    return pd.concat([tasks, ruler], ignore_index=True)[["model", "task", "length", "full_score", "items", "passes"]]
+
+
+def retention_gate(df: pd.DataFrame, gate: float = GATE) -> pd.DataFrame:
+    """The gate per model and context-length bucket."""
+    d = df.assign(correct=df["correct"].astype(float)) if "correct" in df else df
+    return _gated(d, "correct", ["bucket"], gate)
+
+
+def passing(gate_frame: pd.DataFrame, unit: str) -> set:
+    """The values of `unit` (a task, a bucket) whose every gated row passes."""
+    if gate_frame.empty:
+        return set()
+    verdicts = gate_frame.groupby(unit)["passes"].all()
+    return set(verdicts[verdicts].index)
+
+
+def beyond_model(gate_frame: pd.DataFrame, gate: float = GATE, what: str = "task") -> list[str]:
+    """A sentence for each gated unit the full cache fails: the task is beyond the model, no verdict drawn."""
+    out = []
+    for _, row in gate_frame[~gate_frame["passes"].astype(bool)].iterrows():
+        name = row.get("task", row.get("bucket"))
+        at = f" at {int(row['length']):,} tokens" if pd.notna(row.get("length", pd.NA)) else ""
+        model = f" with {row['model']}" if pd.notna(row["model"]) else ""
+        out.append(f"Ours: {what} {name}{at} is beyond the model{model}: the full cache scores "
+                   f"{row['full_score']:.0%} on {row['items']} items, below the validity gate of {gate:.0%}; no "
+                   f"verdict is drawn on the policies there.")
+    return out

@@ -1,0 +1,81 @@
+"""The verdict table that leads the findings page: each of the paper's five findings read from synthetic frames."""
+
+import numpy as np
+import pandas as pd
+
+from kvlib.report import findings
+from kvlib.report.findings import CONFIRMED, INCONCLUSIVE, NOT_TESTABLE, REFUTED
+
+
+def accuracy_rows(full_share=0.9, h2o_lost_at_01=0.3, items=300, seed=0):
+    rng = np.random.default_rng(seed)
+    full = (rng.random(items) < full_share).astype(float)
+    lost = full * (rng.random(items) < h2o_lost_at_01)
+    rows = [{"model": "m", "task": "recall", "policy": "full", "budget": None, "doc_id": i, "correct": full[i]}
+            for i in range(items)]
+    for policy, budget, scores in (("h2o", 0.5, full), ("infinigen", 0.5, full), ("h2o", 0.1, full - lost),
+                                   ("infinigen", 0.1, full)):
+        rows += [{"model": "m", "task": "recall", "policy": policy, "budget": budget, "doc_id": i,
+                  "correct": scores[i]} for i in range(items)]
+    return pd.DataFrame(rows)
+
+
+def retention_rows(h2o_keeps=0.6, conversations=40, seed=1):
+    rng = np.random.default_rng(seed)
+    rows = []
+    for c in range(conversations):
+        bucket = "1K-2K" if c % 2 else "2K-4K"
+        kept = rng.random() < h2o_keeps
+        for turn in (2, 4, 6):
+            for policy, correct in (("full", True), ("infinigen", True), ("h2o", kept)):
+                rows.append({"model": "m", "policy": policy, "budget": None if policy == "full" else 0.3,
+                             "bucket": bucket, "conversation": f"c{c}", "turn": turn, "correct": correct,
+                             "protocol": "deployed"})
+    return pd.DataFrame(rows)
+
+
+def verdict(frames, n):
+    table = findings.verdict_table(frames).set_index("finding")
+    return table.loc[n, "verdict"], table.loc[n, "numbers"]
+
+
+def test_finding_4_confirmed_refuted_or_not_testable_by_the_paired_drops():
+    word, numbers = verdict({"accuracy": accuracy_rows()}, 4)
+    assert word == CONFIRMED and "budget 0.5: h2o +0.0 pp" in numbers and "H2O against InfiniGen" in numbers
+    assert verdict({"accuracy": accuracy_rows(h2o_lost_at_01=0.0)}, 4)[0] == REFUTED  # H2O loses no more
+    word, numbers = verdict({"accuracy": accuracy_rows(full_share=0.4)}, 4)
+    assert word == NOT_TESTABLE and "validity gate" in numbers
+    assert verdict({"accuracy": accuracy_rows(items=6)}, 4)[0] == INCONCLUSIVE  # 6 items cannot show +-5 pp
+
+
+def test_finding_5_read_over_conversations():
+    # InfiniGen "within a few pp" is an equivalence: 40 conversations alike cannot show +-5 pp (stats.resolution)
+    assert verdict({"retention": retention_rows()}, 5)[0] == INCONCLUSIVE
+    word, numbers = verdict({"retention": retention_rows(conversations=160)}, 5)
+    assert word == CONFIRMED and "160 conversations" in numbers and "full cache 100%" in numbers
+    assert verdict({"retention": retention_rows(h2o_keeps=1.0, conversations=160)}, 5)[0] == REFUTED
+    assert verdict({"retention": retention_rows(conversations=6)}, 5)[0] == INCONCLUSIVE
+
+
+def test_findings_1_to_3_from_the_systems_experiments():
+    ttft = pd.DataFrame([{"policy": p, "prefill": m, "prompt_tokens": n, "oom": p == "full" and m == "full" and n > 1024,
+                          "device_capacity_gb": 1.25}
+                         for p, m in (("full", "full"), ("infinigen", "fused"), ("h2o", "chunked"))
+                         for n in (1024, 4096)])
+    word, numbers = verdict({"ttft": ttft}, 1)
+    assert word == CONFIRMED and "from 4,096 tokens (a configured 1.25 GB capacity" in numbers
+
+    def batch(policy, tps, host, outside=False, repeats=2):
+        return [{"policy": policy, "outside": outside, "batch_size": b, "oom": False, "decode_tokens_per_s": tps,
+                 "host_peak_bytes": host * b} for b in (1, 8) for _ in range(repeats)]
+    rows = pd.DataFrame(batch("vllm (real)", 100.0, 0, True) + batch("h2o", 90.0, 0) + batch("infinigen", 9.0, 2**20))
+    word, numbers = verdict({"batch_scaling": rows}, 2)
+    assert word == INCONCLUSIVE and "too few repeats" in numbers
+    assert verdict({"batch_scaling": rows}, 3)[0] == CONFIRMED
+    assert verdict({"batch_scaling": rows[rows["policy"] != "vllm (real)"]}, 2)[0] == NOT_TESTABLE
+    assert verdict({}, 1)[0] == NOT_TESTABLE
+
+
+def test_the_table_renders_as_markdown_with_five_rows():
+    text = findings.verdict_markdown(findings.verdict_table({"accuracy": accuracy_rows()}))
+    assert text.count("\n") == 6 and "**confirmed**" in text
