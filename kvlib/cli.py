@@ -56,6 +56,15 @@ def build_parser() -> argparse.ArgumentParser:
                           "between decode steps (needs --policy paged)")
     run.add_argument("--arrival-interval", type=int, default=0,
                      help="with --schedule continuous: request i arrives at decode step i * this")
+    run.add_argument("--request-rate", type=float, default=None,
+                     help="with --schedule continuous: requests per second, arriving as a seeded Poisson process "
+                          "(inf: all at once); latencies and goodput as `vllm bench serve` reports them")
+    run.add_argument("--burstiness", type=float, default=1.0,
+                     help="with --request-rate: the gamma shape of the gaps (1: Poisson; below 1 burstier)")
+    run.add_argument("--num-requests", type=int, default=None,
+                     help="with --request-rate: this many requests, the prompts taken in turn (default: one each)")
+    run.add_argument("--slo-ttft", type=float, default=None, help="goodput's TTFT limit, in seconds")
+    run.add_argument("--slo-tpot", type=float, default=None, help="goodput's time-per-output-token limit, in seconds")
     run.add_argument("--json", action="store_true", help="print one JSON object")
     ev = sub.add_parser("eval", help="lm-eval tasks through the engine under one policy and budget")
     ev.add_argument("--model", default="smollm2-135m")
@@ -154,11 +163,29 @@ def run_backend(args, backend):
         tokenizer = NoTextTokenizer(args.model, model_config(args.model).vocab_size)
     else:
         tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.model))
+    prompts, arrivals = requests(args, read_prompts(args, tokenizer))
     # random weights may emit an end-of-sequence id at any step: lengths stay fixed, as in kvlib's engine
-    return backend.generate(args.model, read_prompts(args, tokenizer), args.max_new_tokens,
-                            stop_at_eos=not (args.ignore_eos or random),
+    return backend.generate(args.model, prompts, args.max_new_tokens, stop_at_eos=not (args.ignore_eos or random),
                             device_capacity_bytes=capacity_bytes(args.device_capacity_gb, "--device-capacity-gb"),
-                            weights=args.weights)
+                            weights=args.weights, arrivals=arrivals, slo=slo(args))
+
+
+def requests(args, prompts: list[list[int]]) -> tuple[list[list[int]], list[float] | None]:
+    """The prompts served and when each arrives (seconds; None: all at the start), from --request-rate."""
+    from kvlib.engine.arrivals import arrival_times
+
+    if args.request_rate is None:
+        if args.num_requests is not None:
+            raise UserError("--num-requests goes with --request-rate")
+        return prompts, None
+    if args.schedule != "continuous" and args.policy != "vllm":
+        raise UserError("--request-rate serves requests as they arrive: use --schedule continuous")
+    n = args.num_requests or len(prompts)
+    return [prompts[i % len(prompts)] for i in range(n)], arrival_times(n, args.request_rate, args.burstiness)
+
+
+def slo(args) -> dict:
+    return {k: v for k, v in (("ttft_s", args.slo_ttft), ("tpot_s", args.slo_tpot)) if v is not None}
 
 
 def cmd_run(args) -> int:
@@ -175,12 +202,14 @@ def cmd_run(args) -> int:
     model = load_model(args.model, device=args.device, weights=args.weights, num_layers=args.num_layers)
     prompts = read_prompts(args, model.tokenizer)
     engine = Engine(model, runner, device_capacity_bytes=capacity)
+    prompts, arrivals = requests(args, prompts)
     if args.schedule == "continuous":
         from kvlib.engine.scheduler import Sequence, run
 
-        sequences = [Sequence(p, args.max_new_tokens, arrival_step=i * args.arrival_interval)
-                     for i, p in enumerate(prompts)]
-        result = run(engine, sequences, "continuous", "chunked", args.chunk_size, stop_at_eos=not args.ignore_eos)
+        sequences = [Sequence(p, args.max_new_tokens, arrival_step=i * args.arrival_interval,
+                              arrival_s=arrivals[i] if arrivals else None) for i, p in enumerate(prompts)]
+        result = run(engine, sequences, "continuous", "chunked", args.chunk_size, stop_at_eos=not args.ignore_eos,
+                     slo=slo(args))
     else:
         result = engine.generate(prompts, args.max_new_tokens, prefill_mode=args.prefill,
                                  chunk_size=args.chunk_size, stop_at_eos=not args.ignore_eos)

@@ -84,6 +84,12 @@ def test_vllm_generates_what_kvlib_full_generates(smollm, mixed_prompts):
     assert bare.memory["device"]["kv_bytes"] is None and bare.stats["peak_blocks_used"] is None
     assert [o["token_ids"] for o in bare.outputs] == [o["token_ids"] for o in theirs.outputs]
     assert bare.metrics["decode_tokens"] == sum(len(o["token_ids"]) - 1 for o in bare.outputs)
+    # served as they arrive: each request added once the clock passes its arrival, its latency counted from then
+    served = VLLMBackend().generate("smollm2-135m", mixed_prompts, 8, stop_at_eos=False, read_memory=False,
+                                    arrivals=[0.0, 0.3, 0.6], slo={"ttft_s": 30.0})
+    assert [o["token_ids"] for o in served.outputs] == [o["token_ids"] for o in theirs.outputs]
+    assert served.metrics["e2e_s_p99"] > 0 and served.metrics["goodput"] == served.metrics["request_throughput"]
+    assert served.metrics["request_throughput"] < 3 / 0.6  # the run lasted past the last arrival
     # fp32 both: on a 2-core AVX2 CPU all 16 greedy tokens of each prompt agreed; a near tie could flip a late one
     assert [a["token_ids"] for a in ours.outputs] == [b["token_ids"] for b in theirs.outputs]
 

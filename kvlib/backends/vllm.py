@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 from dataclasses import asdict, dataclass
 from typing import ClassVar
 
-from kvlib.engine.run_result import RunResult, TokenClock, build_metrics, decoded_outputs
+from kvlib.engine.run_result import RunResult, TokenClock, build_metrics, decoded_outputs, latency_metrics
 from kvlib.errors import UserError
 from kvlib.memory.ledger import MemoryLedger
 from kvlib.models import ModelSpec, architectures, resolve_model_path
@@ -76,10 +77,12 @@ class VLLMBackend:
         return asdict(self)
 
     def generate(self, model: str, prompts: list[list[int]], max_new_tokens: int, stop_at_eos: bool = True,
-                 device_capacity_bytes: int | None = None, weights: str = "pretrained", read_memory: bool = True
-                 ) -> RunResult:
+                 device_capacity_bytes: int | None = None, weights: str = "pretrained", read_memory: bool = True,
+                 arrivals: list[float] | None = None, slo: dict | None = None) -> RunResult:
         """read_memory: read the KV blocks in use and the preemptions from vLLM's scheduler after every step (what a
-        timed run must not do); without it they are None."""
+        timed run must not do); without it they are None. arrivals: when each request arrives (seconds from the
+        start; None: all at once), each added to the engine once the clock passes it, as kvlib's continuous schedule
+        admits them; slo: the limits goodput counts against (kvlib.engine.run_result.latency_metrics)."""
         check_weights(model, weights)
         vllm = _import_vllm()
         kv_space = _kv_space(model, device_capacity_bytes)
@@ -91,12 +94,18 @@ class VLLMBackend:
         llm.reset_prefix_cache()
         scheduler = _scheduler(llm) if read_memory else None
         clock = TokenClock(len(prompts))
-        for i, prompt in enumerate(prompts):
-            engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+        due = list(arrivals) if arrivals else [0.0] * len(prompts)
+        pending = sorted(range(len(prompts)), key=lambda i: due[i], reverse=True)  # the next arrival last
         tokens: dict[int, list[int]] = {}
         cached: dict[int, int] = {}
         peak_usage, preempted = 0.0, {}
-        while engine.has_unfinished_requests():
+        while pending or engine.has_unfinished_requests():
+            if pending and not engine.has_unfinished_requests():
+                time.sleep(max(due[pending[-1]] - clock.now(), 0.0))  # idle until the next request comes
+            while pending and due[pending[-1]] <= clock.now():
+                i = pending.pop()
+                clock.arrive(i, at=due[i])
+                engine.add_request(str(i), {"prompt_token_ids": prompts[i]}, params)
             outputs = engine.step()
             handed = []
             for out in outputs:
@@ -121,7 +130,9 @@ class VLLMBackend:
             ledger.set("device", "vllm KV cache", kv=used, kv_reserved=blocks * block_bytes - used)
         generated = [tokens.get(i, []) for i in range(len(prompts))]
         # vLLM interleaves its bookkeeping with the forward passes: its cache operations are not measured (None)
-        metrics = build_metrics(**clock.metrics(), sections=None)
+        slo = slo or {}
+        metrics = build_metrics(**clock.metrics(), sections=None,
+                                **latency_metrics(clock, slo.get("ttft_s"), slo.get("tpot_s")))
         hits = sum(cached.values())
         stats = {"block_size": self.block_size, "num_blocks": blocks,
                  "peak_blocks_used": round(peak_usage * blocks) if read_memory else None,

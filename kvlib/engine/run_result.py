@@ -6,9 +6,13 @@ What is not measured is None, never 0: a backend that cannot split its wall time
 
 from __future__ import annotations
 
+import collections
+import itertools
 import statistics
 import time
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from kvlib.errors import DeviceOOM
 
@@ -66,8 +70,10 @@ class TokenClock:
     def now(self) -> float:
         return time.perf_counter() - self.start
 
-    def arrive(self, request: int) -> None:
-        self.arrived[request] = self.now()
+    def arrive(self, request: int, at: float | None = None) -> None:
+        """The request arrived now, or at its scheduled time `at` (an open loop: latency counts from when it was
+        sent, however long it then waited for the engine)."""
+        self.arrived[request] = self.now() if at is None else at
 
     def handed(self, requests) -> None:
         """One new token of each of these requests was handed over now."""
@@ -87,6 +93,41 @@ class TokenClock:
                 "step_latencies": [b - a for a, b in zip([prefill_end, *handovers], handovers)],
                 "prefill_s": prefill_end, "decode_s": end - prefill_end, "total_s": end,
                 "decode_tokens": sum(t > prefill_end for s in self.stamps for t in s)}
+
+
+PERCENTILES = (50, 90, 99)
+
+
+def latency_metrics(clock: TokenClock, slo_ttft_s: float | None = None, slo_tpot_s: float | None = None) -> dict:
+    """A run's latencies and rates as `vllm bench serve` reports a serving run: TTFT, TPOT (a request's time per output
+    token after its first), ITL (every gap between a request's tokens) and end-to-end latency, each as mean and
+    percentiles; request and output-token throughput over the run (its first arrival to its last token); goodput,
+    the requests per second that met the SLO (every limit given), None without one; the most requests handed a
+    token in one step (the batch the engine ran at its fullest)."""
+    done = [(s, a) for s, a in zip(clock.stamps, clock.arrived) if s]
+    ttft = [s[0] - a for s, a in done]
+    tpot = [(s[-1] - s[0]) / (len(s) - 1) if len(s) > 1 else 0.0 for s, _ in done]
+    series = {"ttft_s": ttft, "tpot_s": [t for t, (s, _) in zip(tpot, done) if len(s) > 1],
+              "itl_s": [b - a for s, _ in done for a, b in itertools.pairwise(s)],
+              "e2e_s": [s[-1] - a for s, a in done]}
+    out = {f"{name}_{stat}": value for name, values in series.items() for stat, value in _summary(values).items()}
+    span = max((s[-1] for s, _ in done), default=0.0) - min((a for _, a in done), default=0.0)
+    out["request_throughput"] = len(done) / span if span > 0 else None
+    out["output_throughput"] = sum(len(s) for s, _ in done) / span if span > 0 else None
+    handovers = collections.Counter(t for s, _ in done for t in s)  # one handover: the tokens of one step
+    out["max_running"] = max(handovers.values(), default=0)
+    out["goodput"] = None
+    if (slo_ttft_s is not None or slo_tpot_s is not None) and span > 0:
+        met = sum((slo_ttft_s is None or first <= slo_ttft_s) and (slo_tpot_s is None or per <= slo_tpot_s)
+                  for first, per in zip(ttft, tpot))
+        out["goodput"] = met / span
+    return out
+
+
+def _summary(values: list[float]) -> dict:
+    if not values:
+        return {"mean": None, **{f"p{q}": None for q in PERCENTILES}}
+    return {"mean": statistics.fmean(values), **{f"p{q}": float(np.percentile(values, q)) for q in PERCENTILES}}
 
 
 def wall_split(sections: dict[str, float] | None, prefill_s: float, decode_s: float, total_s: float) -> dict:

@@ -4,7 +4,8 @@
 or chunk by chunk), then all requests decode together; finished rows stay allocated until the run ends; running out of
 device memory ends the run as a recorded OOM point.
 
-`continuous` is vLLM's: requests arrive at given decode steps; each iteration prefills one chunk of the oldest waiting
+`continuous` is vLLM's: requests arrive at given decode steps, or at given times (a request rate: an open loop,
+kvlib.engine.arrivals, each request joining when the clock passes its arrival); each iteration prefills one chunk of the oldest waiting
 request and then runs one decode step for every running request; finished requests leave and free their rows at once.
 When the block pool runs out, the newest running request is preempted (its blocks freed, queued again, recomputed from
 its prompt and the tokens it had generated). It needs a policy that can release single rows (`paged`).
@@ -14,13 +15,14 @@ Both go through the same Session (kvlib.engine), so they are timed and booked al
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
-from kvlib.engine.run_result import RunResult, TokenClock, build_metrics, decoded_outputs, oom_record
+from kvlib.engine.run_result import RunResult, TokenClock, build_metrics, decoded_outputs, latency_metrics, oom_record
 from kvlib.errors import DeviceOOM, UserError
 from kvlib.memory.block_pool import OutOfBlocks
 
@@ -37,6 +39,7 @@ class Sequence:
     prompt: list[int]
     max_new_tokens: int
     arrival_step: int = 0
+    arrival_s: float | None = None  # or when it arrives, in seconds from the start of the run (continuous schedule)
     forced: list[int] | None = None  # teacher forcing: the tokens fed instead of the model's own choices
     row: int = -1
     status: str = "pending"  # pending -> waiting -> prefilling -> running -> finished
@@ -61,7 +64,9 @@ class Sequence:
 
 
 def run(engine: Engine, sequences: list[Sequence], schedule: str = "static", prefill_mode: str = "fused",
-        chunk_size: int = 512, stop_at_eos: bool = True, share_prompts: bool = False) -> RunResult:
+        chunk_size: int = 512, stop_at_eos: bool = True, share_prompts: bool = False,
+        slo: dict | None = None) -> RunResult:
+    """slo: {"ttft_s": ..., "tpot_s": ...}, the limits goodput counts against (kvlib.engine.run_result.latency_metrics)."""
     if schedule not in SCHEDULES:
         raise UserError(f"unknown schedule {schedule!r}; choose from {list(SCHEDULES)}")
     continuous = schedule == "continuous"
@@ -79,7 +84,7 @@ def run(engine: Engine, sequences: list[Sequence], schedule: str = "static", pre
         if seq.forced is not None:
             seq.max_new_tokens, eos = len(seq.forced), None
     timers = engine.timers
-    loop = _Loop(engine, sequences, continuous, prefill_mode, chunk_size, eos, share_prompts)
+    loop = _Loop(engine, sequences, continuous, prefill_mode, chunk_size, eos, share_prompts, slo or {})
     try:
         session = engine.open([len(s.prompt) for s in sequences], max(s.max_new_tokens for s in sequences))
     except (DeviceOOM, torch.OutOfMemoryError) as exc:
@@ -97,8 +102,8 @@ def run(engine: Engine, sequences: list[Sequence], schedule: str = "static", pre
 class _Loop:
     """The state of one run: queues, clocks and counters."""
 
-    def __init__(self, engine, sequences, continuous, prefill_mode, chunk_size, eos, share_prompts):
-        self.engine, self.seqs, self.continuous = engine, sequences, continuous
+    def __init__(self, engine, sequences, continuous, prefill_mode, chunk_size, eos, share_prompts, slo):
+        self.engine, self.seqs, self.continuous, self.slo = engine, sequences, continuous, slo
         self.mode, self.chunk_size, self.eos, self.share = prefill_mode, chunk_size, eos, share_prompts
         self.clock = TokenClock(len(sequences))  # restarted when serving starts
         self.preemptions = 0
@@ -106,7 +111,7 @@ class _Loop:
     def serve(self, session) -> dict | None:
         """Run until every sequence has finished; returns an OOM record if the device ran out (static schedule)."""
         settle = self.engine.timers.now  # on CUDA the step's one synchronization, and its sections read
-        pending = deque(sorted(self.seqs, key=lambda s: s.arrival_step))
+        pending = deque(sorted(self.seqs, key=lambda s: (s.arrival_s or 0.0, s.arrival_step)))
         waiting: deque[Sequence] = deque()
         running: list[Sequence] = []
         prefilling: Sequence | None = None
@@ -115,9 +120,11 @@ class _Loop:
         step = 0
         self.clock = TokenClock(len(self.seqs))
         while pending or waiting or running or prefilling:
-            while pending and pending[0].arrival_step <= step:
+            if pending and not (waiting or running or prefilling) and pending[0].arrival_s is not None:
+                time.sleep(max(pending[0].arrival_s - self.clock.now(), 0.0))  # idle until the next request comes
+            while pending and pending[0].arrival_step <= step and (pending[0].arrival_s or 0.0) <= self.clock.now():
                 seq = pending.popleft()
-                self.clock.arrive(seq.row)
+                self.clock.arrive(seq.row, at=seq.arrival_s)
                 seq.status = "waiting"
                 waiting.append(seq)
             if prefilling is None and waiting and (not blocked or not running):
@@ -208,7 +215,8 @@ class _Loop:
                 out.update(logprobs=seq.logprobs, greedy=seq.greedy)
         metrics = build_metrics(
             **self.clock.metrics(), sections=dict(engine.timers.seconds), setup_s=setup_s, completed=oom is None,
-            preemptions=self.preemptions)
+            preemptions=self.preemptions,
+            **latency_metrics(self.clock, self.slo.get("ttft_s"), self.slo.get("tpot_s")))
         return RunResult(outputs=outputs, metrics=metrics, memory=memory or engine.ledger.snapshot(),
                          policy={"name": engine.policy.name, **engine.policy.settings()}, oom=oom,
                          stats=stats or {})
