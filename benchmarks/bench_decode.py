@@ -47,7 +47,7 @@ PROMPT_TOKENS = sized((128, 1024), (16, 32))
 # BENCH_NEW_TOKENS=1,17 shortens a run on a loaded machine (the same method over 16 decode steps)
 NEW_TOKENS = tuple(int(n) for n in os.environ.get("BENCH_NEW_TOKENS", "").split(",") if n) or sized((1, 33), (1, 3))
 # each process times its runs with 1 and with N new tokens this many times, alternating; each wall is the fastest
-WALLS = int(os.environ.get("BENCH_WALLS", 0)) or sized(3, 1)
+WALLS = int(os.environ.get("BENCH_WALLS", "0")) or sized(3, 1)
 # the systems experiments' settings (params/embedded.yaml: H2O as the paper ran it)
 SETTINGS = {"h2o": {"budget": 0.3, "budget_rule": "flexgen"}, "infinigen": {"budget": 0.3}}
 
