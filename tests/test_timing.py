@@ -67,21 +67,51 @@ def test_the_token_clock_reads_ttft_steps_and_decode_throughput_from_handovers(m
 
 
 def test_a_timed_run_follows_an_untimed_one_on_the_same_prompts_that_reads_memory(monkeypatch):
-    """run_timed: the untimed run first (the one allowed to read memory from inside an engine), then the timed one;
-    timings from the timed run, memory from the untimed one."""
+    """run_timed: the untimed run first (the one that reads memory and sections from inside an engine), then the
+    timed one, which reads nothing; timings from the timed run, memory and the wall split from the untimed one."""
     from kvlib.study.experiments import common
 
     calls = []
 
     def fake_run(point, prompts, n, memory_run=False):
         calls.append((len(prompts), n, memory_run))
-        return types.SimpleNamespace(row=lambda: {"ttft_s": 9.0 if memory_run else 1.0, "decode_tokens_per_s":
-                                                  1.0 if memory_run else 50.0, "device_peak_bytes": 7 if memory_run
-                                                  else None, "device_kv_bytes": 5 if memory_run else None,
-                                                  "oom": False, "oom_where": None})
+        return types.SimpleNamespace(row=lambda: {
+            "ttft_s": 9.0 if memory_run else 1.0, "decode_tokens_per_s": 1.0 if memory_run else 50.0,
+            "device_peak_bytes": 7 if memory_run else None, "device_kv_bytes": 5 if memory_run else None,
+            "split_cache_ops_s": 0.5 if memory_run else None, "oom": False, "oom_where": None})
 
     monkeypatch.setattr(common, "run", fake_run)
     row = common.run_timed(types.SimpleNamespace(weights="pretrained"), [[1, 2]] * 8, 33)
     assert calls == [(8, 33, True), (8, 33, False)]
     assert (row["ttft_s"], row["decode_tokens_per_s"]) == (1.0, 50.0)
-    assert (row["device_peak_bytes"], row["device_kv_bytes"]) == (7, 5)
+    assert (row["device_peak_bytes"], row["device_kv_bytes"], row["split_cache_ops_s"]) == (7, 5, 0.5)
+
+
+def test_an_uninstrumented_engine_books_and_times_nothing_and_decodes_the_same(tiny):
+    """What a timed kvlib run is: no ledger, no sections; the same tokens, memory reported as not measured."""
+    from kvlib.engine import Engine
+    from kvlib.policies import make_policy
+
+    torch.manual_seed(0)
+    prompts = [torch.randint(100, 5000, (n,)).tolist() for n in (40, 25)]
+    measured = Engine(tiny, make_policy("h2o", budget=0.5)).generate(prompts, 6, prefill_mode="full", stop_at_eos=False)
+    bare = Engine(tiny, make_policy("h2o", budget=0.5), device_capacity_bytes=1,
+                  instrumented=False).generate(prompts, 6, prefill_mode="full", stop_at_eos=False)  # no capacity checked
+    assert [o["token_ids"] for o in bare.outputs] == [o["token_ids"] for o in measured.outputs]
+    assert bare.metrics["sections_s"] == {} and bare.memory["device"]["kv_bytes"] is None
+    assert bare.memory["device"]["peak_bytes"] is None and bare.metrics["decode_tokens_per_s"] > 0
+    assert measured.memory["device"]["kv_bytes"] > 0
+
+
+def test_a_point_that_runs_out_of_memory_untimed_is_not_timed(monkeypatch):
+    from kvlib.study.experiments import common
+
+    calls = []
+
+    def fake_run(point, prompts, n, memory_run=False):
+        calls.append(memory_run)
+        return types.SimpleNamespace(row=lambda: {"ttft_s": None, "oom": True, "oom_where": "attention matrix"})
+
+    monkeypatch.setattr(common, "run", fake_run)
+    row = common.run_timed(types.SimpleNamespace(weights="pretrained"), [[1, 2]], 1)
+    assert calls == [True] and row["oom"] and row["oom_where"] == "attention matrix"

@@ -14,8 +14,8 @@ import torch
 
 from kvlib.engine.run_result import RunResult
 from kvlib.errors import UserError
-from kvlib.memory.ledger import MemoryLedger
-from kvlib.memory.timing import Timers
+from kvlib.memory.ledger import MemoryLedger, NoLedger
+from kvlib.memory.timing import NoTimers, Timers
 from kvlib.models import LoadedModel
 from kvlib.models.workloads import calibration_prompt
 from kvlib.policies.base import PREFILL_MODES, KVPolicy, KVUsage, Step
@@ -31,14 +31,16 @@ def activation_bytes(model: LoadedModel, batch: int, q_len: int) -> int:
 
 class Engine:
     def __init__(self, model: LoadedModel, policy: KVPolicy, device_capacity_bytes: int | None = None,
-                 calibration: list[int] | None = None):
+                 calibration: list[int] | None = None, instrumented: bool = True):
         """calibration: token ids a policy that calibrates offline (InfiniGen) learns from; the caller's choice
-        (kvlib.models.workloads.calibration_prompt when not given)."""
+        (kvlib.models.workloads.calibration_prompt when not given). instrumented=False: no timer sections and no
+        ledger (nothing booked, no capacity checked), for a run timed from outside only, as a timed vLLM run reads
+        nothing from inside vLLM."""
         if device_capacity_bytes is not None and device_capacity_bytes <= 0:
             raise UserError(f"the device capacity must be positive, got {device_capacity_bytes} bytes")
         self.model, self.policy = model, policy
-        self.ledger = MemoryLedger(device_capacity_bytes)
-        self.timers = Timers(model.device)
+        self.ledger = MemoryLedger(device_capacity_bytes) if instrumented else NoLedger()
+        self.timers = Timers(model.device) if instrumented else NoTimers(model.device)
         policy.bind(model, self.ledger, self.timers)
         if policy.calibrates:
             policy.calibrate(calibration if calibration is not None else calibration_prompt(model))

@@ -8,7 +8,7 @@ capacity turns "does not fit" into a recorded OOM point. On CUDA, torch.cuda's o
 from __future__ import annotations
 
 from collections import defaultdict
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -88,4 +88,28 @@ class MemoryLedger:
                 "max_allocated_bytes": torch.cuda.max_memory_allocated(),
                 "reserved_bytes": torch.cuda.memory_reserved(),
             }
+        return out
+
+
+class NoLedger(MemoryLedger):
+    """A ledger that books nothing and checks no capacity: a timed run's, whose memory is read in the untimed run before
+    it on the same prompts (which would have run out first; kvlib.study.experiments.common.run_timed). Its snapshot
+    reports every component as not measured."""
+
+    def __init__(self, device_capacity: int | None = None):
+        super().__init__(device_capacity, unmeasured=COMPONENTS)
+
+    def add(self, tier: str, component: str, nbytes: int, where: str = "") -> None:
+        pass
+
+    def set(self, tier: str, where: str = "", **components: int) -> None:
+        pass
+
+    def transient(self, tier: str, component: str, nbytes: int, where: str):
+        return nullcontext()
+
+    def snapshot(self) -> dict:
+        out = super().snapshot()
+        for tier in TIERS:
+            out[tier].update(total_bytes=None, peak_bytes=None)
         return out

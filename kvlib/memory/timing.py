@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
 
 class Timers:
+    """The engine's timer sections (above)."""
+
     def __init__(self, device: torch.device):
         self.cuda = torch.device(device).type == "cuda"
         self.phase = "setup"
@@ -70,3 +72,11 @@ class Timers:
             torch.cuda.synchronize()
             self.settle()
         return time.perf_counter()
+
+
+class NoTimers(Timers):
+    """Sections that time nothing: a timed run's, whose time is taken by its caller alone (kvlib.study.experiments.
+    common.run_timed); the sections of the same work come from the untimed run before it."""
+
+    def section(self, name: str):
+        return nullcontext()

@@ -24,44 +24,51 @@ def model_of(point: Point) -> LoadedModel:
     return model(point.model, point.device, point.weights)
 
 
-def make_engine(point: Point) -> Engine:
+def make_engine(point: Point, instrumented: bool = True) -> Engine:
     """The engine for a kvlib policy's point. A policy that calibrates (InfiniGen) does so on the profile's text
     (`calibration_source` among an experiment's fixed values; the CPython docs by default)."""
     loaded = model_of(point)
     return Engine(loaded, make_policy(point.runner, **point.settings), device_capacity_bytes=point.capacity_bytes,
-                  calibration=calibration_prompt(loaded, point.values.get("calibration_source")))
+                  calibration=calibration_prompt(loaded, point.values.get("calibration_source")),
+                  instrumented=instrumented)
 
 
 def run(point: Point, prompts: list[list[int]], max_new_tokens: int, memory_run: bool = False) -> RunResult:
     """One generation run of the point's runner on the given prompts (ignoring EOS, so lengths are as asked), with
     the point's prefill mode, or the runner's preferred one. An outside engine (the real vLLM) runs the same prompts
-    its own way; memory_run: it reads its KV use as it goes (a run that is not timed)."""
+    its own way. memory_run: the engine reads what it holds as it goes, kvlib's ledger and timer sections or vLLM's
+    KV blocks (a run that is not timed); otherwise neither engine reads anything from inside itself."""
     runner = make_runner(point.runner, **point.settings)
     if runner.outside:
         return runner.generate(point.model, prompts, max_new_tokens, stop_at_eos=False,
                                device_capacity_bytes=point.capacity_bytes, weights=point.weights,
                                read_memory=memory_run)
     mode = point.values.get("prefill", runner.preferred_prefill)
-    return make_engine(point).generate(prompts, max_new_tokens, prefill_mode=mode,
+    return make_engine(point, instrumented=memory_run).generate(prompts, max_new_tokens, prefill_mode=mode,
                                        chunk_size=point.values.get("chunk_size", 512), stop_at_eos=False)
 
 
-def memory_columns(row: dict) -> dict:
-    """What a run held (memory by tier and component, the blocks it used, whether it ran out), not how fast it ran."""
-    return {k: v for k, v in row.items()
-            if k.startswith(("device_", "host_")) or k in ("oom", "oom_where", "stat_peak_blocks_used")}
+def accounting_columns(row: dict) -> dict:
+    """What a run held (memory by tier and component, the blocks it used, whether it ran out) and where the engine's
+    own sections put its time: what only an engine that reads itself can say."""
+    return {k: v for k, v in row.items() if k.startswith(("device_", "host_", "section_", "split_"))
+            or k in ("oom", "oom_where", "stat_peak_blocks_used", "setup_s")}
 
 
 def run_timed(point: Point, prompts: list[list[int]], max_new_tokens: int) -> dict:
     """The point's run as its result row, measured alike for every runner (book/methods.md, "How runs are timed"): an
     untimed run on the same prompts first (the first call of each matmul shape, vLLM's kernels, a policy's
-    calibration: every runner warm on the shapes it is measured on), which is also where memory is read (vLLM's KV use
-    is read step by step only there), then the timed run, in which nothing is read from inside the engine: its
-    TTFT, inter-token latencies and decode throughput are stamped by the caller as each token is handed over
-    (kvlib.engine.run_result.TokenClock). The timed run's memory columns are the untimed run's."""
+    calibration: every runner warm on the shapes it is measured on), which is also the run that reads memory and
+    kvlib's timer sections (vLLM's KV use step by step), then the timed run, in which nothing is read from inside
+    either engine (kvlib's ledger and sections off, vLLM's statistics at its default): its TTFT, inter-token latencies
+    and decode throughput are stamped by the caller as each token is handed over (kvlib.engine.run_result.
+    TokenClock). The row's memory and wall-split columns are the untimed run's. A point that runs out of memory in
+    the untimed run is not timed (the same prompts would run out again, unbooked)."""
     warm = result_row(run(point, prompts, max_new_tokens, memory_run=True), point)
+    if warm["oom"]:
+        return warm
     timed = result_row(run(point, prompts, max_new_tokens), point)
-    return {**timed, **memory_columns(warm), "oom": warm["oom"] or timed["oom"]}
+    return {**timed, **accounting_columns(warm)}
 
 
 def result_row(result: RunResult, point: Point) -> dict:
