@@ -73,7 +73,7 @@ def test_a_timed_run_follows_an_untimed_one_on_the_same_prompts_that_reads_memor
 
     calls = []
 
-    def fake_run(point, prompts, n, memory_run=False):
+    def fake_run(point, prompts, n, *, memory_run):
         calls.append((len(prompts), n, memory_run))
         return types.SimpleNamespace(row=lambda: {
             "ttft_s": 9.0 if memory_run else 1.0, "decode_tokens_per_s": 1.0 if memory_run else 50.0,
@@ -108,7 +108,7 @@ def test_a_point_that_runs_out_of_memory_untimed_is_not_timed(monkeypatch):
 
     calls = []
 
-    def fake_run(point, prompts, n, memory_run=False):
+    def fake_run(point, prompts, n, *, memory_run):
         calls.append(memory_run)
         return types.SimpleNamespace(row=lambda: {"ttft_s": None, "oom": True, "oom_where": "attention matrix"})
 

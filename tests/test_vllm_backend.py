@@ -62,7 +62,7 @@ def test_an_experiment_point_runs_vllm_with_the_profiles_settings_and_capacity(m
         return "result"
 
     monkeypatch.setattr(VLLMBackend, "generate", generate)
-    assert common.run(point, [[1, 2, 3]], 4) == "result"
+    assert common.run(point, [[1, 2, 3]], 4, memory_run=False) == "result"
     # the same model, lengths as asked (no EOS stop) and the profile's device capacity, which sizes vLLM's pool
     assert seen["model"] == "smollm2-135m" and seen["stop_at_eos"] is False
     assert seen["capacity"] == int(1.25 * 2**30) and seen["backend"].block_size == 32

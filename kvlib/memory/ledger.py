@@ -96,8 +96,8 @@ class NoLedger(MemoryLedger):
     it on the same prompts (which would have run out first; kvlib.study.experiments.common.run_timed). Its snapshot
     reports every component as not measured."""
 
-    def __init__(self, device_capacity: int | None = None):
-        super().__init__(device_capacity, unmeasured=COMPONENTS)
+    def __init__(self):
+        super().__init__(unmeasured=COMPONENTS)
 
     def add(self, tier: str, component: str, nbytes: int, where: str = "") -> None:
         pass

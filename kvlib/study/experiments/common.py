@@ -33,11 +33,12 @@ def make_engine(point: Point, instrumented: bool = True) -> Engine:
                   instrumented=instrumented)
 
 
-def run(point: Point, prompts: list[list[int]], max_new_tokens: int, memory_run: bool = False) -> RunResult:
+def run(point: Point, prompts: list[list[int]], max_new_tokens: int, *, memory_run: bool) -> RunResult:
     """One generation run of the point's runner on the given prompts (ignoring EOS, so lengths are as asked), with
     the point's prefill mode, or the runner's preferred one. An outside engine (the real vLLM) runs the same prompts
-    its own way. memory_run: the engine reads what it holds as it goes, kvlib's ledger and timer sections or vLLM's
-    KV blocks (a run that is not timed); otherwise neither engine reads anything from inside itself."""
+    its own way. memory_run (always said: without it a kvlib engine checks no device capacity): the engine reads
+    what it holds as it goes, kvlib's ledger and timer sections or vLLM's KV blocks (a run that is not timed);
+    otherwise neither engine reads anything from inside itself."""
     runner = make_runner(point.runner, **point.settings)
     if runner.outside:
         return runner.generate(point.model, prompts, max_new_tokens, stop_at_eos=False,
@@ -67,7 +68,7 @@ def run_timed(point: Point, prompts: list[list[int]], max_new_tokens: int) -> di
     warm = result_row(run(point, prompts, max_new_tokens, memory_run=True), point)
     if warm["oom"]:
         return warm
-    timed = result_row(run(point, prompts, max_new_tokens), point)
+    timed = result_row(run(point, prompts, max_new_tokens, memory_run=False), point)
     return {**timed, **accounting_columns(warm)}
 
 
