@@ -144,18 +144,24 @@ def test_an_exception_in_a_unit_is_recorded_and_the_others_stored(root, monkeypa
     assert len(run_experiment("p")) == 2 * len(points) and {p.key for p in calls} == {bad} and len(calls) == 2
 
 
-def test_an_outside_engine_point_is_computed_in_a_fresh_process(root, monkeypatch):
-    """vLLM's start changes the process it runs in (book/methods.md): its points never share one with kvlib's."""
+def test_an_outside_engine_point_is_computed_in_a_process_of_its_own(root, monkeypatch):
+    """vLLM's start changes the process it runs in (book/methods.md): its points never share one with kvlib's; they
+    share one among themselves, so that vLLM starts once."""
     import os
 
-    assert executor.in_fresh_process(os.getpid) != os.getpid()
+    outside = executor.in_outside_process(os.getpid)
+    assert outside != os.getpid() and executor.in_outside_process(os.getpid) == outside
     with pytest.raises(ValueError, match="invalid literal"):  # an exception comes back as itself
-        executor.in_fresh_process(int, "not a number")
+        executor.in_outside_process(int, "not a number")
+    assert executor.in_outside_process(os.getpid) == outside
+    with pytest.raises(executor.BrokenProcessPool):
+        executor.in_outside_process(os._exit, 1)
+    assert executor.in_outside_process(os.getpid) not in (outside, os.getpid())  # a dead one replaced
     write_profile(root, "p", {**PROFILE, "experiments": {"ttft": {
         "policies": ["full", "vllm"], "grid": {"prompt_tokens": [32]}, "fixed": {"max_new_tokens": 1,
                                                                                    "prefill": "chunked"}}}})
     isolated = []
-    monkeypatch.setattr(executor, "in_fresh_process", lambda fn, point, *rest: isolated.append(point.runner)
+    monkeypatch.setattr(executor, "in_outside_process", lambda fn, point, *rest: isolated.append(point.runner)
                         or fn(point, *rest))
     monkeypatch.setattr(ttft, "run_point", lambda point: [{"ttft_s": 0.1, "oom": False}])
     frame = run_experiment("p")

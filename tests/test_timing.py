@@ -81,10 +81,17 @@ def test_a_timed_run_follows_an_untimed_one_on_the_same_prompts_that_reads_memor
             "split_cache_ops_s": 0.5 if memory_run else None, "oom": False, "oom_where": None})
 
     monkeypatch.setattr(common, "run", fake_run)
-    row = common.run_timed(types.SimpleNamespace(weights="pretrained"), [[1, 2]] * 8, 33)
+    monkeypatch.setattr(common, "_untimed_rows", {})
+    point = types.SimpleNamespace(weights="pretrained", key="p")
+    row = common.run_timed(point, [[1, 2]] * 8, 33)
     assert calls == [(8, 33, True), (8, 33, False)]
     assert (row["ttft_s"], row["decode_tokens_per_s"]) == (1.0, 50.0)
     assert (row["device_peak_bytes"], row["device_kv_bytes"], row["split_cache_ops_s"]) == (7, 5, 0.5)
+    # another repeat of the point in this process: already warm on its shapes, timed at once, the same memory
+    again = common.run_timed(point, [[1, 2]] * 8, 33)
+    assert calls[2:] == [(8, 33, False)] and again["device_peak_bytes"] == 7
+    common.run_timed(types.SimpleNamespace(weights="pretrained", key="q"), [[1, 2]] * 8, 33)
+    assert calls[3:] == [(8, 33, True), (8, 33, False)]
 
 
 def test_an_uninstrumented_engine_books_and_times_nothing_and_decodes_the_same(tiny):
@@ -113,5 +120,6 @@ def test_a_point_that_runs_out_of_memory_untimed_is_not_timed(monkeypatch):
         return types.SimpleNamespace(row=lambda: {"ttft_s": None, "oom": True, "oom_where": "attention matrix"})
 
     monkeypatch.setattr(common, "run", fake_run)
-    row = common.run_timed(types.SimpleNamespace(weights="pretrained"), [[1, 2]], 1)
+    monkeypatch.setattr(common, "_untimed_rows", {})
+    row = common.run_timed(types.SimpleNamespace(weights="pretrained", key="p"), [[1, 2]], 1)
     assert calls == [True] and row["oom"] and row["oom_where"] == "attention matrix"

@@ -20,6 +20,7 @@ import sys
 import traceback
 from collections.abc import Callable, Iterable
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from datetime import UTC, datetime
 from typing import Protocol
 
@@ -44,20 +45,31 @@ def compute_unit(point: Point, repeat: int, meta: dict) -> pd.DataFrame:
     metadata, the machine that computed it (kvlib.study.machine: read in the process that measures, a Ray worker's
     or a fresh one's) and that machine's load while it ran.
 
-    A point of an outside engine (the real vLLM) is computed in a fresh process of its own. Starting vLLM changes the
-    process it runs in: two more OpenMP runtimes, `torch.set_num_threads` made a no-op, NUMA binding (book/methods.md,
-    "Why engines are not compared in one process"); every kvlib point computed after it in the same process would be
-    measured in that process."""
+    A point of an outside engine (the real vLLM) is computed in a process of its own, which computes nothing else
+    (`in_outside_process`). Starting vLLM changes the process it runs in: two more OpenMP runtimes,
+    `torch.set_num_threads` made a no-op, NUMA binding (book/methods.md, "Why engines are not compared in one
+    process"); every kvlib point computed after it in the same process would be measured in that process."""
     if runner_class(point.runner).outside:
-        return in_fresh_process(_compute_unit, point, repeat, meta)
+        return in_outside_process(_compute_unit, point, repeat, meta)
     return _compute_unit(point, repeat, meta)
 
 
-def in_fresh_process(fn, *args):
-    """fn(*args) in a new interpreter (spawned, not forked: nothing of this process's threads or libraries comes
-    along); its exception, if any, is raised here."""
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(fn, *args).result()
+_outside_pool: ProcessPoolExecutor | None = None
+
+
+def in_outside_process(fn, *args):
+    """fn(*args) in the process the outside engines run in: spawned (not forked: nothing of this process's threads
+    or libraries comes along) at the first call and kept, as kvlib's engine keeps this one, so that vLLM starts once
+    for a study rather than once per unit, and is as warm as kvlib's engine is when timed. Its exception, if any, is
+    raised here; a process that died is replaced at the next call."""
+    global _outside_pool
+    if _outside_pool is None:
+        _outside_pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+    try:
+        return _outside_pool.submit(fn, *args).result()
+    except BrokenProcessPool:
+        _outside_pool = None
+        raise
 
 
 def _compute_unit(point: Point, repeat: int, meta: dict) -> pd.DataFrame:

@@ -57,19 +57,30 @@ def accounting_columns(row: dict) -> dict:
 
 
 def run_timed(point: Point, prompts: list[list[int]], max_new_tokens: int) -> dict:
-    """The point's run as its result row, measured alike for every runner (book/methods.md, "How runs are timed"): an
-    untimed run on the same prompts first (the first call of each matmul shape, vLLM's kernels, a policy's
-    calibration: every runner warm on the shapes it is measured on), which is also the run that reads memory and
-    kvlib's timer sections (vLLM's KV use step by step), then the timed run, in which nothing is read from inside
-    either engine (kvlib's ledger and sections off, vLLM's statistics at its default): its TTFT, inter-token latencies
-    and decode throughput are stamped by the caller as each token is handed over (kvlib.engine.run_result.
-    TokenClock). The row's memory and wall-split columns are the untimed run's. A point that runs out of memory in
-    the untimed run is not timed (the same prompts would run out again, unbooked)."""
-    warm = result_row(run(point, prompts, max_new_tokens, memory_run=True), point)
+    """The point's run as its result row, measured alike for every runner (book/methods.md, "How runs are timed"):
+    the first time a process meets the point, an untimed run on the same prompts (the first call of each matmul
+    shape, vLLM's kernels, a policy's calibration: every runner warm on the shapes it is measured on), which is also
+    the run that reads memory and kvlib's timer sections (vLLM's KV use step by step); then the timed run, in which
+    nothing is read from inside either engine (kvlib's ledger and sections off, vLLM's statistics at its default):
+    its TTFT, inter-token latencies and decode throughput are stamped by the caller as each token is handed over
+    (kvlib.engine.run_result.TokenClock). The row's memory and wall-split columns are the untimed run's. A later
+    repeat of the point in the same process is timed at once: the process is warm on its shapes, and the same
+    prompts hold the same bytes. A point that runs out of memory in the untimed run is not timed (the same prompts
+    would run out again, unbooked)."""
+    warm = _untimed(point, prompts, max_new_tokens)
     if warm["oom"]:
         return warm
     timed = result_row(run(point, prompts, max_new_tokens, memory_run=False), point)
     return {**timed, **accounting_columns(warm)}
+
+
+_untimed_rows: dict[str, dict] = {}  # per process: the untimed run's row of each point it has met
+
+
+def _untimed(point: Point, prompts: list[list[int]], max_new_tokens: int) -> dict:
+    if point.key not in _untimed_rows:  # a point's key fixes its prompts and lengths
+        _untimed_rows[point.key] = result_row(run(point, prompts, max_new_tokens, memory_run=True), point)
+    return _untimed_rows[point.key]
 
 
 def result_row(result: RunResult, point: Point) -> dict:
