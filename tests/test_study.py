@@ -53,6 +53,7 @@ def test_the_shipped_profiles_are_valid():
     ({"device_capacity_gb": -1}, "device_capacity_gb"),
     ({"validity_gate": 1.5}, "validity_gate must be a share"),
     ({"experiments": {"ttft": {"model": ["smollm2-135m"]}}}, "experiments.ttft.model must be a model name"),
+    ({"experiments": {"ttft": {"device_capacity_gb": 0}}}, "experiments.ttft: .*device_capacity_gb"),
 ])
 def test_invalid_profiles_get_one_clear_error(root, change, message):
     write_profile(root, "bad", {**PROFILE, **change})
@@ -71,6 +72,15 @@ def test_an_experiment_names_its_own_model_and_the_gate_is_a_setting(root):
     assert all(p.columns()["model"] == "qwen2.5-coder-0.5b" for p in profile.points("accuracy"))
     write_profile(root, "one", PROFILE)
     assert profile.validity_gate == 0.8 and study.load_profile("one").validity_gate == 0.7
+
+
+def test_an_experiment_on_another_model_has_its_own_device_capacity():
+    """The embedded profile's 1.25 GB is sized for SmolLM2; retention's Qwen weights alone are 2.4 GB in fp32 (a fresh
+    `make book` failed there before experiments could say so)."""
+    profile = study.load_profile("embedded")
+    assert {p.device_capacity_gb for p in profile.points("ttft")} == {1.25}
+    assert {(p.model, p.device_capacity_gb) for p in profile.points("retention")} == {("qwen2.5-coder-0.5b", None)}
+    assert all(p.columns()["device_capacity_gb"] is None for p in profile.points("retention"))
 
 
 def test_exploratory_policies_run_on_their_own_fixed_values_and_say_so(root):

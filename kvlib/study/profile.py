@@ -12,6 +12,7 @@
         fixed: {chunk_size: 512}
       accuracy:
         model: qwen2.5-coder-0.5b    # this experiment's model
+        device_capacity_gb: null     # and its device memory (the profile's is sized for the profile's model)
         policies: [full, h2o, infinigen]
         grid: {task: [kvlib_recall], budget: [0.1, 0.5]}   # a setting as an axis: full (no budget) runs once
         exploratory: {policies: [streaming], fixed: {limit: 50}}   # these policies on fewer items, labelled so
@@ -43,7 +44,7 @@ from kvlib.study.runners import make_runner, runner_class, runners
 EXPERIMENTS = ("ttft", "batch_scaling", "decode_length", "accuracy", "retention")
 PROFILE_KEYS = {"model", "device_capacity_gb", "policy_settings", "experiments", "description", "device", "weights",
                 "validity_gate"}
-EXPERIMENT_KEYS = {"policies", "grid", "fixed", "model", "repeats", "exploratory"}
+EXPERIMENT_KEYS = {"policies", "grid", "fixed", "model", "device_capacity_gb", "repeats", "exploratory"}
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,7 @@ class Profile:
                     continue  # e.g. H2O cannot score under fused prefill: nothing to measure
                 points.append(Point(experiment, name, make_runner(name, **settings).settings(), workload,
                                     spec.get("model", self.model), self.weights, self.device,
-                                    self.device_capacity_gb))
+                                    spec.get("device_capacity_gb", self.device_capacity_gb)))
         return points
 
     @staticmethod
@@ -207,6 +208,7 @@ def validate_profile(name: str, raw: dict, where: str | None = None) -> Profile:
     for exp, spec in experiments.items():
         if "model" in spec and not isinstance(spec["model"], str):
             raise UserError(f"{where}: experiments.{exp}.model must be a model name, got {spec['model']!r}")
+        _checked(f"{where}: experiments.{exp}", capacity_bytes, spec.get("device_capacity_gb"))
     profile = Profile(name, raw["model"], capacity, settings, experiments, raw.get("device"), weights, float(gate))
     for exp in experiments:  # bad settings on a grid axis (a budget of 2) fail here, before anything runs
         _checked(f"{where}: experiments.{exp}", profile.points, exp)
