@@ -95,3 +95,19 @@ def test_results_that_do_not_record_their_kernel_are_not_the_ones_chosen_among()
     batch.loc[batch["policy"] != "full", "stat_decode_attention"] = None  # results from before every policy said
     c = choose({**f, "batch_scaling": batch}, 512, 4, 32)
     assert c.fastest_decode == "full" and set(c.decode) == {"full"}
+
+
+def test_the_answer_names_the_policies_it_cannot_be_told_from():
+    """A lead inside the noise is no lead: the policies whose repeats the findings' permutation rule cannot tell from
+    the answer's at the grid point read are named; one clearly slower is not, nor an interpolated figure."""
+    rows = [{"policy": p, "lossless": True, "batch_size": b, "oom": False, "decode_tokens_per_s": base * b + jitter,
+             "device_peak_bytes": GIB, "min_prompt_tokens": 128, "max_prompt_tokens": 1024, "max_new_tokens": 32,
+             "budget": None, "repeat": r, "stat_decode_attention": "c"}
+            for p, base in [("a", 100.0), ("twin", 99.0), ("slow", 50.0)] for b in (1, 4)
+            for r, jitter in enumerate([0.0, 30.0, -30.0, 15.0, -15.0])]
+    f = {"batch_scaling": pd.DataFrame(rows), "ttft": frames()["ttft"]}
+    c = choose(f, 512, 4, 32)
+    assert c.fastest_decode == "a" and c.decode_ties == ["twin"]
+    assert "Within noise of it there: twin." in c.text()
+    assert choose(f, 512, 2, 32).decode_ties == []  # interpolated between batch 1 and 4
+    assert "TTFT: this profile's TTFT grid does not run a, slow, twin" in c.text()

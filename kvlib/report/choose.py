@@ -67,14 +67,19 @@ class Choice:
     ttft: dict[str, Estimate] = field(default_factory=dict)
     excluded: dict[str, str] = field(default_factory=dict)  # policy -> why it was ruled out
     notes: list[str] = field(default_factory=list)
+    # the policies the findings' timing rule cannot tell from the answer (kvlib.report.stats), where both were measured
+    # at the grid point read: a lead inside the noise is no lead
+    decode_ties: list[str] = field(default_factory=list)
+    ttft_ties: list[str] = field(default_factory=list)
 
     def text(self) -> str:
         lines = []
         if self.fastest_decode:
             lines.append(f"Highest decode throughput: {self.fastest_decode}, "
-                         f"{self.decode[self.fastest_decode].how('tokens/s')}.")
+                         f"{self.decode[self.fastest_decode].how('tokens/s')}.{_ties(self.decode_ties)}")
         if self.lowest_ttft:
-            lines.append(f"Lowest TTFT: {self.lowest_ttft}, {self.ttft[self.lowest_ttft].how('s')}.")
+            lines.append(f"Lowest TTFT: {self.lowest_ttft}, {self.ttft[self.lowest_ttft].how('s')}."
+                         f"{_ties(self.ttft_ties)}")
         if not (self.fastest_decode or self.lowest_ttft):
             lines.append("No policy qualifies.")
         others = [f"{p} {e.value:.3g} tokens/s" for p, e in sorted(self.decode.items(), key=lambda kv: -kv[1].value)]
@@ -167,10 +172,40 @@ def choose(frames: dict[str, pd.DataFrame], prompt_tokens: int, batch: int, outp
             choice.decode.pop(p)
     if choice.decode:
         choice.fastest_decode = max(choice.decode, key=lambda p: choice.decode[p].value)
+        choice.decode_ties = _within_noise(decode_df, axis, "decode_tokens_per_s", choice.fastest_decode,
+                                           choice.decode)
     if choice.ttft:
         choice.lowest_ttft = min(choice.ttft, key=lambda p: choice.ttft[p].value)
+        choice.ttft_ties = _within_noise(ttft_df, "prompt_tokens", "ttft_s", choice.lowest_ttft, choice.ttft)
+    unmeasured = sorted(set(choice.decode) - set(ttft_df.get("policy", [])))
+    if unmeasured and not ttft_df.empty:
+        choice.notes.append(f"TTFT: this profile's TTFT grid does not run {', '.join(unmeasured)} (their TTFT at "
+                            f"their own prefill is in the decode-length results).")
     choice.notes += _workload_notes(decode_df, axis, prompt_tokens, output_tokens)
     return choice
+
+
+def _within_noise(df: pd.DataFrame, axis: str, value: str, best: str, estimates: dict[str, Estimate]) -> list[str]:
+    """The policies measured at the same grid point as the answer whose repeats the permutation rule cannot tell
+    from its repeats there (TTFT: each policy's fastest prefill mode at that point)."""
+    point = estimates[best]
+    if len(point.points) != 1 or point.beyond_grid:
+        return []  # an interpolated figure has no repeats of its own to test
+
+    def runs(policy):
+        g = df[(df["policy"] == policy) & (df[axis] == point.at) & ~df["oom"].astype(bool)]
+        if "prefill" in g and value == "ttft_s":
+            g = g[g["prefill"] == g.groupby("prefill")[value].median().idxmin()]
+        return g[value].dropna()
+
+    reference = runs(best)
+    return [p for p in sorted(estimates) if p != best and len(estimates[p].points) == 1
+            and estimates[p].at == point.at
+            and stats.compare_timings(runs(p), reference).verdict == stats.WITHIN_NOISE]
+
+
+def _ties(policies: list[str]) -> str:
+    return f" Within noise of it there: {', '.join(policies)}." if policies else ""
 
 
 def _lossless(df: pd.DataFrame) -> set[str]:
@@ -250,11 +285,13 @@ def regimes(frames: dict[str, pd.DataFrame], tolerances=(None, 5.0, 1.0)) -> pd.
                     c = choose(frames, int(prompt), int(b), int(out), tol)
                     rows.append({"prompt tokens": prompt, "batch": b, "output tokens": out,
                                  "accuracy drop allowed (pp)": "any" if tol is None else f"{tol:g}",
-                                 "fastest decode": _named(c.fastest_decode, c.decode, "{:.1f} tok/s"),
-                                 "lowest TTFT": _named(c.lowest_ttft, c.ttft, "{:.3g} s"),
+                                 "fastest decode": _named(c.fastest_decode, c.decode, "{:.1f} tok/s", c.decode_ties),
+                                 "lowest TTFT": _named(c.lowest_ttft, c.ttft, "{:.3g} s", c.ttft_ties),
                                  "ruled out": ", ".join(sorted(c.excluded)) or "-"})
     return pd.DataFrame(rows)
 
 
-def _named(policy, estimates, fmt) -> str:
-    return "-" if policy is None else f"{policy} ({fmt.format(estimates[policy].value)})"
+def _named(policy, estimates, fmt, ties) -> str:
+    if policy is None:
+        return "-"
+    return f"{policy} ({fmt.format(estimates[policy].value)}{'; within noise: ' + ', '.join(ties) if ties else ''})"
