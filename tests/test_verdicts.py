@@ -48,6 +48,17 @@ def test_finding_4_confirmed_refuted_or_not_testable_by_the_paired_drops():
     assert verdict({"accuracy": accuracy_rows(items=6)}, 4)[0] == INCONCLUSIVE  # 6 items cannot show +-5 pp
 
 
+def test_finding_4_is_refuted_at_budget_05_only_by_a_loss_its_own_line_establishes():
+    """3 items all lost at 0.5: the bootstrap interval lies past the margin, but the sign test cannot establish a loss
+    on 3 items, so the line reads inconclusive and so must the verdict (the embedded book once read "refuted" over
+    lines that all said "inconclusive"); 60 items all lost refute it."""
+    for items, word in ((3, INCONCLUSIVE), (60, REFUTED)):
+        rows = accuracy_rows(full_share=1.0, h2o_lost_at_01=0.0, items=items)
+        rows.loc[(rows["policy"] == "h2o") & (rows["budget"] == 0.5), "correct"] = 0.0
+        found, numbers = verdict({"accuracy": rows}, 4)
+        assert found == word, numbers
+
+
 def test_finding_5_read_over_conversations():
     # InfiniGen "within a few pp" is an equivalence: 40 conversations alike cannot show +-5 pp (stats.resolution)
     assert verdict({"retention": retention_rows()}, 5)[0] == INCONCLUSIVE
