@@ -313,6 +313,14 @@ def test_a_unit_measured_under_load_is_measured_again_then_flagged(root, monkeyp
     busy = iter([True, True])
     frame = run_experiment("p", force=True)
     assert frame["attempts"].tolist() == [2] and frame["disturbed"].all()
+    # a score is the same under load: an accuracy unit is computed once, and its row still says it was disturbed
+    from kvlib.study.experiments import accuracy
+    write_profile(root, "acc", {**PROFILE, "experiments": {"accuracy": {"policies": ["full"],
+                                                                        "grid": {"task": ["kvlib_recall"]}}}})
+    busy, calls = iter([True, True]), []
+    monkeypatch.setattr(accuracy, "run_point", lambda point: calls.append(1) or [{"correct": 1.0}])
+    frame = run_experiment("acc", "accuracy")
+    assert len(calls) == 1 and frame["attempts"].tolist() == [1] and frame["disturbed"].all()
 
 
 def test_the_load_probe_sees_another_process_take_the_cpu():

@@ -7,7 +7,8 @@ error, so a rerun computes exactly those.
 
 Repeats run interleaved: every point once, then every point again, so a slow minute of the machine does not land on
 one policy's repeats. Each unit records the machine's load while it ran (kvlib.study.machine_load); one measured while other
-processes took the CPU is measured once more, and flagged `disturbed` if it still was.
+processes took the CPU is measured once more if the experiment is timed (`TIMED` in its module), and flagged
+`disturbed` if it still was.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from kvlib.study.machine_load import measured_load
 from kvlib.study.profile import Point, Profile
 from kvlib.study.runners import runner_class, runners
 
-ATTEMPTS = 2  # a unit measured while other processes took the CPU is measured once more
+ATTEMPTS = 2  # a timed unit measured while other processes took the CPU is measured once more
 
 Unit = tuple[Point, int]  # a point and the index of its repeat
 
@@ -74,7 +75,8 @@ def in_outside_process(fn, *args):
 
 def _compute_unit(point: Point, repeat: int, meta: dict) -> pd.DataFrame:
     experiment = importlib.import_module(f"kvlib.study.experiments.{point.experiment}")
-    for attempt in range(1, ATTEMPTS + 1):
+    # a disturbed run is worth measuring again only where time is what it measures: a score is the same under load
+    for attempt in range(1, (ATTEMPTS if experiment.TIMED else 1) + 1):
         with measured_load() as load:
             rows = experiment.run_point(point)
         if not load.disturbed:

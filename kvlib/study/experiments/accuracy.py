@@ -6,6 +6,8 @@ from kvlib.evaluation.tasks import evaluate, write_offline_tasks
 from kvlib.models.workloads import calibration_prompt
 from kvlib.study.experiments.common import model_of
 
+TIMED = False  # what it measures is a score, the same under load: never measured again
+
 
 def run_point(point) -> list[dict]:
     v = point.values

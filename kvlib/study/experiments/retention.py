@@ -3,6 +3,8 @@
 from kvlib.evaluation.retention import dataset_conversations, offline_conversations, run_conversations
 from kvlib.study.experiments.common import make_engine
 
+TIMED = False  # what it measures is a score, the same under load: never measured again
+
 
 def run_point(point) -> list[dict]:
     v = point.values
