@@ -110,4 +110,6 @@ def test_the_answer_names_the_policies_it_cannot_be_told_from():
     assert c.fastest_decode == "a" and c.decode_ties == ["twin"]
     assert "Within noise of it there: twin." in c.text()
     assert choose(f, 512, 2, 32).decode_ties == []  # interpolated between batch 1 and 4
+    row = regimes(f, tolerances=(None,)).query("batch == 4").iloc[0]
+    assert row["fastest decode"].startswith("a (") and row["decode, within noise of it"] == "twin"
     assert "TTFT: this profile's TTFT grid does not run a, slow, twin" in c.text()

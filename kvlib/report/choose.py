@@ -285,13 +285,13 @@ def regimes(frames: dict[str, pd.DataFrame], tolerances=(None, 5.0, 1.0)) -> pd.
                     c = choose(frames, int(prompt), int(b), int(out), tol)
                     rows.append({"prompt tokens": prompt, "batch": b, "output tokens": out,
                                  "accuracy drop allowed (pp)": "any" if tol is None else f"{tol:g}",
-                                 "fastest decode": _named(c.fastest_decode, c.decode, "{:.1f} tok/s", c.decode_ties),
-                                 "lowest TTFT": _named(c.lowest_ttft, c.ttft, "{:.3g} s", c.ttft_ties),
+                                 "fastest decode": _named(c.fastest_decode, c.decode, "{:.1f} tok/s"),
+                                 "decode, within noise of it": ", ".join(c.decode_ties) or "-",
+                                 "lowest TTFT": _named(c.lowest_ttft, c.ttft, "{:.3g} s"),
+                                 "TTFT, within noise of it": ", ".join(c.ttft_ties) or "-",
                                  "ruled out": ", ".join(sorted(c.excluded)) or "-"})
     return pd.DataFrame(rows)
 
 
-def _named(policy, estimates, fmt, ties) -> str:
-    if policy is None:
-        return "-"
-    return f"{policy} ({fmt.format(estimates[policy].value)}{'; within noise: ' + ', '.join(ties) if ties else ''})"
+def _named(policy, estimates, fmt) -> str:
+    return "-" if policy is None else f"{policy} ({fmt.format(estimates[policy].value)})"
