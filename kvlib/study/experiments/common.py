@@ -69,7 +69,7 @@ def run_timed(point: Point, prompts: list[list[int]], max_new_tokens: int) -> di
     would run out again, unbooked)."""
     warm = _untimed(point, prompts, max_new_tokens)
     if warm["oom"]:
-        return warm
+        return dict(warm)  # a copy: callers add columns to their row, and this one is kept for the point's repeats
     timed = result_row(run(point, prompts, max_new_tokens, memory_run=False), point)
     return {**timed, **accounting_columns(warm)}
 
