@@ -1,6 +1,7 @@
 """Block management without a model: allocation, reference counts, prefix hashing, revival, copy-on-write."""
 
 import pytest
+import torch
 
 from kvlib.memory.block_pool import BlockPool, BlockTable, OutOfBlocks
 
@@ -69,3 +70,25 @@ def test_copy_on_write_when_a_forked_sequence_writes_a_shared_block():
     pool.copies.clear()
     pool.reserve(parent, 7)  # the parent's block is its own again: no copy
     assert pool.copies == []
+
+
+def test_paged_kv_maps_a_rows_slots_through_its_blocks_and_gives_blocks_back():
+    from types import SimpleNamespace
+
+    from kvlib.memory.paged_kv import PagedKV, PerSlot
+
+    spec = SimpleNamespace(num_layers=2, num_kv_heads=3, head_dim=4, dtype=torch.float32, dtype_bytes=4)
+    kv = PagedKV.allocate(spec, "cpu", num_blocks=8, block_size=4, per_slot={"pos": PerSlot(torch.long, -1)})
+    assert kv.pool.block_bytes == PagedKV.block_bytes(spec, 4, {"pos": PerSlot(torch.long, -1)}) == 4 * 2 * 3 * (32 + 8)
+    assert (kv.per_slot["pos"] == -1).all() and kv.per_slot["pos"].shape == (2, 3, 32)
+    kv.reserve(0, 5)  # blocks 0, 1
+    kv.reserve(1, 3)  # block 2
+    kv.reserve(0, 9)  # block 3: row 0's blocks are 0, 1, 3
+    assert kv.tables[0].blocks == [0, 1, 3]
+    assert kv.slots(0, 3, 10).tolist() == [3, 4, 5, 6, 7, 12, 13]
+    assert kv.one_run(0, 8) == 0 and kv.one_run(0, 9) is None and kv.one_run(1, 3) == 8
+    assert kv.table_tensor([1, 0]).tolist() == [[2, 0, 0], [0, 1, 3]]
+    kv.truncate(0, 4)
+    assert kv.tables[0].blocks == [0] and kv.pool.used == 2
+    kv.release(0), kv.release(1)
+    assert kv.pool.used == 0

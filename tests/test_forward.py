@@ -1,16 +1,9 @@
-"""The engine's shared pieces: a block table's runs, and the prepacked linear layers."""
+"""The engine's prepacked linear layers."""
 
 import pytest
 import torch
 
 from kvlib.models.loading import PackedLinear, can_prepack, prepack_linears
-from kvlib.policies.paged import block_runs
-
-
-def test_block_runs_split_where_block_ids_jump():
-    # blocks 3,4,5 then 9 then 10: runs of consecutive ids; the last block holds 2 of its 4 slots
-    assert block_runs([3, 4, 5, 9, 10], 18, 4) == [(12, 12), (36, 6)]
-    assert block_runs([7], 1, 4) == [(28, 1)]
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")

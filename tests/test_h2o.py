@@ -180,13 +180,17 @@ def test_flexgen_rule_keeps_heavy_and_recent_of_the_prompt_fixed_during_decode(t
                 assert set(range(seen - int(0.3 * n), seen)) <= kept_positions  # the recent window
 
 
-def test_the_prompt_buffer_is_booked_before_any_attention_is_computed(tiny):
+def test_room_for_the_whole_prompt_is_booked_before_any_attention_is_computed(tiny):
+    """The pool holds the longest prompt in full while it is prefilled (H2O scores it all before it evicts): a
+    capacity with room for the budgeted cache but not for that fails at setup, before any compute."""
     prompt = [list(range(100, 400))]
     policy = make_policy("h2o", budget=0.1)
     fits = Engine(tiny, make_policy("h2o", budget=0.1)).generate(prompt, 2, prefill_mode="chunked", chunk_size=64)
+    assert fits.memory["device"]["components"]["kv"] == 30 * tiny.spec.kv_bytes_per_token  # 0.1 x 300 kept
     cache = fits.memory["device"]["peak_components"]["kv_reserved"] + fits.memory["device"]["peak_components"]["kv"]
+    assert cache >= tiny.spec.kv_bytes(300)
     capacity = tiny.weights_bytes + tiny.packed_copy_bytes + cache // 2  # room for the budgeted cache, not for the whole prompt
     result = Engine(tiny, policy, device_capacity_bytes=capacity).generate(prompt, 2, prefill_mode="chunked",
                                                                           chunk_size=64)
-    assert result.oom is not None and result.oom["where"] == "h2o prompt buffer" and result.oom["phase"] == "prefill"
+    assert result.oom is not None and result.oom["where"] == "h2o KV pool" and result.oom["phase"] == "setup"
     assert result.memory["device"]["peak_components"]["activations"] == 0  # before any attention matrix was booked

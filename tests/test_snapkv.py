@@ -85,7 +85,7 @@ def test_heads_of_a_group_share_one_copy(tiny):
     booked = []
     after = policy.after_pass
     policy.after_pass = lambda step: (after(step), booked.append((engine.ledger.current[("device", "kv")],
-                                                                  policy.positions.shape[2])))
+                                                                  policy.positions.shape[1])))
     engine.generate(prompt, 1, prefill_mode="fused")
     kv, heads = booked[-1]
     assert heads == tiny.spec.num_kv_heads

@@ -155,10 +155,12 @@ def _kv_space(model: str, capacity: int | None) -> int | None:
     the weights (their packed copies included, as kvlib's capacity holds its own); without one, vLLM sizes it from free GPU memory on CUDA, and gets CPU_KV_SPACE on a CPU."""
     import torch
 
+    from kvlib.memory.paged_kv import serving_pool_bytes
+
     if capacity is None:
         return None if torch.cuda.is_available() else CPU_KV_SPACE
     weights = _weights_bytes(model) + _packed_copy_bytes(model)
-    space = int(0.9 * capacity) - weights
+    space = serving_pool_bytes(capacity, weights)  # the rule kvlib's own pools follow when they serve
     if space <= 0:
         raise UserError(f"a device capacity of {capacity / 2**30:.2f} GiB leaves vLLM no room for a KV cache next to "
                         f"the {weights / 2**30:.2f} GiB of weights")

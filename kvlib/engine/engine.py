@@ -15,6 +15,7 @@ import torch
 from kvlib.engine.run_result import RunResult
 from kvlib.errors import UserError
 from kvlib.memory.ledger import MemoryLedger, NoLedger
+from kvlib.memory.paged_kv import serving_pool_bytes
 from kvlib.memory.timing import NoTimers, Timers
 from kvlib.models import LoadedModel
 from kvlib.models.workloads import calibration_prompt
@@ -38,7 +39,7 @@ class Engine:
         nothing from inside vLLM."""
         if device_capacity_bytes is not None and device_capacity_bytes <= 0:
             raise UserError(f"the device capacity must be positive, got {device_capacity_bytes} bytes")
-        self.model, self.policy = model, policy
+        self.model, self.policy, self.capacity = model, policy, device_capacity_bytes
         self.ledger = MemoryLedger(device_capacity_bytes) if instrumented else NoLedger()
         self.timers = Timers(model.device) if instrumented else NoTimers(model.device)
         policy.bind(model, self.ledger, self.timers)
@@ -76,10 +77,12 @@ class Engine:
                 raise UserError(f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} that exceeds "
                                 f"the model's context of {limit} tokens")
 
-    def open(self, prompt_lens: list[int], max_new_tokens: int) -> Session:
+    def open(self, prompt_lens: list[int], max_new_tokens: int, serving: bool = False) -> Session:
         """A new session of len(prompt_lens) rows (the ledger and timers start afresh). May raise DeviceOOM: the
-        weights, or the policy's allocation, do not fit the device capacity."""
-        return Session(self, prompt_lens, max_new_tokens)
+        weights, or the policy's allocation, do not fit the device capacity. serving (continuous batching): a
+        policy that holds a block pool sizes it from the device capacity, as vLLM does (serving_pool_bytes), not
+        from these requests, so requests queue and are preempted when its blocks run out."""
+        return Session(self, prompt_lens, max_new_tokens, serving)
 
     @contextmanager
     def session(self, prompt_lens: list[int], max_new_tokens: int):
@@ -114,8 +117,12 @@ class Session:
     a row (a branch off a shared prefix), release empties one. Each row's length is tracked here, so callers never
     compute positions."""
 
-    def __init__(self, engine: Engine, prompt_lens: list[int], max_new_tokens: int):
+    def __init__(self, engine: Engine, prompt_lens: list[int], max_new_tokens: int, serving: bool = False):
         self.engine, self.policy, self.timers = engine, engine.policy, engine.timers
+        model = engine.model
+        # the engine's capacity, not its ledger's: a bare (uninstrumented) run sizes its pool as the booked run did
+        self.policy.serving_bytes = serving_pool_bytes(engine.capacity, model.weights_bytes + model.packed_copy_bytes) \
+            if serving and engine.capacity is not None else None
         self.lengths = [0] * len(prompt_lens)
         engine.ledger.clear()
         self.timers.reset()

@@ -86,7 +86,8 @@ def run(engine: Engine, sequences: list[Sequence], schedule: str = "static", pre
     timers = engine.timers
     loop = _Loop(engine, sequences, continuous, prefill_mode, chunk_size, eos, share_prompts, slo or {})
     try:
-        session = engine.open([len(s.prompt) for s in sequences], max(s.max_new_tokens for s in sequences))
+        session = engine.open([len(s.prompt) for s in sequences], max(s.max_new_tokens for s in sequences),
+                              serving=continuous)
     except (DeviceOOM, torch.OutOfMemoryError) as exc:
         return loop.result(oom_record(exc, "setup"))
     setup_s = timers.seconds.get("setup.allocate")

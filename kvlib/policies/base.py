@@ -97,6 +97,7 @@ class KVPolicy:
         self.scale = self.spec.head_dim ** -0.5
         self.usage = KVUsage(self.spec.num_layers)
         self.decode_kernel = kernel_for(self.spec, self.device)  # the machine's and model's choice, not the policy's
+        self.serving_bytes: int | None = None  # set by a session that serves under a capacity (pool_blocks)
 
     def decode_attention(self, layer: int, query: torch.Tensor, reads: DecodeReads
                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -109,6 +110,17 @@ class KVPolicy:
 
     def calibrate(self, prompt: list[int]) -> None:
         """After bind, for a policy that `calibrates`: learn from these token ids (the caller's text)."""
+
+    def pool_blocks(self, needed: int, block_bytes: int) -> int:
+        """The blocks a block-holding policy's pool gets: what this batch needs; or, when the engine serves requests
+        under a device capacity (`serving_bytes`, set by the session), as many as those bytes hold, as vLLM sizes its
+        pool from the memory it is given, whatever the requests."""
+        if self.serving_bytes is None:
+            return needed
+        if self.serving_bytes < block_bytes:
+            raise UserError(f"the device capacity leaves policy {self.name!r} no room for one KV block "
+                            f"({self.serving_bytes / 2**20:.1f} MiB for a {block_bytes / 2**20:.2f} MiB block)")
+        return self.serving_bytes // block_bytes
 
     @property
     def can_release(self) -> bool:

@@ -85,4 +85,4 @@ class HeavyHitterPolicy(ScoredEvictionPolicy):
 
     def update_scores(self, layer, rows, probs):
         with self.timers.section("eviction"):
-            self.scores[layer, rows, :, :probs.shape[-1]] += probs
+            self.add_scores(layer, probs)

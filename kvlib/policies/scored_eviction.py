@@ -1,27 +1,29 @@
 """The mechanism shared by the policies that keep, per KV head, the best-scored tokens within a budget (H2O,
 StreamingLLM, SnapKV): the scoring (what to keep) lives in each policy, the storage, compaction and freeing here.
 
-Storage: per layer, row and KV head a compact array of `cap` slots (keys, values, a float score and the token's
-original position, -1 = empty). A row's prefill goes into a prompt buffer sized for what the row keeps plus the whole
-new prompt (booked before it is allocated, so a prompt that does not fit fails before any compute); when its last chunk
-is in, `select` picks per head the `keep - recent` best-scored older tokens plus the `recent` newest and they are
-gathered, in position order, into the row's slots. At decode the new token takes a free slot; once a row holds more
-than `limits` allows, each (layer, row, head) drops its lowest-scored token outside the recent window and its slot is
-reused. Every byte is booked: the kept entries as `kv`, the rest of the slots and buffers as `kv_reserved`, scores and
-positions (4 + 8 bytes an entry) as `overhead`.
+Storage: a head-major block pool (kvlib.memory.paged_kv, the one `paged` holds its cache in), with each slot's score
+and original position (-1 = empty) beside its key and value. A row's slot i lies in block `table[i // block_size]`
+for every layer and KV head alike. A row's prefill writes the whole new prompt into its blocks, after what it keeps
+from earlier turns (reordered by position); the blocks are reserved when the prefill opens, so a prompt that does not
+fit fails before any compute. When its last chunk is in, `select` picks per (layer, KV head) the `keep - recent`
+best-scored older tokens plus the `recent` newest; they are moved, in position order, to the row's first `keep` slots
+and the blocks past them go back to the pool: the budget is capacity another request can use (kvlib.engine.scheduler,
+continuous batching). At decode the new token takes a free slot; once a row holds more than `limits` allows, each
+(layer, row, KV head) drops its lowest-scored token outside the recent window and its slot is reused by the next one.
+Every byte is booked: the kept entries as `kv`, the rest of the pool as `kv_reserved`, the scores and positions (4 + 8
+bytes a slot) and the per-row counters as `overhead`.
 
-Decode reads each row's slots in place through the decode attention every policy shares (kvlib.kernels.decode): the
-slots a row holds are always its first ones (a new token fills the hole the last eviction left, or the next slot), so a
-row's length is all the kernel needs, the same for each of its KV heads.
+Decode reads each row's slots in place through its block table, with the decode attention every policy shares
+(kvlib.kernels.decode): the slots a row holds are always its first ones (a new token fills the hole the last eviction
+left, or the next slot), so a row's length is all the kernel needs, the same for each of its KV heads.
 
 A subclass gives `limits` (tokens kept and protected-recent for a row) and, where it scores, the hooks: the score a new
-entry starts with (`initial_scores`), the prefill attention (`prefill_attention_of`, which may score the buffer), and
-`update_scores` with each decode step's attention probabilities (`decode_scores`: it asks the kernel for them).
+entry starts with (`initial_scores`), the prefill attention (`prefill_attention_of`, which may score what the row holds),
+and `update_scores` with each decode step's attention probabilities (`decode_scores`: it asks the kernel for them).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -30,19 +32,10 @@ import torch
 from kvlib.errors import UserError
 from kvlib.kernels.attention import prefill_attention
 from kvlib.kernels.decode import DecodeReads
+from kvlib.memory.paged_kv import PagedKV, PerSlot
 from kvlib.policies.base import BudgetedPolicy, Step
 
-
-@dataclass
-class PromptBuffer:
-    """A row's prompt during its prefill, every layer: [L, Hkv, size, D] keys/values, [L, Hkv, size] scores and
-    original positions; the first `filled` slots hold tokens."""
-
-    keys: torch.Tensor
-    values: torch.Tensor
-    scores: torch.Tensor
-    positions: torch.Tensor
-    filled: int
+SLOT_ARRAYS = {"scores": PerSlot(torch.float32, 0.0), "positions": PerSlot(torch.long, -1)}
 
 
 @dataclass
@@ -50,6 +43,16 @@ class ScoredEvictionPolicy(BudgetedPolicy):
     """Keep the top tokens per KV head given scores and a budget; evicted entries are freed for good."""
 
     decode_scores: ClassVar[bool] = False  # update_scores needs each decode step's attention probabilities
+
+    block_size: int = 16
+    num_blocks: int | None = None  # None: enough for the batch (or, when serving, what the device capacity leaves)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not isinstance(self.block_size, int) or self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise UserError(f"block_size must be a power of two >= 1, got {self.block_size!r}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise UserError(f"num_blocks must be >= 1, got {self.num_blocks}")
 
     # -- what a subclass decides ------------------------------------------------------------------------------------
     def limits(self, seen: int, prompt: int) -> tuple[int, int]:
@@ -62,19 +65,21 @@ class ScoredEvictionPolicy(BudgetedPolicy):
         return 0.0
 
     def prefill_attention_of(self, layer: int, query, keys, values, scores, begin: int, filled: int, step: Step):
-        """Attention of a prompt chunk over the buffer's first `filled` + T entries (keys/values [Hkv, end, D]); may
-        add to `scores` [Hkv, end]. begin: the position of the chunk's first token."""
+        """Attention of a prompt chunk over the row's first `filled` + T entries (keys/values [Hkv, end, D]); may
+        add to `scores` [Hkv, end] (written back to the row's slots). begin: the position of the chunk's first
+        token."""
         return prefill_attention(query, keys[None], values[None], filled, step.prefill_mode, self.scale,
                                  self.ledger, layer)
 
     def decode_reads(self, layer: int, query, rows, lengths) -> tuple[torch.Tensor, DecodeReads]:
-        """(query, what each row reads) in a decode step: the rows' first `lengths` slots, in place. StreamingLLM's
-        `cache` positions re-rotate a copy of them."""
-        return query, DecodeReads(self.keys[layer], self.values[layer], lengths, rows=rows, probs=self.decode_scores)
+        """(query, what each row reads) in a decode step: the rows' first `lengths` slots, in place through their
+        block tables. StreamingLLM's `cache` positions re-rotate a copy of them."""
+        return query, DecodeReads(self.kv.keys[layer], self.kv.values[layer], lengths, table=self.table,
+                                  block_size=self.block_size, probs=self.decode_scores)
 
     def update_scores(self, layer: int, rows: torch.Tensor, probs: torch.Tensor) -> None:
         """After a decode step's attention (where decode_scores): probs [B, Hkv, L], each slot's attention summed over
-        the KV head's query group, zeros past a row's length."""
+        the KV head's query group, zeros past a row's length (add_scores adds them to the slots)."""
 
     def select(self, scores: torch.Tensor, heavy: int, recent: int) -> torch.Tensor:
         """Per head, the last `recent` entries and the `heavy` best-scored earlier ones, sorted. scores: [..., n]."""
@@ -84,28 +89,50 @@ class ScoredEvictionPolicy(BudgetedPolicy):
         """Bytes of policy-specific state held between passes (booked as overhead)."""
         return 0
 
+    # -- what a subclass reads ----------------------------------------------------------------------------------------
+    @property
+    def scores(self) -> torch.Tensor:
+        return self.kv.per_slot["scores"]  # [L, Hkv, slots]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.kv.per_slot["positions"]
+
+    def add_scores(self, layer: int, probs: torch.Tensor) -> None:
+        """Add a decode step's probabilities [B, Hkv, L] (row b = the step's row b) to the slots they were read from."""
+        probs = probs[..., :self.read_slots.shape[1]]  # (the PyTorch path on CUDA pads past every row's length)
+        slots = self.read_slots[:, None, :probs.shape[-1]].expand(-1, probs.shape[1], -1)
+        heads = torch.arange(probs.shape[1], device=self.device)[None, :, None].expand_as(slots)
+        # accumulate: padded table entries all point at block 0, and their zeros must not overwrite a real sum there
+        self.scores[layer].index_put_((heads, slots), probs.to(self.scores.dtype), accumulate=True)
+
+    def prompt_positions(self, layer: int, end: int) -> torch.Tensor:
+        """[Hkv, end] the original positions of what the prefilling row holds (in a prefill_attention_of)."""
+        return self._row_part(self.positions[layer], end)
+
     # -- lifecycle --------------------------------------------------------------------------------------------------
     def start(self, batch_size, prompt_lens, max_new_tokens):
         if self.budget_tokens is not None and self.budget_tokens > min(prompt_lens):
             raise UserError(f"budget_tokens={self.budget_tokens} exceeds the shortest prompt "
                             f"({min(prompt_lens)} tokens)")
-        s = self.spec
-        # one slot more than the budget: the new token is stored before the step's eviction frees one
-        self.cap = max(self.limits(n + max_new_tokens, n)[0] for n in prompt_lens) + 1
-        shape = (s.num_layers, batch_size, s.num_kv_heads, self.cap)
-        self.ledger.add("device", "kv_reserved", s.kv_bytes(batch_size * self.cap), where=f"{self.name} cache "
-                        "allocation")
-        self.ledger.add("device", "overhead", math.prod(shape) * (4 + 8), where=f"{self.name} scores")
-        self.keys = torch.zeros((*shape, s.head_dim), dtype=s.dtype, device=self.device)
-        self.values = torch.zeros_like(self.keys)
-        self.scores = torch.zeros(shape, device=self.device)
-        self.positions = torch.full(shape, -1, dtype=torch.long, device=self.device)  # -1 = empty slot
+        s, bs = self.spec, self.block_size
+        # the static schedule's peak: every row at its largest kept set (+1: the new token is stored before the
+        # step's eviction frees a slot), and the longest prompt in full while it is prefilled
+        kept_blocks = sum(-(-(self.limits(n + max_new_tokens, n)[0] + 1) // bs) for n in prompt_lens)
+        needed = kept_blocks + max(-(-n // bs) for n in prompt_lens)
+        blocks = self.num_blocks or self.pool_blocks(needed, PagedKV.block_bytes(s, bs, SLOT_ARRAYS))
+        self.kv = None  # until the pool fits the device
+        self.ledger.add("device", "kv_reserved", s.kv_bytes(blocks * bs), where=f"{self.name} KV pool")
+        self.ledger.add("device", "overhead", blocks * (PagedKV.block_bytes(s, bs, SLOT_ARRAYS) - s.kv_bytes(bs)),
+                        where=f"{self.name} scores and positions")
+        self.kv = PagedKV.allocate(s, self.device, blocks, bs, SLOT_ARRAYS)
         self.kept = torch.zeros(batch_size, dtype=torch.long)  # tokens a row keeps (per head, every layer)
         self.region = torch.zeros(batch_size, dtype=torch.long)  # slots a row has used, a hole included
         self.seen = torch.zeros(batch_size, dtype=torch.long)  # tokens the row has processed
-        self.write_slot = torch.zeros(shape[:3], dtype=torch.long)  # where each (layer, row, head) stores next
+        self.write_slot = torch.zeros((s.num_layers, batch_size, s.num_kv_heads), dtype=torch.long)  # where next
         self.prompt_of = torch.zeros(batch_size, dtype=torch.long)  # tokens seen when the row's last prefill ended
-        self.prefill_kv: dict[int, PromptBuffer] = {}
+        self.filling: dict[int, int] = {}  # a prefilling row: the entries its slots hold so far
+        self.peak_blocks = 0
 
     def attend(self, layer, query, key, value, step: Step):
         if step.phase == "prefill":
@@ -113,106 +140,148 @@ class ScoredEvictionPolicy(BudgetedPolicy):
         return self._decode(layer, query, key, value, step)
 
     def prepare(self, step: Step):
-        if step.phase == "prefill" and int(step.rows[0]) not in self.prefill_kv:
-            with self.timers.section("eviction"):
-                self._open_prompt(int(step.rows[0]), int(step.end[0]) - int(step.start[0]))
+        if step.phase == "prefill":
+            row = int(step.rows[0])
+            if row not in self.filling:
+                with self.timers.section("eviction"):
+                    self._open_prompt(row, int(step.end[0]) - int(step.start[0]))
+            filled = self.filling[row]
+            self.pass_slots = self.kv.slots(row, 0, filled + step.q_len)  # the row's slots once this chunk is in
+            self.pass_run = self.kv.one_run(row, filled + step.q_len)
+        else:
+            with self.timers.section("block_management"):
+                self._prepare_decode(step.rows)
+        self.peak_blocks = max(self.peak_blocks, self.kv.pool.used)
 
     def _open_prompt(self, row: int, new_tokens: int):
-        """A row's prefill begins: a buffer for what it keeps (in position order) plus the whole new prompt."""
-        s, layers = self.spec, self.spec.num_layers
+        """A row's prefill begins: room for what it keeps (moved to its first slots, in position order) plus the
+        whole new prompt."""
         kept, used = int(self.kept[row]), int(self.region[row])
-        size = kept + new_tokens
-        shape = (layers, s.num_kv_heads, size)
-        self.ledger.add("device", "kv_reserved", s.kv_bytes(size), where=f"{self.name} prompt buffer")
-        self.ledger.add("device", "overhead", math.prod(shape) * (4 + 8), where=f"{self.name} prompt scores")
-        buf = PromptBuffer(torch.zeros((*shape, s.head_dim), dtype=s.dtype, device=self.device),
-                           torch.zeros((*shape, s.head_dim), dtype=s.dtype, device=self.device),
-                           torch.zeros(shape, device=self.device),
-                           torch.full(shape, -1, dtype=torch.long, device=self.device), kept)
+        self.kv.reserve(row, max(used, kept + new_tokens))
         if kept:
-            pos = self.positions[:, row, :, :used]
+            slots = self.kv.slots(row, 0, used)
+            pos = self.positions[:, :, slots]  # [L, Hkv, used]
             order = pos.masked_fill(pos < 0, torch.iinfo(pos.dtype).max).argsort(dim=-1)[..., :kept]
-            dims = order[..., None].expand(-1, -1, -1, s.head_dim)
-            buf.keys[..., :kept, :] = self.keys[:, row].gather(2, dims)
-            buf.values[..., :kept, :] = self.values[:, row].gather(2, dims)
-            buf.scores[..., :kept] = self.scores[:, row].gather(2, order)
-            buf.positions[..., :kept] = pos.gather(2, order)
-            self.kept[row] = 0  # the entries now live in the buffer until the row is compacted again
-        self.prefill_kv[row] = buf
+            self._move(slots[order], slots[:kept])
+            self.kept[row] = 0  # the entries now count as the prompt's until the row is compacted again
+        self.filling[row] = kept
+
+    def _move(self, src: torch.Tensor, dst: torch.Tensor):
+        """Every per-slot array: slots src [L, Hkv, n] (flat, per layer and head) to slots dst [n] (the same for every
+        layer and head); gathered first, so the two may overlap."""
+        d = self.spec.head_dim
+        for cache in (self.kv.keys, self.kv.values):
+            cache[:, :, dst] = cache.gather(2, src[..., None].expand(-1, -1, -1, d))
+        for array in self.kv.per_slot.values():
+            array[:, :, dst] = array.gather(2, src)
+
+    def _row_part(self, array: torch.Tensor, end: int) -> torch.Tensor:
+        """A layer's [Hkv, slots, ...] array over the prefilling row's first `end` slots: a view where its blocks are
+        one run, else a copy."""
+        if self.pass_run is not None:
+            return array[:, self.pass_run:self.pass_run + end]
+        return array.index_select(1, self.pass_slots[:end])
 
     def _prefill(self, layer, query, key, value, step):
         row, begin, t = int(step.rows[0]), int(step.start[0]), step.q_len
-        buf = self.prefill_kv[row]
-        end = buf.filled + t
+        filled = self.filling[row]
+        end = filled + t
+        new = self.pass_slots[filled:end]
         positions = torch.arange(begin, begin + t, device=self.device)
-        buf.keys[layer, :, buf.filled:end] = key[0]
-        buf.values[layer, :, buf.filled:end] = value[0]
-        buf.positions[layer, :, buf.filled:end] = positions
-        buf.scores[layer, :, buf.filled:end] = self.initial_scores(positions)
-        return self.prefill_attention_of(layer, query, buf.keys[layer, :, :end], buf.values[layer, :, :end],
-                                         buf.scores[layer, :, :end], begin, buf.filled, step)
+        self.kv.keys[layer].index_copy_(1, new, key[0])
+        self.kv.values[layer].index_copy_(1, new, value[0])
+        self.positions[layer][:, new] = positions
+        self.scores[layer][:, new] = torch.as_tensor(self.initial_scores(positions), dtype=self.scores.dtype,
+                                                     device=self.device)
+        copied = 0 if self.pass_run is not None else end * self.kv.slot_bytes // self.spec.num_layers
+        with self.ledger.transient("device", "activations", copied, f"{self.name} prefill gather, layer {layer}"):
+            keys, values = (self._row_part(c[layer], end) for c in (self.kv.keys, self.kv.values))
+            scores = self._row_part(self.scores[layer], end)
+            out = self.prefill_attention_of(layer, query, keys, values, scores, begin, filled, step)
+        if self.pass_run is None:  # scores added to a copy go back to the slots
+            self.scores[layer].index_copy_(1, self.pass_slots[:end], scores)
+        return out
 
     def _compact(self, row: int):
-        """End of a row's prefill: keep what `select` picks, in position order, per head."""
-        buf = self.prefill_kv.pop(row)
+        """End of a row's prefill: keep what `select` picks, in position order, per head; free the blocks past it."""
+        filled = self.filling.pop(row)
         seen = int(self.seen[row])
         self.prompt_of[row] = seen
         keep, recent = self.limits(seen, seen)
-        keep = min(keep, buf.filled)  # a conversation's row holds less than it has seen: earlier turns were evicted
+        keep = min(keep, filled)  # a conversation's row holds less than it has seen: earlier turns were evicted
         recent = min(recent, keep)
-        if keep >= self.cap:
-            raise UserError(f"row {row} grew to {seen} tokens, past the lengths given to start()")
-        idx = self.select(buf.scores[..., :buf.filled], keep - recent, recent)  # [L, Hkv, keep]
-        dims = idx[..., None].expand(-1, -1, -1, self.spec.head_dim)
-        self.keys[:, row, :, :keep] = buf.keys.gather(2, dims)
-        self.values[:, row, :, :keep] = buf.values.gather(2, dims)
-        self.scores[:, row, :, :keep] = buf.scores.gather(2, idx)
-        self.positions[:, row, :, :keep] = buf.positions.gather(2, idx)
-        self.positions[:, row, :, keep:] = -1
+        slots = self.kv.slots(row, 0, filled)
+        idx = self.select(self.scores[:, :, slots], keep - recent, recent)  # [L, Hkv, keep]
+        self._move(slots[idx], slots[:keep])
+        self.kv.truncate(row, keep)
         self.kept[row] = self.region[row] = keep
         self.write_slot[:, row] = keep
 
     def fork(self, src, dst):
-        if src in self.prefill_kv:
+        if src in self.filling:
             raise UserError(f"row {src} is in the middle of a prefill and cannot be forked")
-        for cache in (self.keys, self.values, self.scores, self.positions, self.write_slot):
-            cache[:, dst] = cache[:, src]
+        used = int(self.region[src])
+        self.release(dst)
+        self.kv.reserve(dst, used)  # a copy of its own: eviction writes anywhere in a row's blocks
+        src_slots = self.kv.slots(src, 0, used)
+        self._move(src_slots.expand(*self.positions.shape[:2], -1), self.kv.slots(dst, 0, used))
         for per_row in (self.kept, self.region, self.seen, self.prompt_of):
             per_row[dst] = per_row[src]
+        self.write_slot[:, dst] = self.write_slot[:, src]
         self._book()
 
+    def release(self, row):
+        self.kv.release(row)
+        self.filling.pop(row, None)
+        for per_row in (self.kept, self.region, self.seen, self.prompt_of):
+            per_row[row] = 0
+        self.write_slot[:, row] = 0
+
     # -- decode -----------------------------------------------------------------------------------------------------
+    def _prepare_decode(self, rows: torch.Tensor):
+        """Room for each row's new token; its block table, and where each (layer, row, head) writes, for every layer."""
+        bs = self.block_size
+        for row in rows.tolist():
+            self.kv.reserve(row, max(int(self.region[row]), int(self.write_slot[:, row].max()) + 1))
+        table = self.kv.table_tensor(rows.tolist())
+        self.read_slots = (table[:, :, None] * bs + torch.arange(bs)).flatten(1).to(self.device)  # [B, W x bs]
+        write = self.write_slot[:, rows]  # [L, B, Hkv]
+        self.write_flat = (table[None, :, :, None].expand(write.shape[0], -1, -1, write.shape[2])
+                           .gather(2, (write // bs)[:, :, None]).squeeze(2) * bs + write % bs).to(self.device)
+        self.table = table.to(self.device)
+        # a row reads its first slots: the hole an eviction left is filled by now, else the next slot was taken
+        self.lengths = torch.maximum(self.region[rows], self.write_slot[0, rows, 0] + 1)
+
     def _decode(self, layer, query, key, value, step):
         rows = step.rows
         if layer == 0:  # what every layer's heads attend this step: the kept tokens and the new one
             self.attended = int(self.kept[rows].sum()) + len(rows)
-        r, heads = rows[:, None], torch.arange(self.spec.num_kv_heads)
-        slot = self.write_slot[layer, rows]  # [B, Hkv]
-        kc, vc = self.keys[layer], self.values[layer]
-        kc[r, heads, slot] = key[:, :, 0]
-        vc[r, heads, slot] = value[:, :, 0]
-        new_pos = step.start[:, None].to(self.device).expand(-1, len(heads))
-        self.scores[layer, r, heads, slot] = self.initial_scores(new_pos)
-        self.positions[layer, r, heads, slot] = new_pos
-        # a row reads its first slots: the hole an eviction left is filled by now, else the next slot was taken
-        lengths = torch.maximum(self.region[rows], self.write_slot[layer, rows, 0] + 1)
-        q, reads = self.decode_reads(layer, query, rows, lengths)
-        copied = 0 if reads.keys.untyped_storage().data_ptr() == self.keys.untyped_storage().data_ptr() else \
+        heads = torch.arange(self.spec.num_kv_heads, device=self.device)[None, :]
+        slot = self.write_flat[layer]  # [B, Hkv]
+        self.kv.keys[layer][heads, slot] = key[:, :, 0]
+        self.kv.values[layer][heads, slot] = value[:, :, 0]
+        new_pos = step.start[:, None].to(self.device).expand(-1, self.spec.num_kv_heads)
+        self.scores[layer][heads, slot] = torch.as_tensor(self.initial_scores(new_pos), dtype=self.scores.dtype,
+                                                          device=self.device)
+        self.positions[layer][heads, slot] = new_pos
+        q, reads = self.decode_reads(layer, query, rows, self.lengths)
+        copied = 0 if reads.keys.untyped_storage().data_ptr() == self.kv.keys.untyped_storage().data_ptr() else \
             reads.keys.nbytes + reads.values.nbytes
         with self.ledger.transient("device", "activations", copied, f"{self.name} decode rows, layer {layer}"):
             out, probs = self.decode_attention(layer, q, reads)
         if probs is not None:
-            self.update_scores(layer, rows, probs[..., :self.cap])
+            self.update_scores(layer, rows, probs)
         self.usage.add(layer, self.attended, step.tokens_seen, len(rows))
         return out
 
     def after_pass(self, step: Step):
         with self.timers.section("eviction"):
             if step.phase == "prefill":
-                self.seen[step.rows] = step.start + step.q_len
-                self.prefill_kv[int(step.rows[0])].filled += step.q_len
+                row = int(step.rows[0])
+                self.seen[row] = int(step.start[0]) + step.q_len
+                self.filling[row] += step.q_len
                 if step.last_chunk:
-                    self._compact(int(step.rows[0]))
+                    self._compact(row)
             else:
                 self._evict_after_decode(step.rows)
             self._book()
@@ -223,39 +292,46 @@ class ScoredEvictionPolicy(BudgetedPolicy):
         self.kept[rows] += 1
         self.seen[rows] += 1
         limits = [self.limits(int(n), int(p)) for n, p in zip(self.seen[rows], self.prompt_of[rows])]
-        allowed = torch.tensor([keep for keep, _ in limits])
-        over_mask = self.kept[rows] > allowed
+        over_mask = self.kept[rows] > torch.tensor([keep for keep, _ in limits])
         over, under = rows[over_mask], rows[~over_mask]
         self.write_slot[:, under] = self.region[under][None, :, None]  # the budget grew: take a fresh slot
         if len(over) == 0:
             return
         recent = torch.tensor([r for (_, r), o in zip(limits, over_mask.tolist()) if o])
-        window_start = (self.seen[over] - recent)[None, :, None, None].to(self.device)
-        pos = self.positions[:, over]
-        evictable = (pos >= 0) & (pos < window_start)
-        victim = self.scores[:, over].masked_fill(~evictable, float("inf")).argmin(dim=-1)  # [L, B, Hkv]
-        self.positions[:, over] = pos.scatter(-1, victim[..., None], -1)
-        self.write_slot[:, over] = victim.cpu()
+        used = int(self.region[over].max())
+        slots = self.read_slots[over_mask.to(self.device), :used]  # [B', used]: the over-budget rows' slots
+        pos = self.positions[:, :, slots]  # [L, Hkv, B', used]
+        inside = (torch.arange(used)[None, :] < self.region[over][:, None]).to(self.device)
+        window_start = (self.seen[over] - recent)[:, None].to(self.device)
+        evictable = inside & (pos >= 0) & (pos < window_start)
+        victim = self.scores[:, :, slots].masked_fill(~evictable, float("inf")).argmin(dim=-1)  # [L, Hkv, B']
+        flat = slots[torch.arange(len(over), device=self.device), victim]  # [L, Hkv, B']
+        self.positions.scatter_(2, flat, -1)
+        self.write_slot[:, over] = victim.transpose(1, 2).cpu()
         self.kept[over] -= 1
 
     def _book(self):
         s = self.spec
-        kept = int(self.kept.sum())
-        buffered = sum(buf.filled for buf in self.prefill_kv.values())
-        buffer_slots = sum(buf.keys.shape[2] for buf in self.prefill_kv.values())
-        self.ledger.set("device", f"{self.name} cache", kv=(kept + buffered) * s.kv_bytes_per_token,
-                        kv_reserved=s.kv_bytes(self.keys.shape[1] * self.cap + buffer_slots - kept - buffered),
-                        overhead=(self.scores.numel() + s.num_layers * s.num_kv_heads * buffer_slots) * (4 + 8)
+        held = int(self.kept.sum()) + sum(self.filling.values())
+        counters = sum(x.nbytes for x in (self.kept, self.region, self.seen, self.prompt_of, self.write_slot))
+        pool_kv = s.kv_bytes(self.kv.pool.num_blocks * self.block_size)
+        self.ledger.set("device", f"{self.name} cache", kv=held * s.kv_bytes_per_token, kv_reserved=pool_kv
+                        - held * s.kv_bytes_per_token, overhead=self.kv.total_bytes() - pool_kv + counters
                         + self.extra_overhead())
 
     def finish(self):
-        self.keys = self.values = self.scores = self.positions = None
-        self.prefill_kv = {}
+        self.kv = None
+        self.filling = {}
         self.ledger.set("device", kv=0, kv_reserved=0, overhead=0)
+
+    def stats(self) -> dict:
+        return {"block_size": self.block_size, "num_blocks": self.kv.pool.num_blocks if self.kv else None,
+                "peak_blocks_used": self.peak_blocks}
 
     def kept_positions(self, layer: int, row: int) -> list[set[int]]:
         """Original token positions each KV head of a row keeps (for tests and the book's overlap figures)."""
-        return [set(p[p >= 0].tolist()) for p in self.positions[layer, row]]
+        p = self.positions[layer][:, self.kv.slots(row, 0, int(self.region[row]))]
+        return [set(h[h >= 0].tolist()) for h in p]
 
 
 def select_heavy_recent(scores: torch.Tensor, heavy: int, recent: int) -> torch.Tensor:

@@ -91,8 +91,8 @@ class StreamingPolicy(ScoredEvictionPolicy):
 
     def prefill_attention_of(self, layer, query, keys, values, scores, begin, filled, step):
         if self.inv_freq is not None and filled:
-            # the buffer holds the kept entries in position order, then the chunk: slot i has rank i in the cache
-            pos = self.prefill_kv[int(step.rows[0])].positions[layer, :, :keys.shape[1]]
+            # the row holds the kept entries in position order, then the chunk: slot i has rank i in the cache
+            pos = self.prompt_positions(layer, keys.shape[1])
             slots = torch.arange(keys.shape[1], device=self.device)
             keys = rotate(keys, slots - pos, self.inv_freq)
             query = rotate(query, torch.tensor(filled - begin, device=self.device), self.inv_freq)
@@ -103,8 +103,11 @@ class StreamingPolicy(ScoredEvictionPolicy):
         if self.inv_freq is None:
             return query, reads
         used = int(lengths.max())
-        keys, values = reads.keys[rows, :, :used], reads.values[rows, :, :used]  # copies: these keys are re-rotated
-        positions = self.positions[layer, rows, :, :used]
+        slots = self.read_slots[:, None, :used]  # [B, 1, used]
+        heads = torch.arange(self.spec.num_kv_heads, device=self.device)[None, :, None]
+        keys, values = reads.keys[heads, slots], reads.values[heads, slots]  # copies: these keys are re-rotated
+        inside = (torch.arange(used)[None, :] < lengths[:, None]).to(self.device)[:, None]  # past a row: stale slots
+        positions = self.positions[layer][heads, slots].masked_fill(~inside, -1)  # [B, Hkv, used]
         valid = positions >= 0
         order = positions.masked_fill(~valid, torch.iinfo(positions.dtype).max).argsort(dim=-1)
         rank = order.argsort(dim=-1)  # [B, Hkv, used]: 0.. in position order; empty slots rank last

@@ -1,0 +1,125 @@
+"""Keys and values in a head-major pool of fixed-size blocks: the storage the block-holding policies share (`paged`;
+H2O, StreamingLLM and SnapKV through kvlib.policies.scored_eviction), so that a row takes blocks as it grows and
+gives them back when it shrinks or leaves, and a scheduler can admit requests while blocks are free.
+
+The block bookkeeping (free list, reference counts, tables, prefix hashes, copy-on-write) is kvlib.memory.block_pool's;
+this module holds the tensors those blocks index: per layer and KV head one stretch of `num_blocks x block_size` slots
+(head-major, as vLLM's CPU cache: a run of consecutive blocks is a plain view per head), and optional per-slot arrays
+beside them (the scored-eviction policies' scores and original positions).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvlib.memory.block_pool import BlockPool, BlockTable
+
+SERVING_UTILIZATION = 0.9  # vLLM's default gpu_memory_utilization: the share of a capacity its pool and weights take
+
+
+def serving_pool_bytes(capacity: int, weights: int) -> int:
+    """The bytes a pool gets when it serves under a device capacity: what vLLM's default utilization leaves after the
+    weights (kvlib.backends.vllm sizes the real vLLM's pool by the same rule), the rest left to activations."""
+    return int(SERVING_UTILIZATION * capacity) - weights
+
+
+@dataclass
+class PerSlot:
+    """An array beside the keys and values, one entry per slot: its dtype and the value a fresh pool holds."""
+
+    dtype: torch.dtype
+    fill: float | int
+
+
+@dataclass
+class PagedKV:
+    keys: torch.Tensor  # [L, Hkv, num_blocks x block_size, D]
+    values: torch.Tensor
+    per_slot: dict[str, torch.Tensor]  # name -> [L, Hkv, num_blocks x block_size]
+    pool: BlockPool
+    tables: dict[int, BlockTable] = field(default_factory=dict)
+
+    @classmethod
+    def allocate(cls, spec, device, num_blocks: int, block_size: int, per_slot: dict[str, PerSlot] | None = None
+                 ) -> PagedKV:
+        shape = (spec.num_layers, spec.num_kv_heads, num_blocks * block_size)
+        keys = torch.zeros((*shape, spec.head_dim), dtype=spec.dtype, device=device)
+        extra = {name: torch.full(shape, s.fill, dtype=s.dtype, device=device) for name, s in (per_slot or {}).items()}
+        block_bytes = block_size * spec.num_layers * spec.num_kv_heads * (
+            2 * spec.head_dim * spec.dtype_bytes + sum(x.element_size() for x in extra.values()))
+        return cls(keys, torch.zeros_like(keys), extra, BlockPool(num_blocks, block_size, block_bytes))
+
+    @staticmethod
+    def block_bytes(spec, block_size: int, per_slot: dict[str, PerSlot] | None = None) -> int:
+        """One block's bytes over every layer: keys, values and the per-slot arrays."""
+        extra = sum(torch.empty((), dtype=s.dtype).element_size() for s in (per_slot or {}).values())
+        return block_size * spec.num_layers * spec.num_kv_heads * (2 * spec.head_dim * spec.dtype_bytes + extra)
+
+    @property
+    def block_size(self) -> int:
+        return self.pool.block_size
+
+    @property
+    def slot_bytes(self) -> int:
+        """Keys and values of one slot over every layer and KV head (the per-slot arrays apart)."""
+        return self.keys[:, :, 0].nbytes * 2
+
+    def table(self, row: int) -> BlockTable:
+        return self.tables.setdefault(row, BlockTable())
+
+    def reserve(self, row: int, tokens: int) -> None:
+        """Room for the row's first `tokens` slots (may raise OutOfBlocks); a shared last block about to be written is
+        copied first."""
+        self.pool.reserve(self.table(row), tokens)
+        bs = self.block_size
+        for src, dst in self.pool.copies:
+            for cache in (self.keys, self.values, *self.per_slot.values()):
+                cache[:, :, dst * bs:(dst + 1) * bs] = cache[:, :, src * bs:(src + 1) * bs]
+        self.pool.copies.clear()
+
+    def slots(self, row: int, begin: int, end: int) -> torch.Tensor:
+        """The flat slot indices of the row's slots [begin, end) (on the pool's device)."""
+        t = torch.arange(begin, end)
+        blocks = torch.tensor(self.tables[row].blocks if row in self.tables else [], dtype=torch.long)
+        return (blocks[t // self.block_size] * self.block_size + t % self.block_size).to(self.keys.device)
+
+    def table_tensor(self, rows: list[int], width: int | None = None) -> torch.Tensor:
+        """[B, W] block tables of the rows, padded with block 0 (never read past a row's length), on the CPU."""
+        tables = [self.tables[row].blocks for row in rows]
+        width = max(width or 0, max(map(len, tables)))
+        return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+
+    def one_run(self, row: int, tokens: int) -> int | None:
+        """The first slot of the row's first `tokens` slots where their blocks are consecutive (a plain view), else
+        None."""
+        blocks = self.tables[row].blocks[:-(-tokens // self.block_size)]
+        if all(b == blocks[0] + i for i, b in enumerate(blocks)):
+            return blocks[0] * self.block_size
+        return None
+
+    def truncate(self, row: int, tokens: int) -> None:
+        """Give back the row's blocks past its first `tokens` slots."""
+        table = self.tables[row]
+        keep = -(-tokens // self.block_size)
+        for block in reversed(table.blocks[keep:]):
+            self.pool.release(block)
+        del table.blocks[keep:]
+        del table.hashes[keep:]
+        table.tokens = min(table.tokens, tokens)
+
+    def release(self, row: int) -> None:
+        if row in self.tables:
+            self.pool.free_table(self.tables.pop(row))
+
+    def share(self, src: int, dst: int) -> None:
+        """dst shares src's blocks; a shared block is copied only when one of them writes into it."""
+        self.release(dst)
+        self.tables[dst] = self.pool.fork(self.tables[src])
+
+    def used_bytes(self) -> int:
+        return self.pool.used * self.pool.block_bytes
+
+    def total_bytes(self) -> int:
+        return self.pool.num_blocks * self.pool.block_bytes
