@@ -171,7 +171,8 @@ class QuestPolicy(BudgetedPolicy):
         real = index[None, :] < self.row_blocks[:, None].to(self.device)
         last = index[None, :] == (self.row_blocks[:, None] - 1).to(self.device)
         bound = bound.masked_fill(~real[:, None], float("-inf")).masked_fill(last[:, None], float("inf"))
-        top = bound.topk(min(int(self.pages.max()), width), dim=-1).indices  # best first: position j has rank j
+        # best first, equal bounds in position order (the C selection's rule): position j has rank j
+        top = bound.sort(dim=-1, descending=True, stable=True).indices[..., :min(int(self.pages.max()), width)]
         within = torch.arange(top.shape[-1], device=self.device) < self.pages[:, None, None].to(self.device)
         return torch.zeros_like(bound, dtype=torch.bool).scatter_(-1, top, within.expand_as(top)) & real[:, None]
 
