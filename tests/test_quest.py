@@ -7,6 +7,7 @@ import torch
 
 from kvlib.engine import Engine
 from kvlib.errors import UserError
+from kvlib.kernels import cpu_kernel
 from kvlib.policies import make_policy
 
 
@@ -32,13 +33,19 @@ def reference_blocks(keys, q, n, bs, budget, group):
     return chosen
 
 
-def test_block_bounds_and_selection_match_loops_after_prefill_and_decode(tiny):
+@pytest.mark.parametrize("kernel", ["c", "torch"])
+def test_block_bounds_and_selection_match_loops_after_prefill_and_decode(tiny, kernel, monkeypatch):
+    """On both selection paths (C where decode attention runs the C kernel, PyTorch elsewhere)."""
+    if kernel == "torch":
+        monkeypatch.setenv(cpu_kernel.KERNEL_ENV, "torch")
+    elif not cpu_kernel.available():
+        pytest.skip("no C compiler: the kernel is not built")
     torch.manual_seed(1)
     lens, bs, budget = (45, 22), 4, 0.3
     prompts = [torch.randint(100, 5000, (n,)).tolist() for n in lens]
     policy = make_policy("quest", budget=budget, block_size=bs, dense_layers=1)
     keys, picks, checks = {}, [], []
-    attend, select, after = policy.attend, policy.select_blocks, policy.after_pass
+    attend, choose, after = policy.attend, policy.choose_blocks, policy.after_pass
 
     def recording_attend(layer, q, k, v, step):
         for i, row in enumerate(step.rows.tolist()):
@@ -48,10 +55,10 @@ def test_block_bounds_and_selection_match_loops_after_prefill_and_decode(tiny):
                           [keys[(layer, row)].clone() for row in step.rows.tolist()])
         return attend(layer, q, k, v, step)
 
-    def recording_select(query, table, kmin, kmax):
-        chosen = select(query, table, kmin, kmax)
-        picks.append((policy.current, chosen.clone()))
-        return chosen
+    def recording_choose(layer, query):
+        table, lengths = choose(layer, query)
+        picks.append((policy.current, policy.table.clone(), table.clone(), lengths.clone()))
+        return table, lengths
 
     def checking_after(step):  # the metadata: each block's channel-wise min and max, every layer
         after(step)
@@ -64,17 +71,21 @@ def test_block_bounds_and_selection_match_loops_after_prefill_and_decode(tiny):
                     assert torch.equal(policy.key_min[layer, block], part.min(dim=0).values)
                     assert torch.equal(policy.key_max[layer, block], part.max(dim=0).values)
             checks.append(step.phase)
-    policy.attend, policy.select_blocks, policy.after_pass = recording_attend, recording_select, checking_after
-    Engine(tiny, policy).generate(prompts, 6, prefill_mode="chunked", chunk_size=16, stop_at_eos=False)
+    policy.attend, policy.choose_blocks, policy.after_pass = recording_attend, recording_choose, checking_after
+    result = Engine(tiny, policy).generate(prompts, 6, prefill_mode="chunked", chunk_size=16, stop_at_eos=False)
+    assert result.stats["decode_attention"] == kernel
     assert checks.count("prefill") == 3 + 2 and checks.count("decode") == 2 * 5
     assert len(picks) == 5 * (tiny.spec.num_layers - 1)  # the first layer stays dense
     group = tiny.spec.num_attention_heads // tiny.spec.num_kv_heads
-    for (layer, rows, q, held), chosen in picks:
+    for (layer, rows, q, held), row_tables, table, lengths in picks:
         for i, row in enumerate(rows):
             n = held[i].shape[1]
             want = reference_blocks(held[i], q[i, :, 0], n, bs, budget, group)
-            got = [set(torch.nonzero(c).flatten().tolist()) for c in chosen[i]]
-            assert got == want, (layer, row, n)
+            positions = row_tables[i].tolist()
+            got = [[positions.index(x) for x in table[i, h, :-(-int(lengths[i, h]) // bs)].tolist()]
+                   for h in range(table.shape[1])]
+            assert got == [sorted(s) for s in want], (layer, row, n)  # the chosen blocks, in position order
+            assert lengths[i].tolist() == [(len(s) - 1) * bs + n - (-(-n // bs) - 1) * bs for s in want]
             assert all(len(s) < -(-n // bs) for s in want)  # fewer blocks read than the row holds
 
 
@@ -97,8 +108,8 @@ def test_budget_one_equals_full_through_the_selection(smollm, mixed_prompts):
     full = Engine(smollm, make_policy("full")).generate(mixed_prompts, 16)
     policy = make_policy("quest", budget=1.0, block_size=4)
     calls = []
-    select = policy.select_blocks
-    policy.select_blocks = lambda *args: calls.append(1) or select(*args)
+    choose = policy.choose_blocks
+    policy.choose_blocks = lambda *args: calls.append(1) or choose(*args)
     got = Engine(smollm, policy).generate(mixed_prompts, 16, prefill_mode="chunked", chunk_size=5)
     assert [o["token_ids"] for o in got.outputs] == [o["token_ids"] for o in full.outputs]
     assert len(calls) == 15 * (smollm.spec.num_layers - 2)

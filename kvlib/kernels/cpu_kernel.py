@@ -1,6 +1,6 @@
 """kvlib's CPU kernels (csrc/), built on first use and called through ctypes: decode attention
-(csrc/decode_attention.c) and a Llama layer's small ops (csrc/layer_ops.c: RMSNorm with the residual add, RoPE,
-SiLU-and-multiply).
+(csrc/decode_attention.c), a Llama layer's small ops (csrc/layer_ops.c: RMSNorm with the residual add, RoPE,
+SiLU-and-multiply) and Quest's block selection (csrc/quest_select.c).
 
 PyTorch's CPU flash kernel pays ~60-90 us of fixed work a call and splits work by query blocks, which a decode step
 (one query a row) leaves nearly empty; the C kernel reads each row's keys and values where they lie, through a block
@@ -94,6 +94,8 @@ def _library() -> ctypes.CDLL | None:
     lib.silu_mul.argtypes = [ptr, ptr, i64, i64]
     for f in (lib.add_rms_norm, lib.rope, lib.silu_mul):
         f.restype = None
+    lib.quest_select.argtypes = [ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, ptr, i64, ptr]
+    lib.quest_select.restype = ctypes.c_int
     limits = [i64() for _ in range(4)]
     lib.decode_attention_limits(*map(ctypes.byref, limits))
     lib.chunk, lib.max_group, lib.max_dim, lib.lanes = (x.value for x in limits)
@@ -240,3 +242,49 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = gate_up.new_empty(*gate_up.shape[:-1], n)
     _library().silu_mul(gate_up.data_ptr(), out.data_ptr(), out.numel() // n, n)
     return out
+
+
+# -- Quest's block selection (csrc/quest_select.c) ---------------------------------------------------------------------
+QUEST_REFUSED = {-1: "a shape outside its limits (head dim a multiple of {lanes}, block size >= 1, a table and a block "
+                     "list at least one block wide)",
+                 -2: "a row's blocks, pages or length out of range (1 <= blocks <= table width, pages >= 1, picks "
+                     "within the block list, the length within the last block)",
+                 -3: "a table entry outside the pool",
+                 -4: "no memory for its ranking"}
+
+
+def quest_select(query: torch.Tensor, key_min: torch.Tensor, key_max: torch.Tensor, table: torch.Tensor,
+                 row_blocks: torch.Tensor, pages: torch.Tensor, seen: torch.Tensor, block_size: int, width: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quest's selection for one layer's decode step (kvlib.policies.quest): query [B, Hq, 1, D] (or [B, Hq, D]);
+    key_min, key_max [pool blocks, Hkv, D]; table [B, W] each row's blocks, the first row_blocks[b] real; pages [B]
+    the blocks each KV head reads; seen [B] the tokens each row holds. Returns (block list [B, Hkv, width], chosen
+    blocks in position order, then table[b, W - 1] repeated; tokens read [B, Hkv]). Indices int64 [B] / [B, W],
+    contiguous CPU tensors; width >= every row's min(pages, row_blocks)."""
+    lib = _library()
+    if query.dim() not in (3, 4) or key_min.dim() != 3:
+        raise ValueError(f"Quest's C selection takes a query [B, Hq, (1,) D] and key bounds [blocks, Hkv, D], got "
+                         f"{tuple(query.shape)} and {tuple(key_min.shape)}")
+    b, hq, d = query.shape[0], query.shape[1], query.shape[-1]
+    pool, kv_heads = key_min.shape[0], key_min.shape[1]
+    query = query.contiguous()  # (the model's query may be a view into its fused projection)
+    for x in (query, key_min, key_max, table, row_blocks, pages, seen):
+        if not x.is_contiguous() or x.device.type != "cpu":
+            raise ValueError("Quest's C selection takes contiguous CPU tensors")
+    if not (query.dtype == key_min.dtype == key_max.dtype == torch.float32
+            and table.dtype == row_blocks.dtype == pages.dtype == seen.dtype == torch.int64):
+        raise ValueError("Quest's C selection takes fp32 queries and bounds, and int64 indices")
+    if key_min.shape != key_max.shape or key_min.shape[2:] != (d,) or hq % kv_heads or query.numel() != b * hq * d \
+            or table.dim() != 2 or table.shape[0] != b or any(x.shape != (b,) for x in (row_blocks, pages, seen)):
+        raise ValueError(f"Quest's C selection got mismatched shapes: query {tuple(query.shape)}, key bounds "
+                         f"{tuple(key_min.shape)} and {tuple(key_max.shape)}, table {tuple(table.shape)}, rows "
+                         f"{tuple(row_blocks.shape)}, {tuple(pages.shape)}, {tuple(seen.shape)}")
+    out = torch.empty(b, kv_heads, width, dtype=torch.int64)
+    lengths = torch.empty(b, kv_heads, dtype=torch.int64)
+    code = lib.quest_select(query.data_ptr(), key_min.data_ptr(), key_max.data_ptr(), pool, table.data_ptr(),
+                            table.shape[1], row_blocks.data_ptr(), pages.data_ptr(), seen.data_ptr(), b, kv_heads,
+                            hq // kv_heads, d, block_size, out.data_ptr(), width, lengths.data_ptr())
+    if code:
+        reason = QUEST_REFUSED.get(code, f"code {code}").format(lanes=lib.lanes)
+        raise ValueError(f"Quest's C selection refused its input: {reason}")
+    return out, lengths

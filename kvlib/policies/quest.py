@@ -24,6 +24,10 @@ layers 0 and 1 dense). Deviations:
 - The pool is head-major (each KV head's slots one stretch, as `paged`'s): decode attention (kvlib.kernels.decode, the
   kernel every policy shares) reads each KV head's selected blocks in place through a block list per row and head,
   as the official CUDA kernels read only the selected pages; the dense layers read each row's whole block table.
+- Where decode attention runs kvlib's C kernel (a CPU in fp32: the machine's choice, `decode_attention` in stats),
+  the scoring, the top-k and the block lists are one C call (kvlib.kernels.cpu_kernel.quest_select); elsewhere
+  (a GPU, another dtype, KVLIB_CPU_KERNELS=torch) PyTorch ops (`select_blocks`, `selected_blocks`) choose the same
+  blocks. Equal bounds go to the earlier block on both.
 - No prefix sharing between rows (kvlib's `paged` policy has it); forks share blocks copy-on-write through the pool.
 """
 
@@ -32,9 +36,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvlib.errors import UserError
+from kvlib.kernels import cpu_kernel
 from kvlib.kernels.attention import prefill_attention
 from kvlib.kernels.decode import DecodeReads
 from kvlib.memory.block_pool import BlockPool, BlockTable
@@ -77,7 +83,8 @@ class QuestPolicy(BudgetedPolicy):
     def prepare(self, step: Step):
         with self.timers.section("block_management"):
             bs = self.block_size
-            for row, start in zip(step.rows.tolist(), step.start.tolist()):
+            rows, starts = step.rows.tolist(), step.start.tolist()
+            for row, start in zip(rows, starts):
                 self.pool.reserve(self.tables.setdefault(row, BlockTable()), start + step.q_len)
             for src, dst in self.pool.copies:  # copy-on-write of a block shared by a fork, metadata included
                 for cache in (self.keys, self.values):
@@ -85,32 +92,41 @@ class QuestPolicy(BudgetedPolicy):
                 for cache in (self.key_min, self.key_max):
                     cache[:, dst] = cache[:, src]
             self.pool.copies.clear()
-            tables = [self.tables[row].blocks for row in step.rows.tolist()]
-            width = max(map(len, tables))
-            table = torch.tensor([t + [0] * (width - len(t)) for t in tables])  # [B, blocks]
+            tables = [self.tables[row].blocks for row in rows]
+            counts = [len(t) for t in tables]
+            width = max(counts)  # [B, blocks], through numpy: torch.tensor of nested lists takes ~0.1 us an entry
+            table = torch.from_numpy(np.array([t + [0] * (width - len(t)) for t in tables], dtype=np.int64))
             pos = step.start[:, None] + torch.arange(step.q_len)[None, :]
-            self.slot_block = table.gather(1, pos // bs).to(self.device)  # [B, T]
-            self.slot_offset = (pos % bs).to(self.device)
+            blocks = table.gather(1, pos // bs).flatten().to(self.device)  # [B x T], the pass's tokens in order
+            offsets = (pos % bs).flatten().to(self.device)
+            # what every layer's _write uses, made once a pass: each token's slot, and the index of its block for
+            # the min/max; a block's first token starts its bounds afresh, in every layer at once
+            self.slots = blocks * bs + offsets
+            self.bound_index = blocks[:, None, None].expand(-1, self.spec.num_kv_heads, self.spec.head_dim)
+            fresh = blocks[offsets == 0]
+            if len(fresh):
+                self.key_min[:, fresh] = float("inf")
+                self.key_max[:, fresh] = float("-inf")
             self.table = table.to(self.device)
-            self.row_blocks = torch.tensor([len(t) for t in tables])
+            self.row_blocks, self.scanned = torch.tensor(counts), sum(counts)
             if step.phase == "decode":
-                self.seen = step.start + 1
-                self.pages = torch.tensor([-(-self.tokens_allowed(int(n)) // bs) for n in self.seen])
+                seen = [start + 1 for start in starts]
+                pages = [-(-self.tokens_allowed(n) // bs) for n in seen]
+                self.seen, self.pages = torch.tensor(seen), torch.tensor(pages)
+                # each KV head of a row reads min(pages, blocks) blocks, the last one up to the row's length, in
+                # every sparse layer: the block lists' width, and the tokens a layer attends per KV head
+                picks = [min(p, c) for p, c in zip(pages, counts)]
+                self.picks = max(picks)
+                self.attended = sum((p - 1) * bs + n - (c - 1) * bs for p, n, c in zip(picks, seen, counts))
 
     def _write(self, layer, key, value):
         """Store the pass's keys/values and fold them into their blocks' channel-wise min/max."""
-        s = self.spec
-        blocks, offsets = self.slot_block.flatten(), self.slot_offset.flatten()
-        slots = blocks * self.block_size + offsets
+        s, slots = self.spec, self.slots
         self.keys[layer].index_copy_(1, slots, key.transpose(0, 1).reshape(s.num_kv_heads, -1, s.head_dim))
         self.values[layer].index_copy_(1, slots, value.transpose(0, 1).reshape(s.num_kv_heads, -1, s.head_dim))
         k = key.transpose(1, 2).reshape(-1, s.num_kv_heads, s.head_dim)
-        fresh = blocks[offsets == 0]  # a block's first token: its bounds start afresh
-        self.key_min[layer, fresh] = float("inf")
-        self.key_max[layer, fresh] = float("-inf")
-        index = blocks[:, None, None].expand_as(k)
-        self.key_min[layer].scatter_reduce_(0, index, k, "amin")
-        self.key_max[layer].scatter_reduce_(0, index, k, "amax")
+        self.key_min[layer].scatter_reduce_(0, self.bound_index, k, "amin")  # (fresh blocks were reset in prepare)
+        self.key_max[layer].scatter_reduce_(0, self.bound_index, k, "amax")
 
     # -- attention -------------------------------------------------------------------------------------------------
     def attend(self, layer, query, key, value, step: Step):
@@ -134,13 +150,20 @@ class QuestPolicy(BudgetedPolicy):
             reads = DecodeReads(keys, values, self.seen, table=self.table, block_size=bs)
             return self.decode_attention(layer, query, reads)[0]
         with self.timers.section("selection"):
-            chosen = self.select_blocks(query, self.table, self.key_min[layer], self.key_max[layer])
-            table, lengths = self.selected_blocks(chosen)
-        attended = int(lengths.sum()) / s.num_kv_heads
-        self.usage.add(layer, round(attended), step.tokens_seen, b)
-        self.bytes_read += round(attended * s.num_kv_heads * per_token
-                                 + int(self.row_blocks.sum()) * s.num_kv_heads * per_token)  # min/max scanned
+            table, lengths = self.choose_blocks(layer, query)
+        self.usage.add(layer, self.attended, step.tokens_seen, b)  # per KV head: every head reads as many tokens
+        self.bytes_read += (self.attended + self.scanned) * s.num_kv_heads * per_token  # + every block's min/max
         return self.decode_attention(layer, query, DecodeReads(keys, values, lengths, table=table, block_size=bs))[0]
+
+    def choose_blocks(self, layer: int, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's selection, as the decode kernel reads it: (block list [B, Hkv, n], tokens read [B, Hkv]).
+        Where decode attention runs kvlib's C kernel (the machine's choice, kvlib.kernels.decode.kernel_for), one C
+        call (kvlib.kernels.cpu_kernel.quest_select); elsewhere the PyTorch ops below, which choose the same."""
+        kmin, kmax = self.key_min[layer], self.key_max[layer]
+        if self.decode_kernel == "c":
+            return cpu_kernel.quest_select(query, kmin, kmax, self.table, self.row_blocks, self.pages, self.seen,
+                                           self.block_size, self.picks)
+        return self.selected_blocks(self.select_blocks(query, self.table, kmin, kmax))
 
     def selected_blocks(self, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(block list [B, Hkv, n] in position order, tokens read [B, Hkv]) of each KV head's chosen blocks: whole
@@ -171,7 +194,8 @@ class QuestPolicy(BudgetedPolicy):
         real = index[None, :] < self.row_blocks[:, None].to(self.device)
         last = index[None, :] == (self.row_blocks[:, None] - 1).to(self.device)
         bound = bound.masked_fill(~real[:, None], float("-inf")).masked_fill(last[:, None], float("inf"))
-        top = bound.topk(min(int(self.pages.max()), width), dim=-1).indices  # best first: position j has rank j
+        # best first, equal bounds in position order (the C selection's rule): position j has rank j
+        top = bound.sort(dim=-1, descending=True, stable=True).indices[..., :min(int(self.pages.max()), width)]
         within = torch.arange(top.shape[-1], device=self.device) < self.pages[:, None, None].to(self.device)
         return torch.zeros_like(bound, dtype=torch.bool).scatter_(-1, top, within.expand_as(top)) & real[:, None]
 
