@@ -33,17 +33,15 @@ layers 0 and 1 dense). Deviations:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from kvlib.errors import UserError
 from kvlib.kernels import cpu_kernel
 from kvlib.kernels.attention import prefill_attention
 from kvlib.kernels.decode import DecodeReads
-from kvlib.memory.block_pool import BlockPool, BlockTable
+from kvlib.memory.paged_kv import PagedKV, PerBlock
 from kvlib.policies.base import BudgetedPolicy, Step
 from kvlib.policies.registry import register
 
@@ -55,6 +53,7 @@ class QuestPolicy(BudgetedPolicy):
 
     block_size: int = 16  # the official page_size
     dense_layers: int = 2
+    num_blocks: int | None = None  # None: enough for the batch (or, when serving, what the device capacity leaves)
 
     def __post_init__(self):
         super().__post_init__()
@@ -62,40 +61,36 @@ class QuestPolicy(BudgetedPolicy):
             raise UserError(f"block_size must be a power of two >= 1, got {self.block_size!r}")
         if not isinstance(self.dense_layers, int) or self.dense_layers < 0:
             raise UserError(f"dense_layers must be an integer >= 0, got {self.dense_layers!r}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise UserError(f"num_blocks must be >= 1, got {self.num_blocks}")
 
     # -- storage ---------------------------------------------------------------------------------------------------
     def start(self, batch_size, prompt_lens, max_new_tokens):
         s, bs = self.spec, self.block_size
-        self.tables: dict[int, BlockTable] = {}  # first: an allocation that does not fit still ends in finish()
-        self.bytes_read = self.bytes_read_full = 0
-        blocks = sum(-(-(n + max_new_tokens) // bs) for n in prompt_lens)
-        self.block_bytes = s.kv_bytes(bs)
-        meta_shape = (s.num_layers, blocks, s.num_kv_heads, s.head_dim)
-        self.ledger.add("device", "kv_reserved", blocks * self.block_bytes, where="quest KV pool")
-        self.ledger.add("device", "overhead", 2 * math.prod(meta_shape) * s.dtype_bytes, where="quest block min/max")
-        self.keys = torch.zeros((s.num_layers, s.num_kv_heads, blocks * bs, s.head_dim), dtype=s.dtype,
-                                device=self.device)
-        self.values = torch.zeros_like(self.keys)
-        self.key_min = torch.zeros(meta_shape, dtype=s.dtype, device=self.device)
-        self.key_max = torch.zeros_like(self.key_min)
-        self.pool = BlockPool(blocks, bs, self.block_bytes)
+        self.bytes_read = self.bytes_read_full = self.peak_blocks = 0
+        bounds = {name: PerBlock(s.dtype, (s.num_kv_heads, s.head_dim)) for name in ("key_min", "key_max")}
+        block_bytes = PagedKV.block_bytes(s, bs, per_block=bounds)
+        blocks = self.num_blocks or self.pool_blocks(sum(-(-(n + max_new_tokens) // bs) for n in prompt_lens),
+                                                     block_bytes)
+        self.kv = None  # until the pool fits the device: finish() then has nothing to free
+        self.ledger.add("device", "kv_reserved", s.kv_bytes(blocks * bs), where="quest KV pool")
+        self.ledger.add("device", "overhead", blocks * (block_bytes - s.kv_bytes(bs)), where="quest block min/max")
+        self.kv = PagedKV.allocate(s, self.device, blocks, bs, per_block=bounds)
+        self.key_min, self.key_max = self.kv.per_block["key_min"], self.kv.per_block["key_max"]  # [L, blocks, Hkv, D]
+
+    @property
+    def tables(self):
+        return self.kv.tables
 
     def prepare(self, step: Step):
         with self.timers.section("block_management"):
             bs = self.block_size
             rows, starts = step.rows.tolist(), step.start.tolist()
             for row, start in zip(rows, starts):
-                self.pool.reserve(self.tables.setdefault(row, BlockTable()), start + step.q_len)
-            for src, dst in self.pool.copies:  # copy-on-write of a block shared by a fork, metadata included
-                for cache in (self.keys, self.values):
-                    cache[:, :, dst * bs:(dst + 1) * bs] = cache[:, :, src * bs:(src + 1) * bs]
-                for cache in (self.key_min, self.key_max):
-                    cache[:, dst] = cache[:, src]
-            self.pool.copies.clear()
-            tables = [self.tables[row].blocks for row in rows]
-            counts = [len(t) for t in tables]
-            width = max(counts)  # [B, blocks], through numpy: torch.tensor of nested lists takes ~0.1 us an entry
-            table = torch.from_numpy(np.array([t + [0] * (width - len(t)) for t in tables], dtype=np.int64))
+                self.kv.reserve(row, start + step.q_len)  # a block shared by a fork is copied, its bounds included
+            self.peak_blocks = max(self.peak_blocks, self.kv.pool.used)
+            table = self.kv.table_tensor(rows)  # [B, blocks]
+            counts = [len(self.tables[row].blocks) for row in rows]
             pos = step.start[:, None] + torch.arange(step.q_len)[None, :]
             blocks = table.gather(1, pos // bs).flatten().to(self.device)  # [B x T], the pass's tokens in order
             offsets = (pos % bs).flatten().to(self.device)
@@ -122,8 +117,8 @@ class QuestPolicy(BudgetedPolicy):
     def _write(self, layer, key, value):
         """Store the pass's keys/values and fold them into their blocks' channel-wise min/max."""
         s, slots = self.spec, self.slots
-        self.keys[layer].index_copy_(1, slots, key.transpose(0, 1).reshape(s.num_kv_heads, -1, s.head_dim))
-        self.values[layer].index_copy_(1, slots, value.transpose(0, 1).reshape(s.num_kv_heads, -1, s.head_dim))
+        self.kv.keys[layer].index_copy_(1, slots, key.transpose(0, 1).reshape(s.num_kv_heads, -1, s.head_dim))
+        self.kv.values[layer].index_copy_(1, slots, value.transpose(0, 1).reshape(s.num_kv_heads, -1, s.head_dim))
         k = key.transpose(1, 2).reshape(-1, s.num_kv_heads, s.head_dim)
         self.key_min[layer].scatter_reduce_(0, self.bound_index, k, "amin")  # (fresh blocks were reset in prepare)
         self.key_max[layer].scatter_reduce_(0, self.bound_index, k, "amax")
@@ -137,13 +132,13 @@ class QuestPolicy(BudgetedPolicy):
             slots = (self.table[0, :-(-n // bs), None] * bs + torch.arange(bs, device=self.device)).flatten()[:n]
             with self.ledger.transient("device", "activations", n * s.kv_bytes_per_token // s.num_layers,
                                        f"quest prefill gather, layer {layer}"):
-                k, v = (c[layer][:, slots][None] for c in (self.keys, self.values))
+                k, v = (c[layer][:, slots][None] for c in (self.kv.keys, self.kv.values))
                 return prefill_attention(query, k, v, int(step.start[0]), step.prefill_mode, self.scale, self.ledger,
                                          layer)
         per_token = 2 * s.head_dim * s.dtype_bytes  # one token's key and value, one KV head
         full_read = step.tokens_seen * s.num_kv_heads * per_token
         self.bytes_read_full += full_read
-        keys, values = self.keys[layer], self.values[layer]
+        keys, values = self.kv.keys[layer], self.kv.values[layer]
         if layer < self.dense_layers:
             self.bytes_read += full_read
             self.usage.add(layer, step.tokens_seen, step.tokens_seen, b)
@@ -202,31 +197,28 @@ class QuestPolicy(BudgetedPolicy):
     def after_pass(self, step: Step):
         with self.timers.section("block_management"):
             for row, start in zip(step.rows.tolist(), step.start.tolist()):
-                self.pool.commit(self.tables[row], [], start + step.q_len)
+                self.kv.pool.commit(self.tables[row], [], start + step.q_len)
             self._book()
 
     def fork(self, src, dst):
-        if dst in self.tables:
-            self.release(dst)
-        self.tables[dst] = self.pool.fork(self.tables[src])
+        self.kv.share(src, dst)
         self._book()
 
     def release(self, row):
-        self.pool.free_table(self.tables.pop(row))
+        self.kv.release(row)
 
     def _book(self):
-        used = self.pool.used * self.block_bytes
-        meta = 2 * self.key_min.numel() * self.spec.dtype_bytes
-        self.ledger.set("device", "quest block tables", kv=used, kv_reserved=self.pool.num_blocks * self.block_bytes
-                        - used, overhead=meta + sum(len(t.blocks) for t in self.tables.values()) * 4)
+        kv = self.kv.kv_bytes()
+        used = self.kv.pool.used * kv // self.kv.pool.num_blocks
+        self.ledger.set("device", "quest block tables", kv=used, kv_reserved=kv - used, overhead=self.kv.total_bytes()
+                        - kv + sum(len(t.blocks) for t in self.tables.values()) * 4)
 
     def finish(self):
-        for row in list(self.tables):
-            self.release(row)
-        self.keys = self.values = self.key_min = self.key_max = None
+        self.kv = self.key_min = self.key_max = None
         self.ledger.set("device", kv=0, kv_reserved=0, overhead=0)
 
     def stats(self):
-        return {"block_size": self.block_size, "kv_bytes_read": self.bytes_read,
+        return {"block_size": self.block_size, "num_blocks": self.kv.pool.num_blocks if self.kv else None,
+                "peak_blocks_used": self.peak_blocks, "kv_bytes_read": self.bytes_read,
                 "kv_bytes_read_full": self.bytes_read_full,
                 "kv_read_share": self.bytes_read / self.bytes_read_full if self.bytes_read_full else None}
