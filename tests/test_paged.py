@@ -92,5 +92,11 @@ def test_pool_too_small_for_one_request(tiny):
 
 
 def test_continuous_batching_needs_a_policy_that_releases_rows(tiny):
+    from kvlib.policies.base import KVPolicy
+    from kvlib.policies.full import FullPolicy
+
+    class Unreleasing(FullPolicy):  # a policy added without release(), as README's example could be
+        release = KVPolicy.release
+
     with pytest.raises(UserError, match="continuous batching needs"):
-        run(Engine(tiny, make_policy("full")), [Sequence(list(range(100, 120)), 2)], "continuous", "chunked")
+        run(Engine(tiny, Unreleasing()), [Sequence(list(range(100, 120)), 2)], "continuous", "chunked")

@@ -7,31 +7,36 @@ import torch
 
 from kvlib.engine import Engine
 from kvlib.engine.scheduler import Sequence, run
-from kvlib.errors import UserError
 from kvlib.memory.paged_kv import serving_pool_bytes
 from kvlib.policies import available, make_policy
 
 # each policy at the budget the book runs it at (budgeted ones at 0.3) and at a setting where it keeps everything
 BUDGETED = {
+    "full": {},
     "paged": {"block_size": 4},
     "quest": {"budget": 0.3, "block_size": 4},
     "h2o": {"budget": 0.3, "block_size": 4},
     "streaming": {"budget": 0.3, "sink": 4, "block_size": 4},
     "snapkv": {"budget": 0.3, "window": 8, "block_size": 4},
+    "kivi": {"bits": 2, "group_size": 8, "residual": 16},
+    "infinigen": {"budget": 0.3},
 }
 KEEPS_ALL = {
+    "full": {},
     "paged": {"block_size": 4},
     "quest": {"budget": 1.0, "block_size": 4},
     "h2o": {"budget": 1.0, "block_size": 4},
     "streaming": {"budget": 1.0, "sink": 4, "block_size": 4},
     "snapkv": {"budget": 1.0, "window": 8, "block_size": 4},
+    "kivi": {"quantize": False, "group_size": 8, "residual": 16},
+    "infinigen": {"budget": 1.0, "alpha": 1e9},
 }
-# not on blocks yet (issue 33): KIVI's packed codes, InfiniGen's two tiers, full's contiguous rows
-NOT_YET = {"full", "kivi", "infinigen"}
+# the policies that reserve each row's whole length up front: they serve as many rows as the capacity holds
+RESERVE_ROWS = {"full", "kivi", "infinigen"}
 
 
 def test_every_policy_is_named_here():
-    assert set(BUDGETED) | NOT_YET == set(available())
+    assert set(BUDGETED) == set(KEEPS_ALL) == set(available())
 
 
 def tokens(result):
@@ -54,12 +59,6 @@ def test_continuous_with_every_request_at_the_start_gives_the_static_schedules_t
     assert served.metrics["preemptions"] == 0
 
 
-@pytest.mark.parametrize("name", sorted(NOT_YET))
-def test_a_policy_not_on_blocks_is_refused_continuous_batching(tiny, name):
-    with pytest.raises(UserError, match="continuous batching needs"):
-        run(Engine(tiny, make_policy(name)), [Sequence(list(range(100, 120)), 2)], "continuous", "chunked")
-
-
 def capacity_for(tiny, kv_tokens: int) -> int:
     """A device capacity whose serving pool holds about kv_tokens tokens of `full`'s KV."""
     weights = tiny.weights_bytes + tiny.packed_copy_bytes
@@ -67,16 +66,21 @@ def capacity_for(tiny, kv_tokens: int) -> int:
 
 
 @pytest.mark.parametrize("name", sorted(KEEPS_ALL))
-def test_preempted_and_recomputed_requests_get_the_same_tokens(tiny, name):
+def test_a_capacity_too_small_for_every_request_gives_the_same_tokens(tiny, name):
     """A pool sized from a small device capacity (about 110 tokens) holds the prompts but not their growing outputs:
-    requests are preempted, recomputed from their tokens, and end as they would have with room to spare."""
+    requests are preempted, recomputed from their tokens, and end as they would have with room to spare. A policy
+    that reserves whole rows holds fewer rows instead, and requests wait for one."""
     prompts = prompts_of(40, 40, 36)
     roomy = run(Engine(tiny, make_policy(name, **KEEPS_ALL[name])), [Sequence(p, 30) for p in prompts],
                 "continuous", "chunked", chunk_size=16, stop_at_eos=False)
     tight = run(Engine(tiny, make_policy(name, **KEEPS_ALL[name]), device_capacity_bytes=capacity_for(tiny, 110)),
                 [Sequence(p, 30) for p in prompts], "continuous", "chunked", chunk_size=16, stop_at_eos=False)
-    assert roomy.metrics["preemptions"] == 0 and tight.metrics["preemptions"] > 0
     assert tokens(tight) == tokens(roomy)
+    assert roomy.metrics["preemptions"] == 0
+    if name in RESERVE_ROWS:  # each row reserved whole: a request waits for a free row and is never preempted
+        assert tight.metrics["max_running"] < 3 and tight.metrics["preemptions"] == 0
+    else:
+        assert tight.metrics["preemptions"] > 0
 
 
 @pytest.mark.parametrize("name", ["h2o", "streaming", "snapkv"])
@@ -106,3 +110,14 @@ def test_a_serving_pool_is_what_the_capacity_leaves_after_the_weights(tiny, name
     # slot), Quest's key bounds (2 x head_dim floats)
     beside = {"paged": 0, "h2o": 4 * (4 + 8), "quest": 2 * s.head_dim * 4}[name]
     assert served.stats["num_blocks"] == room // (s.kv_bytes(4) + beside * s.num_layers * s.num_kv_heads)
+
+
+def test_a_policy_reserving_whole_rows_serves_as_many_rows_as_the_capacity_holds(tiny):
+    capacity = capacity_for(tiny, 200)
+    policy = make_policy("full")
+    prompts = prompts_of(40, 30, 20, 35, 25, 10)
+    served = run(Engine(tiny, policy, device_capacity_bytes=capacity), [Sequence(p, 10) for p in prompts],
+                 "continuous", "chunked", chunk_size=16, stop_at_eos=False)
+    room = serving_pool_bytes(capacity, tiny.weights_bytes + tiny.packed_copy_bytes)
+    assert policy.rows == room // tiny.spec.kv_bytes(40 + 10) == 4  # each row: the longest prompt + 10 tokens
+    assert served.metrics["max_running"] <= policy.rows

@@ -133,11 +133,18 @@ class Session:
             engine.ledger.add("device", "weights_packed", engine.model.packed_copy_bytes,
                               where="packed copies of weights")
             self.closed = False
+            self.policy.rows = len(prompt_lens)
             try:
                 self.policy.start(len(prompt_lens), prompt_lens, max_new_tokens)
             except BaseException:
                 self.close()  # whatever the policy allocated before the capacity ran out
                 raise
+
+    @property
+    def rows(self) -> int:
+        """The cache rows open: one a request, or fewer where a policy that reserves whole rows serves under a
+        capacity (KVPolicy.rows)."""
+        return self.policy.rows
 
     def prefix(self, row: int, prompt: list[int]) -> int:
         """Before a fresh row's prefill: how many leading prompt tokens the policy has cached already (prefix sharing),

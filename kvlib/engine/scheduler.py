@@ -7,8 +7,12 @@ device memory ends the run as a recorded OOM point.
 `continuous` is vLLM's: requests arrive at given decode steps, or at given times (a request rate: an open loop,
 kvlib.engine.arrivals, each request joining when the clock passes its arrival); each iteration prefills one chunk of the oldest waiting
 request and then runs one decode step for every running request; finished requests leave and free their rows at once.
-When the block pool runs out, the newest running request is preempted (its blocks freed, queued again, recomputed from
-its prompt and the tokens it had generated). It needs a policy that can release single rows (`paged`).
+Every registered policy serves so. A policy that holds its cache in blocks (paged, Quest, H2O, StreamingLLM, SnapKV:
+kvlib.memory.paged_kv) sizes its pool from the device capacity, as vLLM does; when the pool runs out, the newest
+running request is preempted (its blocks freed, queued again, recomputed from its prompt and the tokens it had
+generated, under its policy). A policy that reserves each row's whole length up front (full, KIVI, InfiniGen) holds
+as many rows as the capacity affords, and a request waits for a free row (KVPolicy.row_capacity). It needs a policy
+that can release single rows.
 
 Both go through the same Session (kvlib.engine), so they are timed and booked alike; only the order of work differs.
 """
@@ -41,7 +45,8 @@ class Sequence:
     arrival_step: int = 0
     arrival_s: float | None = None  # or when it arrives, in seconds from the start of the run (continuous schedule)
     forced: list[int] | None = None  # teacher forcing: the tokens fed instead of the model's own choices
-    row: int = -1
+    index: int = -1  # its place among the run's requests (outputs, the token clock)
+    row: int = -1  # the cache row it holds while admitted (-1: none)
     status: str = "pending"  # pending -> waiting -> prefilling -> running -> finished
     generated: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -79,8 +84,8 @@ def run(engine: Engine, sequences: list[Sequence], schedule: str = "static", pre
     for seq in sequences:
         engine.validate([seq.prompt], seq.max_new_tokens, prefill_mode, chunk_size)
     eos = engine.model.tokenizer.eos_token_id if stop_at_eos else None
-    for row, seq in enumerate(sequences):
-        seq.row = row
+    for index, seq in enumerate(sequences):
+        seq.index, seq.row = index, -1
         if seq.forced is not None:
             seq.max_new_tokens, eos = len(seq.forced), None
     timers = engine.timers
@@ -116,8 +121,12 @@ class _Loop:
         waiting: deque[Sequence] = deque()
         running: list[Sequence] = []
         prefilling: Sequence | None = None
-        first_of: dict[tuple, tuple[Sequence, torch.Tensor]] = {}  # prompt -> its first row and logits (sharing)
+        self.first_of: dict[tuple, tuple[Sequence, torch.Tensor]] = {}  # prompt -> its first request and logits
         blocked = False  # a prefill found no room: admit again once a running request has left
+        # the cache rows the policy holds, handed to requests as they are admitted: every request's own row under the
+        # static schedule; under the continuous one a policy that reserves a whole row up front (full, KIVI,
+        # InfiniGen) holds as many as its capacity affords, and a request waits for one to be free
+        free_rows = deque(range(session.rows))
         step = 0
         self.clock = TokenClock(len(self.seqs))
         while pending or waiting or running or prefilling:
@@ -125,12 +134,13 @@ class _Loop:
                 time.sleep(max(pending[0].arrival_s - self.clock.now(), 0.0))  # idle until the next request comes
             while pending and pending[0].arrival_step <= step and (pending[0].arrival_s or 0.0) <= self.clock.now():
                 seq = pending.popleft()
-                self.clock.arrive(seq.row, at=seq.arrival_s)
+                self.clock.arrive(seq.index, at=seq.arrival_s)
                 seq.status = "waiting"
                 waiting.append(seq)
-            if prefilling is None and waiting and (not blocked or not running):
+            if prefilling is None and waiting and free_rows and (not blocked or not running):
                 seq = waiting.popleft()
-                shared = first_of.get(tuple(seq.prompt)) if self.share and not seq.generated else None
+                seq.row = free_rows.popleft()
+                shared = self.first_of.get(tuple(seq.prompt)) if self.share and not seq.generated else None
                 if shared is not None:  # the same context as an earlier row: fork it instead of prefilling again
                     session.fork(shared[0].row, seq.row)
                     self._first_token(seq, shared[1], running)
@@ -147,24 +157,24 @@ class _Loop:
                     if not (self.continuous and isinstance(exc, OutOfBlocks)):
                         return oom_record(exc, "prefill")
                     if not running:
-                        raise UserError(f"the block pool cannot hold request {seq.row} ({len(tokens)} tokens) even "
+                        raise UserError(f"the block pool cannot hold request {seq.index} ({len(tokens)} tokens) even "
                                         f"alone: {exc}") from exc
                     # never preempt running requests for a new one (they would take turns forever): wait for room
-                    session.release(seq.row)
+                    self._leave(session, seq, free_rows)
                     waiting.appendleft(seq)
                     prefilling, blocked = None, True
                     continue
                 if session.lengths[seq.row] == len(tokens):
                     prefilling = None
                     if self.share and not seq.generated:
-                        first_of.setdefault(tuple(seq.prompt), (seq, logits))
+                        self.first_of.setdefault(tuple(seq.prompt), (seq, logits))
                     if seq.generated:  # recomputed after a preemption: it goes on where it was
                         seq.status = "running"
                         running.append(seq)
                     else:
                         self._first_token(seq, logits, running)
                         if seq.status == "finished" and self.continuous:
-                            session.release(seq.row)
+                            self._leave(session, seq, free_rows)
             decode_now = self.continuous or not (pending or waiting or prefilling)
             if running and decode_now:
                 try:
@@ -173,10 +183,10 @@ class _Loop:
                     if not (self.continuous and isinstance(exc, OutOfBlocks)):
                         return oom_record(exc, "decode")
                     if len(running) == 1:
-                        raise UserError(f"the block pool cannot hold request {running[0].row} even alone: "
+                        raise UserError(f"the block pool cannot hold request {running[0].index} even alone: "
                                         f"{exc}") from exc
                     victim = running.pop()  # the newest: it waits, first in line, until another request has left
-                    session.release(victim.row)
+                    self._leave(session, victim, free_rows)
                     victim.status = "waiting"
                     waiting.appendleft(victim)
                     self.preemptions += 1
@@ -185,21 +195,29 @@ class _Loop:
                 stepped = list(running)
                 for seq, row_logits in zip(stepped, logits):
                     seq.take(row_logits)
-                self.clock.handed(seq.row for seq in stepped)
+                self.clock.handed(seq.index for seq in stepped)
                 for seq in stepped:
                     if seq.done(self.eos):
                         seq.status = "finished"
                         running.remove(seq)
                         if self.continuous:
-                            session.release(seq.row)
+                            self._leave(session, seq, free_rows)
                             blocked = False
             settle()
             step += 1
         return None
 
+    def _leave(self, session, seq: Sequence, free_rows: deque) -> None:
+        """The request gives its row back (finished, preempted, or not admitted after all); a later request with the
+        same prompt can no longer fork it."""
+        session.release(seq.row)
+        free_rows.append(seq.row)
+        seq.row = -1
+        self.first_of = {prompt: first for prompt, first in self.first_of.items() if first[0] is not seq}
+
     def _first_token(self, seq: Sequence, logits, running: list[Sequence]) -> None:
         seq.take(logits)
-        self.clock.handed([seq.row])
+        self.clock.handed([seq.index])
         if seq.done(self.eos):
             seq.status = "finished"
         else:

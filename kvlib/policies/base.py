@@ -98,6 +98,7 @@ class KVPolicy:
         self.usage = KVUsage(self.spec.num_layers)
         self.decode_kernel = kernel_for(self.spec, self.device)  # the machine's and model's choice, not the policy's
         self.serving_bytes: int | None = None  # set by a session that serves under a capacity (pool_blocks)
+        self.rows = 0  # the cache rows a session holds open (start)
 
     def decode_attention(self, layer: int, query: torch.Tensor, reads: DecodeReads
                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -111,16 +112,17 @@ class KVPolicy:
     def calibrate(self, prompt: list[int]) -> None:
         """After bind, for a policy that `calibrates`: learn from these token ids (the caller's text)."""
 
-    def pool_blocks(self, needed: int, block_bytes: int) -> int:
+    def pool_blocks(self, needed: int, block_bytes: int, beside: int = 0) -> int:
         """The blocks a block-holding policy's pool gets: what this batch needs; or, when the engine serves requests
-        under a device capacity (`serving_bytes`, set by the session), as many as those bytes hold, as vLLM sizes its
-        pool from the memory it is given, whatever the requests."""
+        under a device capacity (`serving_bytes`, set by the session), as many as those bytes hold after what the
+        policy holds `beside` the pool, as vLLM sizes its pool from the memory it is given, whatever the requests."""
         if self.serving_bytes is None:
             return needed
-        if self.serving_bytes < block_bytes:
+        room = self.serving_bytes - beside
+        if room < block_bytes:
             raise UserError(f"the device capacity leaves policy {self.name!r} no room for one KV block "
-                            f"({self.serving_bytes / 2**20:.1f} MiB for a {block_bytes / 2**20:.2f} MiB block)")
-        return self.serving_bytes // block_bytes
+                            f"({room / 2**20:.1f} MiB for a {block_bytes / 2**20:.2f} MiB block)")
+        return room // block_bytes
 
     @property
     def can_release(self) -> bool:
@@ -133,8 +135,17 @@ class KVPolicy:
 
     # -- lifecycle --------------------------------------------------------------------------------------------
     def start(self, batch_size: int, prompt_lens: list[int], max_new_tokens: int) -> None:
-        """Allocate for a batch of rows before any prefill."""
+        """Allocate for a batch of rows before any prefill. `self.rows` is batch_size when it is called; a policy that
+        reserves each row's whole length up front (no blocks) lowers it, when serving, to the rows its capacity
+        holds (`row_capacity`): a scheduler then admits a request only while a row is free."""
         raise NotImplementedError
+
+    def row_capacity(self, batch_size: int, row_bytes: int, beside: int = 0) -> int:
+        """The rows a policy that reserves `row_bytes` of device memory a row holds: every request's, or, when serving
+        under a device capacity, as many as the capacity affords (pool_blocks, a row for a block), at most one a
+        request."""
+        self.rows = min(batch_size, self.pool_blocks(batch_size, row_bytes, beside))
+        return self.rows
 
     def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, step: Step) -> torch.Tensor:
         """Store key/value [B, Hkv, T, D] for step.rows and return attention output [B, Hq, T, D]."""

@@ -1,7 +1,9 @@
 """The full-cache baseline: every key and value kept, contiguous per row, as Hugging Face's static cache does.
 
-Each row reserves room for its prompt plus max_new_tokens up front; the reserved-but-unused part is booked as
-`kv_reserved`, the fragmentation paged memory management removes. Decode reads each row in place over its own length,
+Each row reserves room for the longest prompt plus max_new_tokens up front; the reserved-but-unused part is booked
+as `kv_reserved`, the fragmentation paged memory management removes. Serving under continuous batching, it holds as
+many such rows as the device capacity affords, and a request waits for a free one (as servers before vLLM reserved
+a request's maximum length). Decode reads each row in place over its own length,
 through the decode attention every policy shares (kvlib.kernels.decode).
 """
 
@@ -26,12 +28,13 @@ class FullPolicy(KVPolicy):
     def start(self, batch_size, prompt_lens, max_new_tokens):
         s = self.spec
         capacity = max(prompt_lens) + max_new_tokens
+        rows = self.row_capacity(batch_size, s.kv_bytes(capacity))  # serving: the rows a device capacity holds
         # zeros, not empty: masked-out slots still enter the matmuls, and garbage NaNs would poison them
-        shape = (batch_size, s.num_kv_heads, capacity, s.head_dim)
-        self.ledger.add("device", "kv_reserved", s.kv_bytes(batch_size * capacity), where="kv cache allocation")
+        shape = (rows, s.num_kv_heads, capacity, s.head_dim)
+        self.ledger.add("device", "kv_reserved", s.kv_bytes(rows * capacity), where="kv cache allocation")
         self.keys = [torch.zeros(shape, dtype=s.dtype, device=self.device) for _ in range(s.num_layers)]
         self.values = [torch.zeros(shape, dtype=s.dtype, device=self.device) for _ in range(s.num_layers)]
-        self.lengths = torch.zeros(batch_size, dtype=torch.long)
+        self.lengths = torch.zeros(rows, dtype=torch.long)
 
     def prepare(self, step: Step):
         if step.phase == "decode":
@@ -66,6 +69,12 @@ class FullPolicy(KVPolicy):
             kc[dst, :, :n] = kc[src, :, :n]
             vc[dst, :, :n] = vc[src, :, :n]
         self.lengths[dst] = n
+        self._book()
+
+    def release(self, row):
+        """The row is free for another request (its whole length stays reserved: what paged memory management
+        removes)."""
+        self.lengths[row] = 0
         self._book()
 
     def _book(self):

@@ -86,12 +86,15 @@ class InfiniGenPolicy(BudgetedPolicy):
         sparse = s.num_layers - self.dense
         cap = max(prompt_lens) + max_new_tokens
         cuda = self.device.type == "cuda"
-        shape = (batch_size, s.num_kv_heads, cap, s.head_dim)
         r = self.columns.shape[-1]
+        skew_bytes = self.skew_matrices.nbytes + self.columns.nbytes
+        # serving: the rows the device tier holds (its dense layers and partial keys); the host tier has no capacity
+        row_device = (self.dense * 2 * s.head_dim + sparse * r) * s.num_kv_heads * cap * s.dtype_bytes
+        rows = self.row_capacity(batch_size, row_device, beside=skew_bytes + self.query_bytes)
+        shape = (rows, s.num_kv_heads, cap, s.head_dim)
         self.bytes_moved = self.decode_steps = 0
         self.coverage: list[float] = []
         self.selections: dict[int, tuple] = {}  # layer -> (chosen, keep), kept only to measure coverage
-        skew_bytes = self.skew_matrices.nbytes + self.columns.nbytes
         self.ledger.add("device", "kv_reserved", self.dense * 2 * math.prod(shape) * s.dtype_bytes,
                         where="infinigen dense layers")
         self.ledger.add("device", "overhead", sparse * math.prod(shape[:3]) * r * s.dtype_bytes + skew_bytes
@@ -105,7 +108,7 @@ class InfiniGenPolicy(BudgetedPolicy):
         # [layer, row, head, r, token]: token-minor, so speculation's product with the partial query is one plain
         # matmul (0.10 against 0.31 ms a layer at 8 rows of 2,048 tokens in the einsum over a token-major cache)
         self.partial_k = torch.zeros((sparse, *shape[:2], r, shape[2]), dtype=s.dtype, device=self.device)
-        self.lengths = torch.zeros(batch_size, dtype=torch.long)
+        self.lengths = torch.zeros(rows, dtype=torch.long)
         self.fetched: dict[int, tuple] = {}  # layer -> (keys, values, count per row, attended) fetched for this step
         self.captured: dict[int, tuple] = {}  # layer -> (attention input, (cos, sin)) of the current pass
         self.stream = torch.cuda.Stream() if cuda else None
@@ -259,6 +262,11 @@ class InfiniGenPolicy(BudgetedPolicy):
             cache[:, dst, :, :n] = cache[:, src, :, :n]
         self.partial_k[:, dst, ..., :n] = self.partial_k[:, src, ..., :n]
         self.lengths[dst] = n
+        self._book()
+
+    def release(self, row):
+        """The row is free for another request (both tiers keep its whole length reserved)."""
+        self.lengths[row] = 0
         self._book()
 
     def after_pass(self, step: Step):

@@ -86,23 +86,38 @@ class KIVIPolicy(KVPolicy):
 
     # -- storage ---------------------------------------------------------------------------------------------------
     def start(self, batch_size, prompt_lens, max_new_tokens):
-        s, r, g = self.spec, self.residual, self.group_size
+        s, r = self.spec, self.residual
         cap = -(-(max(prompt_lens) + max_new_tokens) // r) * r
-        base = (s.num_layers, batch_size, s.num_kv_heads)
-        code_bytes = s.head_dim * self.code_bits // 8
-        scales = s.head_dim if self.quantize else 0
-        shapes = {"key_codes": ((*base, cap, code_bytes), torch.uint8),
-                  "key_scale": ((*base, cap // g, scales), s.dtype), "key_zero": ((*base, cap // g, scales), s.dtype),
-                  "value_codes": ((*base, cap, code_bytes), torch.uint8),
-                  "value_scale": ((*base, cap, scales // self.value_group), s.dtype),
-                  "value_zero": ((*base, cap, scales // self.value_group), s.dtype),
-                  "key_residual": ((*base, r, s.head_dim), s.dtype), "value_residual": ((*base, r, s.head_dim), s.dtype)}
+        base = (s.num_layers, 1, s.num_kv_heads)  # one row's, to size it; then the rows held
+        shapes = self._shapes(base, cap)
+        rows = self.row_capacity(batch_size, sum(math.prod(shape) * torch.empty((), dtype=dt).element_size()
+                                                 for shape, dt in shapes.values()))
+        base = (s.num_layers, rows, s.num_kv_heads)
+        shapes = self._shapes(base, cap)
         nbytes = sum(math.prod(shape) * torch.empty((), dtype=dt).element_size() for shape, dt in shapes.values())
         self.ledger.add("device", "kv_reserved", nbytes, where="kivi cache allocation")
         for attr, (shape, dt) in shapes.items():
             setattr(self, attr, torch.zeros(shape, dtype=dt, device=self.device))
-        self.lengths = torch.zeros(batch_size, dtype=torch.long)
+        self.lengths = torch.zeros(rows, dtype=torch.long)
         self.allocated = nbytes
+
+    def _shapes(self, base: tuple[int, ...], cap: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Each array's shape and dtype, for rows of `cap` tokens (base: layers, rows, KV heads)."""
+        s, r, g = self.spec, self.residual, self.group_size
+        code_bytes = s.head_dim * self.code_bits // 8
+        scales = s.head_dim if self.quantize else 0
+        return {"key_codes": ((*base, cap, code_bytes), torch.uint8),
+                "key_scale": ((*base, cap // g, scales), s.dtype), "key_zero": ((*base, cap // g, scales), s.dtype),
+                "value_codes": ((*base, cap, code_bytes), torch.uint8),
+                "value_scale": ((*base, cap, scales // self.value_group), s.dtype),
+                "value_zero": ((*base, cap, scales // self.value_group), s.dtype),
+                "key_residual": ((*base, r, s.head_dim), s.dtype), "value_residual": ((*base, r, s.head_dim), s.dtype)}
+
+    def release(self, row):
+        """The row is free for another request; its whole length stays reserved (KIVI shrinks a token's bytes, not
+        the reservation)."""
+        self.lengths[row] = 0
+        self._book()
 
     def prepare(self, step: Step):
         grown = int((step.start + step.q_len).max())
