@@ -53,3 +53,17 @@ def hf_greedy(loaded: LoadedModel, prompt: list[int], max_new_tokens: int) -> li
     finally:
         model.config._attn_implementation = saved
     return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(params=["c", "torch"])
+def kernel(request, monkeypatch):
+    """Each decode attention in turn: kvlib's C kernel (where it can be built) and the PyTorch path every other
+    machine runs."""
+    from kvlib.kernels import cpu_kernel
+
+    if request.param == "torch":
+        monkeypatch.setenv(cpu_kernel.KERNEL_ENV, "torch")
+    elif not cpu_kernel.available():
+        pytest.skip("no C compiler: the kernel is not built")
+    return request.param
+

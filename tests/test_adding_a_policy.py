@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import test_booking
 import test_engine
+import test_serving_policies
 import test_timing
 
 from kvlib import cli
@@ -32,6 +33,8 @@ def recent_window(tmp_path, monkeypatch):
         assert len(added) == 1, f"the README's code registered {sorted(added)}"
         name = added.pop()
         monkeypatch.setitem(test_booking.CASES, name, {"budget": 0.5})
+        monkeypatch.setitem(test_serving_policies.BUDGETED, name, {"budget": 0.3, "block_size": 4})
+        monkeypatch.setitem(test_serving_policies.KEEPS_ALL, name, {"budget": 1.0, "block_size": 4})
         yield name
     finally:
         for name in set(REGISTRY) - before:
@@ -48,6 +51,9 @@ def test_it_passes_the_registry_wide_tests(recent_window, tiny):
     test_booking.test_a_capacity_below_the_weights_is_a_recorded_oom(tiny, recent_window)
     test_timing.test_every_policy_reports_sections_that_add_up_to_its_run(tiny, recent_window)
     test_engine.test_every_policy_records_an_oom_instead_of_crashing(tiny, recent_window)
+    test_serving_policies.test_continuous_with_every_request_at_the_start_gives_the_static_schedules_tokens(
+        tiny, recent_window)
+    test_serving_policies.test_a_capacity_too_small_for_every_request_gives_the_same_tokens(tiny, recent_window)
 
 
 def test_every_experiment_that_runs_all_policies_runs_it(recent_window):

@@ -231,12 +231,7 @@ def test_every_policy_has_a_full_budget_setting():
     assert set(FULL_BUDGET) == set(available())
 
 
-@pytest.mark.parametrize("kernel", ["c", "torch"])
-def test_every_policy_decodes_through_the_one_kernel_and_at_full_budget_as_full(tiny, kernel, monkeypatch):
-    if kernel == "torch":
-        monkeypatch.setenv(cpu_kernel.KERNEL_ENV, "torch")
-    elif not cpu_kernel.available():
-        pytest.skip("no C compiler: the kernel is not built")
+def test_every_policy_decodes_through_the_one_kernel_and_at_full_budget_as_full(tiny, kernel):
     torch.manual_seed(3)
     prompts = [torch.randint(100, 5000, (n,)).tolist() for n in (70, 23, 41)]
     ran, outputs = {}, {}
