@@ -76,19 +76,22 @@ class VLLMBackend:
     def settings(self) -> dict:
         return asdict(self)
 
-    def generate(self, model: str, prompts: list[list[int]], max_new_tokens: int, stop_at_eos: bool = True,
+    def generate(self, model: str, prompts: list[list[int]], max_new_tokens: int | list[int], stop_at_eos: bool = True,
                  device_capacity_bytes: int | None = None, weights: str = "pretrained", read_memory: bool = True,
                  arrivals: list[float] | None = None, slo: dict | None = None) -> RunResult:
         """read_memory: read the KV blocks in use and the preemptions from vLLM's scheduler after every step (what a
         timed run must not do); without it they are None. arrivals: when each request arrives (seconds from the
         start; None: all at once), each added to the engine once the clock passes it, as kvlib's continuous schedule
-        admits them; slo: the limits goodput counts against (kvlib.engine.run_result.latency_metrics)."""
+        admits them; slo: the limits goodput counts against (kvlib.engine.run_result.latency_metrics).
+        max_new_tokens: one length for every request, or one per request (a serving trace's drawn output lengths)."""
         check_weights(model, weights)
         vllm = _import_vllm()
         kv_space = _kv_space(model, device_capacity_bytes)
         llm = _llm(model, self.block_size, self.prefix_caching, self.enforce_eager, kv_space)
         engine = llm.llm_engine
-        params = vllm.SamplingParams(max_tokens=max_new_tokens, temperature=0.0, ignore_eos=not stop_at_eos)
+        lengths = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        params = {n: vllm.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=not stop_at_eos)
+                  for n in set(lengths)}
         # a cached engine would otherwise serve a prompt repeated from an earlier run (another grid point, a repeat of
         # a benchmark) out of that run's blocks; within this run, shared prefixes hit as in kvlib's paged policy
         llm.reset_prefix_cache()
@@ -105,7 +108,7 @@ class VLLMBackend:
             while pending and due[pending[-1]] <= clock.now():
                 i = pending.pop()
                 clock.arrive(i, at=due[i])
-                engine.add_request(str(i), {"prompt_token_ids": prompts[i]}, params)
+                engine.add_request(str(i), {"prompt_token_ids": prompts[i]}, params[lengths[i]])
             outputs = engine.step()
             handed = []
             for out in outputs:
