@@ -138,6 +138,9 @@ def test_the_tables_show_every_point_and_oom():
     assert len(table) == 12
     assert (table.loc[("snapkv", 1.0)] == "OOM").all()
     assert table.loc[("h2o", 2.0), "within SLO"] == "0.9"
+    traces = report.trace_table(SYNTHETIC.assign(trace_sha=SYNTHETIC["request_rate"].astype(str), prompt_tokens_total=99,
+                                                 output_tokens_total=9, trace_span_s=3.0))
+    assert traces["one trace for all"].all() and (traces["runners"] == 4).all()
     closing = report.sustained_table(SYNTHETIC)
     assert list(closing.index[:2]) == ["h2o", "paged"]  # the highest sustained rate first
     assert closing.loc["paged", "preemptions there"] == "0"  # at 1 request/s, where paged still sustains

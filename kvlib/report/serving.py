@@ -58,6 +58,19 @@ def _shown(x) -> str:
     return x if isinstance(x, str) else "" if pd.isna(x) else f"{x:.3g}"
 
 
+def trace_table(df: pd.DataFrame) -> pd.DataFrame:
+    """What each rate's trace held, and whether every runner replayed the same one (one trace digest a rate)."""
+    cols = {"num_requests": "requests", "prompt_tokens_total": "prompt tokens", "output_tokens_total": "output tokens",
+            "trace_span_s": "last arrival (s)"}
+    g = df.groupby("request_rate")
+    table = g[list(cols)].first().rename(columns=cols)
+    table["last arrival (s)"] = table["last arrival (s)"].map(lambda x: f"{x:.1f}")
+    table["runners"] = g["policy"].nunique()
+    table["one trace for all"] = g["trace_sha"].nunique() == 1
+    table.index.name = "request rate (requests/s)"
+    return table
+
+
 @dataclass
 class Sustained:
     """The highest measured rate a runner sustains under the SLO, and what it measured there."""
