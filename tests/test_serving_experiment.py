@@ -103,6 +103,8 @@ def frame(points: dict) -> pd.DataFrame:
                      "lossless": policy == "paged", "slo_attainment": None if oom else share,
                      "request_throughput": None if oom else rate * 0.9, "goodput": None if oom else rate * 0.9 * share,
                      "ttft_s_p50": None if oom else rate / 10, "ttft_s_p99": None if oom else rate / 5,
+                     "ttft_s_p90": None if oom else rate / 6, "tpot_s_p90": None if oom else 0.08,
+                     "budget": None if policy == "paged" else 0.3,
                      "tpot_s_p50": 0.05, "tpot_s_p99": 0.1, "output_throughput": rate * 20,
                      "max_running": {"paged": 4, "h2o": 12}.get(policy, 2) if rate >= 2 else 2,
                      "preemptions": 3 if policy == "paged" and rate >= 2 else 0,
@@ -154,3 +156,48 @@ def test_the_sentences_say_whether_compression_bought_capacity():
     assert "it sustains a higher rate than paged (at least 2 requests/s against 1 requests/s)" in text
     assert "quest against paged" in text and "a lower rate than paged" in text
     assert "measured once" in text
+
+
+# ---- the chooser learns serving ----------------------------------------------------------------------------------------
+
+def test_the_chooser_reads_who_meets_the_slo_at_a_rate_interpolated_never_extrapolated():
+    from kvlib.report.choose import choose_serving
+
+    c = choose_serving(SYNTHETIC, pd.DataFrame(), 1.5, slo_ttft_s=0.3, slo_tpot_s=0.1)
+    assert c.capacity_gb == 0.75
+    assert c.meets["paged"]["ttft_s"].value == pytest.approx((1 / 6 + 2 / 6) / 2)  # between 1 and 2 requests/s
+    assert c.meets["paged"]["ttft_s"].points == [1.0, 2.0]
+    assert "snapkv" in c.excluded and "out of device memory" in c.excluded["snapkv"]  # OOM at 1.0, under the reading
+    assert set(c.meets) == {"paged", "h2o", "quest"}
+    at_two = choose_serving(SYNTHETIC, pd.DataFrame(), 2.0, slo_ttft_s=0.3)
+    assert "paged" in at_two.misses and "> 0.3 s" in at_two.misses["paged"]
+    beyond = choose_serving(SYNTHETIC, pd.DataFrame(), 4.0, slo_ttft_s=10.0)
+    assert not beyond.meets and "not extrapolated" in beyond.excluded["paged"]
+    below = choose_serving(SYNTHETIC, pd.DataFrame(), 0.1, slo_ttft_s=10.0)
+    assert below.meets["paged"]["ttft_s"].at == 0.5 and "below the lowest rate measured" in below.text()
+
+
+def test_the_serving_chooser_keeps_to_the_memory_and_accuracy_asked():
+    from kvlib.report.choose import choose_serving
+
+    assert not choose_serving(SYNTHETIC, pd.DataFrame(), 1.0, 1.0, device_memory_gb=0.5).meets  # measured at 0.75
+    assert choose_serving(SYNTHETIC, pd.DataFrame(), 1.0, 1.0, device_memory_gb=2.0).meets  # more memory: more blocks
+    strict = choose_serving(SYNTHETIC, pd.DataFrame(), 1.0, 1.0, max_accuracy_drop=1.0)
+    assert set(strict.meets) == {"paged"}  # lossless; the others' accuracy was not measured
+    assert strict.excluded["h2o"] == "its accuracy was not measured in this profile"
+    assert "keeps every entry" in strict.text()
+
+
+def test_kvlib_choose_answers_a_request_rate(tmp_path, monkeypatch, capsys):
+    from kvlib import cli
+    from kvlib.study import results
+
+    monkeypatch.setenv("KVLIB_ROOT", str(tmp_path))
+    (tmp_path / "params").mkdir()
+    (tmp_path / "params" / "p.yaml").write_text("model: smollm2-135m\nexperiments: {}\n")
+    results.write_unit("p", "serving", "k", 0, SYNTHETIC)
+    assert cli.main(["choose", "--profile", "p", "--request-rate", "1.5", "--slo-ttft", "0.3"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("At 1.5 requests/s with p90 TTFT <= 0.3 s (serving results at 0.75 GiB):")
+    assert "Meet it: " in out and "Not read: snapkv" in out
+    assert cli.main(["choose", "--profile", "p", "--slo-ttft", "0.3"]) == 2  # a workload or a rate
