@@ -61,6 +61,11 @@ class Trace:
         text = json.dumps([self.prompts, self.output_tokens, [round(a, 9) for a in self.arrivals_s]])
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
+    @property
+    def longest(self) -> int:
+        """The most tokens one request holds: its prompt and every output token."""
+        return max(len(p) + n for p, n in zip(self.prompts, self.output_tokens))
+
     def columns(self) -> dict:
         return {"trace_sha": self.sha, "prompt_tokens_total": sum(map(len, self.prompts)),
                 "output_tokens_total": sum(self.output_tokens), "trace_span_s": self.arrivals_s[-1]}
@@ -96,7 +101,8 @@ def serve(point: Point, trace: Trace, *, memory_run: bool) -> RunResult:
     if runner.outside:
         return runner.generate(point.model, prompts, list(trace.output_tokens), stop_at_eos=False,
                                device_capacity_bytes=point.capacity_bytes, weights=point.weights,
-                               read_memory=memory_run, arrivals=list(trace.arrivals_s), slo=slo_of(point.values))
+                               read_memory=memory_run, arrivals=list(trace.arrivals_s), slo=slo_of(point.values),
+                               max_model_len=trace.longest)
     requests = [Sequence(p, n, arrival_s=a) for p, n, a in zip(prompts, trace.output_tokens, trace.arrivals_s)]
     return run(make_engine(point, instrumented=memory_run), requests, "continuous", "chunked",
                point.values.get("chunk_size", 512), stop_at_eos=False, slo=slo_of(point.values))
@@ -157,8 +163,9 @@ def _replay(point: Point, trace: Trace, *, memory_run: bool) -> dict:
                 **{k: None for k in LATENCY_COLUMNS}, "preemptions": None, "slo_attainment": None}
     row = serving_row(result, point)
     good, served = row.get("goodput"), row.get("request_throughput")
-    # the share of requests within every SLO limit (goodput and request throughput share one time span)
-    row["slo_attainment"] = good / served if good is not None and served else None
+    # the share of requests within every SLO limit (goodput and request throughput share one time span; rounded, so
+    # that 9 of 10 reads 0.9 and not 0.8999...)
+    row["slo_attainment"] = round(good / served, 9) if good is not None and served else None
     if row.get("preemptions") is None:
         row["preemptions"] = result.stats.get("preemptions")
     return row
