@@ -74,6 +74,22 @@ def test_a_setup_that_does_not_fit_is_an_oom_row(on_tiny):
     assert row["oom"] and row["oom_where"] and row["ttft_s_p50"] is None
 
 
+def test_vllm_refusing_a_pool_too_small_is_an_oom_row_and_other_errors_are_not(on_tiny, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise ValueError("To serve at least one request ... (0.35 GiB KV cache is needed, which is larger than ...")
+
+    monkeypatch.setattr(serving, "serve", refuse)
+    row, = serving.run_point(point("vllm"))
+    assert row["oom"] and "KV cache is needed" in row["oom_where"]
+
+    def broken(*args, **kwargs):
+        raise ValueError("something else")
+
+    monkeypatch.setattr(serving, "serve", broken)
+    with pytest.raises(ValueError, match="something else"):
+        serving.run_point(point("vllm", request_rate=51.0))
+
+
 @pytest.mark.model
 def test_a_smoke_point_runs_end_to_end_on_smollm2(tmp_path, monkeypatch):
     from kvlib import study

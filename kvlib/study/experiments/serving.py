@@ -155,8 +155,11 @@ def run_point(point: Point) -> list[dict]:
 def _replay(point: Point, trace: Trace, *, memory_run: bool) -> dict:
     try:
         result = serve(point, trace, memory_run=memory_run)
-    except UserError as exc:
-        if not isinstance(exc.__cause__, (OutOfBlocks, DeviceOOM)):
+    except (UserError, ValueError) as exc:
+        kvlib_pool = isinstance(exc, UserError) and isinstance(exc.__cause__, (OutOfBlocks, DeviceOOM))
+        # vLLM refuses to start when its pool cannot hold the longest request (its words: "... KV cache is needed")
+        vllm_pool = isinstance(exc, ValueError) and make_runner(point.runner).outside and "KV cache" in str(exc)
+        if not (kvlib_pool or vllm_pool):
             raise
         # the pool cannot hold one of the trace's requests even alone: the capacity does not fit this runner
         return {"oom": True, "oom_where": str(exc).splitlines()[0], "completed": False,
