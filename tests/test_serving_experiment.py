@@ -164,6 +164,12 @@ def test_the_tables_show_every_point_and_oom():
     assert closing.loc["paged", "preemptions there"] == "0"  # at 1 request/s, where paged still sustains
 
 
+def test_the_pool_line_is_vllms_rule_at_the_rows_capacity():
+    rows = SYNTHETIC.assign(device_weights_peak_bytes=538060032, device_weights_packed_peak_bytes=113246208)
+    assert report.pool_mib(rows) == pytest.approx((0.9 * 0.75 * 2**30 - 651306240) / 2**20, abs=1e-3)
+    assert report.pool_mib(SYNTHETIC) is None  # no weights booked: no line
+
+
 def test_the_sentences_say_whether_compression_bought_capacity():
     text = "\n".join(report.lines(SYNTHETIC))
     assert "at least 90% of the requests" in text

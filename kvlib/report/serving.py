@@ -227,6 +227,19 @@ def latency_vs_rate(df: pd.DataFrame):
     return fig
 
 
+def pool_mib(df: pd.DataFrame) -> float | None:
+    """The KV pool every runner got at the rows' capacity (vLLM's rule, kvlib.memory.paged_kv.serving_pool_bytes), in
+    MiB; None without a capacity or booked weights."""
+    from kvlib.memory.paged_kv import serving_pool_bytes
+
+    cols = ["device_capacity_gb", "device_weights_peak_bytes", "device_weights_packed_peak_bytes"]
+    if df.empty or any(c not in df for c in cols) or df[cols[:2]].isna().any(axis=None):
+        return None
+    row = df.iloc[0]
+    weights = int(row[cols[1]]) + int(0 if pd.isna(row[cols[2]]) else row[cols[2]])
+    return serving_pool_bytes(int(row[cols[0]] * 2**30), weights) / MIB
+
+
 def memory_vs_rate(df: pd.DataFrame):
     """Peak KV memory and the most requests running at once against the request rate, per runner."""
     _style()
@@ -238,6 +251,9 @@ def memory_vs_rate(df: pd.DataFrame):
         if not data.empty and data[col].notna().any():
             sns.lineplot(data, x="request_rate", y=col, hue="policy", marker="o", estimator="median", errorbar=None,
                          ax=ax)
+            pool = pool_mib(ok)
+            if col == "kv_peak_mib" and pool is not None:
+                ax.axhline(pool, color="crimson", ls=":", lw=1, label="the pool (0.9 x capacity - weights)")
             ax.legend(fontsize="x-small")
         ax.set(xlabel="request rate (requests/s)", ylabel=label, title=label[0].upper() + label[1:] + " vs rate")
     fig.tight_layout()
