@@ -99,9 +99,14 @@ def build_parser() -> argparse.ArgumentParser:
     study.add_argument("--cpus-per-point", type=float, default=1, help="with --executor ray: CPUs each worker holds")
     pick = sub.add_parser("choose", help="which policy for a workload, read from a profile's results")
     pick.add_argument("--profile", default="embedded", help="a profile's name or YAML file (its results/ are read)")
-    pick.add_argument("--prompt-tokens", type=int, required=True)
-    pick.add_argument("--batch", type=int, required=True)
-    pick.add_argument("--output-tokens", type=int, required=True)
+    pick.add_argument("--prompt-tokens", type=int, default=None, help="required unless --request-rate is given")
+    pick.add_argument("--batch", type=int, default=None, help="required unless --request-rate is given")
+    pick.add_argument("--output-tokens", type=int, default=None, help="required unless --request-rate is given")
+    pick.add_argument("--request-rate", type=float, default=None,
+                      help="serving: which runners meet the SLO at this many requests/s (the serving results)")
+    pick.add_argument("--slo-ttft", type=float, default=None, help="with --request-rate: the p90 TTFT limit, seconds")
+    pick.add_argument("--slo-tpot", type=float, default=None,
+                      help="with --request-rate: the p90 time-per-output-token limit, seconds")
     pick.add_argument("--max-accuracy-drop", type=float, default=None,
                       help="percentage points of accuracy a policy may lose against the full cache")
     pick.add_argument("--device-memory-gb", type=float, default=None,
@@ -282,21 +287,43 @@ def cmd_study(args) -> int:
 def cmd_choose(args) -> int:
     from dataclasses import asdict
 
-    from kvlib.report.choose import choose
+    from kvlib.report.choose import choose, choose_serving
     from kvlib.study import load_profile, results
 
+    workload = [args.prompt_tokens, args.batch, args.output_tokens]
+    if args.request_rate is None and None in workload:
+        raise UserError("give --prompt-tokens, --batch and --output-tokens (a workload), or --request-rate (serving)")
+    if any(v is not None for v in workload) and None in workload:
+        raise UserError("--prompt-tokens, --batch and --output-tokens go together")
     for flag in ("prompt_tokens", "batch", "output_tokens"):
-        if getattr(args, flag) < 1:
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise UserError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.request_rate is None and (args.slo_ttft is not None or args.slo_tpot is not None):
+        raise UserError("--slo-ttft and --slo-tpot go with --request-rate")
+    for flag in ("request_rate", "slo_ttft", "slo_tpot"):
+        if getattr(args, flag) is not None and not getattr(args, flag) > 0:
+            raise UserError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
     capacity_bytes(args.device_memory_gb, "--device-memory-gb")
     profile = load_profile(args.profile).name
-    frames = {e: results.load(profile, e) for e in ("ttft", "batch_scaling", "decode_length", "accuracy")}
-    if frames["batch_scaling"].empty and frames["ttft"].empty:
-        raise UserError(f"no results for profile {profile!r} yet: `kvlib study --profile {args.profile}` computes "
-                        f"them")
-    choice = choose(frames, args.prompt_tokens, args.batch, args.output_tokens, args.max_accuracy_drop,
-                    args.device_memory_gb)
-    print(json.dumps(asdict(choice)) if args.json else choice.text())
+    frames = {e: results.load(profile, e) for e in ("ttft", "batch_scaling", "decode_length", "serving", "accuracy")}
+    answers = {}
+    if args.request_rate is not None:
+        if frames["serving"].empty:
+            raise UserError(f"no serving results for profile {profile!r} yet: `kvlib study --profile {args.profile} "
+                            f"--experiments serving` computes them")
+        answers["serving"] = choose_serving(frames["serving"], frames["accuracy"], args.request_rate, args.slo_ttft,
+                                            args.slo_tpot, args.max_accuracy_drop, args.device_memory_gb)
+    if None not in workload:
+        if frames["batch_scaling"].empty and frames["ttft"].empty:
+            raise UserError(f"no results for profile {profile!r} yet: `kvlib study --profile {args.profile}` computes "
+                            f"them")
+        answers["workload"] = choose(frames, args.prompt_tokens, args.batch, args.output_tokens,
+                                     args.max_accuracy_drop, args.device_memory_gb)
+    if args.json:
+        answer = {k: asdict(v) for k, v in answers.items()}
+        print(json.dumps(answer["workload"] if list(answer) == ["workload"] else answer))
+    else:
+        print("\n\n".join(a.text() for a in answers.values()))
     return 0
 
 

@@ -76,19 +76,26 @@ class VLLMBackend:
     def settings(self) -> dict:
         return asdict(self)
 
-    def generate(self, model: str, prompts: list[list[int]], max_new_tokens: int, stop_at_eos: bool = True,
+    def generate(self, model: str, prompts: list[list[int]], max_new_tokens: int | list[int], stop_at_eos: bool = True,
                  device_capacity_bytes: int | None = None, weights: str = "pretrained", read_memory: bool = True,
-                 arrivals: list[float] | None = None, slo: dict | None = None) -> RunResult:
+                 arrivals: list[float] | None = None, slo: dict | None = None,
+                 max_model_len: int | None = None) -> RunResult:
         """read_memory: read the KV blocks in use and the preemptions from vLLM's scheduler after every step (what a
         timed run must not do); without it they are None. arrivals: when each request arrives (seconds from the
         start; None: all at once), each added to the engine once the clock passes it, as kvlib's continuous schedule
-        admits them; slo: the limits goodput counts against (kvlib.engine.run_result.latency_metrics)."""
+        admits them; slo: the limits goodput counts against (kvlib.engine.run_result.latency_metrics).
+        max_new_tokens: one length for every request, or one per request (a serving trace's drawn output lengths).
+        max_model_len: the longest request vLLM must accept (None: the model's context). vLLM refuses to start unless
+        its pool holds one request of that length; a serving run under a small capacity gives its trace's longest, as
+        a deployment passes `--max-model-len`, and kvlib's pools need room for one request alone too."""
         check_weights(model, weights)
         vllm = _import_vllm()
         kv_space = _kv_space(model, device_capacity_bytes)
-        llm = _llm(model, self.block_size, self.prefix_caching, self.enforce_eager, kv_space)
+        llm = _llm(model, self.block_size, self.prefix_caching, self.enforce_eager, kv_space, max_model_len)
         engine = llm.llm_engine
-        params = vllm.SamplingParams(max_tokens=max_new_tokens, temperature=0.0, ignore_eos=not stop_at_eos)
+        lengths = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        params = {n: vllm.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=not stop_at_eos)
+                  for n in set(lengths)}
         # a cached engine would otherwise serve a prompt repeated from an earlier run (another grid point, a repeat of
         # a benchmark) out of that run's blocks; within this run, shared prefixes hit as in kvlib's paged policy
         llm.reset_prefix_cache()
@@ -105,7 +112,7 @@ class VLLMBackend:
             while pending and due[pending[-1]] <= clock.now():
                 i = pending.pop()
                 clock.arrive(i, at=due[i])
-                engine.add_request(str(i), {"prompt_token_ids": prompts[i]}, params)
+                engine.add_request(str(i), {"prompt_token_ids": prompts[i]}, params[lengths[i]])
             outputs = engine.step()
             handed = []
             for out in outputs:
@@ -168,7 +175,8 @@ def _kv_space(model: str, capacity: int | None) -> int | None:
 
 
 @functools.lru_cache(maxsize=1)
-def _llm(model: str, block_size: int, prefix_caching: bool, enforce_eager: bool, kv_space: int | None):
+def _llm(model: str, block_size: int, prefix_caching: bool, enforce_eager: bool, kv_space: int | None,
+         max_model_len: int | None = None):
     import torch
 
     vllm = _import_vllm()
@@ -178,7 +186,8 @@ def _llm(model: str, block_size: int, prefix_caching: bool, enforce_eager: bool,
     share = {"gpu_memory_utilization": 0.9 * torch.cuda.mem_get_info()[0] / torch.cuda.mem_get_info()[1]} if cuda else {}
     llm = vllm.LLM(model=_model_path(model), dtype="auto" if cuda else "float32", block_size=block_size,
                    enable_prefix_caching=prefix_caching, enforce_eager=enforce_eager, kv_cache_memory_bytes=kv_space,
-                   seed=0, **share, **_random_weights(model))
+                   seed=0, **share, **_random_weights(model),
+                   **({"max_model_len": max_model_len} if max_model_len else {}))
     # vLLM warms its model up at start, except on a CPU in eager mode with an explicit KV size (ours): without this,
     # the first measured run would pay for the first calls of every kernel (a TTFT several times too long).
     llm.generate([{"prompt_token_ids": list(range(100, 164))}], vllm.SamplingParams(max_tokens=4), use_tqdm=False)

@@ -27,7 +27,8 @@ from kvlib.report.tables import (
 )
 
 TITLES = {"ttft": "Time to first token", "batch_scaling": "Batch scaling", "decode_length": "Decode length",
-          "accuracy": "Accuracy across KV budgets", "retention": "Retention of an early fact"}
+          "serving": "Serving under a request rate", "accuracy": "Accuracy across KV budgets",
+          "retention": "Retention of an early fact"}
 
 PAPER = {
     "ttft": "full-matrix prefill (needed by H2O's scores) runs out of memory at ~10K tokens on an 80 GB H100; fused "
@@ -217,6 +218,14 @@ def _batch_scaling(df: pd.DataFrame) -> list[str]:
 def decode_length(df: pd.DataFrame) -> list[str]:
     return [f"Paper: {PAPER['decode_length']}"] + per_machine(_decode_length, df) + [TIMING_RULE_LINE] \
         + disturbed_note(df)
+
+
+def serving(df: pd.DataFrame) -> list[str]:
+    """Beyond the paper (no experiment of its has arrivals): kvlib.report.serving's sentences, per kind of machine."""
+    from kvlib.report import serving as serving_report
+
+    return ["Paper: none of its experiments has an arrival process (batch scaling is a closed batch)."] \
+        + per_machine(serving_report.lines, df) + disturbed_note(df)
 
 
 def _decode_length(df: pd.DataFrame) -> list[str]:

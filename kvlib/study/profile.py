@@ -41,7 +41,7 @@ from kvlib.report.gate import GATE
 from kvlib.settings import capacity_bytes
 from kvlib.study.runners import make_runner, runner_class, runners
 
-EXPERIMENTS = ("ttft", "batch_scaling", "decode_length", "accuracy", "retention")
+EXPERIMENTS = ("ttft", "batch_scaling", "decode_length", "serving", "accuracy", "retention")
 PROFILE_KEYS = {"model", "device_capacity_gb", "policy_settings", "experiments", "description", "device", "weights",
                 "validity_gate"}
 EXPERIMENT_KEYS = {"policies", "grid", "fixed", "model", "device_capacity_gb", "repeats", "exploratory"}

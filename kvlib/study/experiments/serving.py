@@ -1,0 +1,174 @@
+"""Serving under a request rate (issue 33): an open-loop trace of requests, replayed by every runner under continuous
+batching with chunked prefill, measured as `vllm bench serve` measures a server.
+
+A point is a runner at a request rate; the profile fixes the rest (`serving` section of params/<profile>.yaml):
+
+    num_requests: 24                                   # requests in the trace
+    min_prompt_tokens: 128, max_prompt_tokens: 512     # prompt lengths, uniform between them (seeded)
+    min_output_tokens: 16, max_output_tokens: 64       # output lengths, uniform between them (seeded), EOS ignored
+    burstiness: 1.0                                    # gamma shape of the gaps: 1 a Poisson process, below 1 burstier
+    seed: 0
+    chunk_size: 256                                    # kvlib's chunked prefill (vLLM schedules its own chunks)
+    slo_ttft_s: 2.0, slo_tpot_s: 0.25                  # goodput counts the requests within both
+
+The trace (`trace_of`) is a function of those values and the rate alone: the same prompts (cut from the offline text
+at seeded offsets), output lengths and arrival times for every runner at a rate, the real vLLM included (its backend
+adds each request once the clock passes its arrival, as kvlib's scheduler admits it). The prompts and output lengths
+do not depend on the rate, and the arrival gaps at one seed are the same draws scaled by 1 / rate: between rates only
+the clock changes. Each row carries the trace's digest (`trace_sha`), so a reader can check that every runner at a
+rate replayed the same trace.
+
+Timed by the book's rule (book/methods.md, "How runs are timed"; kvlib.study.experiments.common.run_timed): the first
+time a process meets a point, an instrumented replay of the whole trace (every runner warm on its shapes; the only
+run that reads memory: kvlib's ledger and pool, vLLM's KV blocks and preemptions step by step), then a bare replay
+whose latencies are the row's. A runner whose setup does not fit the device capacity is an OOM row.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from dataclasses import dataclass
+
+from kvlib.engine.arrivals import arrival_times
+from kvlib.engine.run_result import PERCENTILES, RunResult
+from kvlib.errors import DeviceOOM, UserError
+from kvlib.memory.block_pool import OutOfBlocks
+from kvlib.models.workloads import prompt_of_length
+from kvlib.study.experiments.common import accounting_columns, make_engine, model_of, result_row
+from kvlib.study.profile import Point
+from kvlib.study.runners import make_runner
+
+TIMED = True  # what it measures is time: a run disturbed by other processes is measured again
+
+# the latency metrics of a serving run (kvlib.engine.run_result.latency_metrics), each a column of the row
+LATENCY_COLUMNS = tuple(f"{name}_{stat}" for name in ("ttft_s", "tpot_s", "itl_s", "e2e_s")
+                        for stat in ("mean", *(f"p{q}" for q in PERCENTILES))) + (
+    "request_throughput", "output_throughput", "goodput", "max_running")
+
+
+@dataclass(frozen=True)
+class Trace:
+    """What a serving run replays: each request's prompt, output length and arrival (seconds from the first)."""
+
+    prompts: tuple[tuple[int, ...], ...]
+    output_tokens: tuple[int, ...]
+    arrivals_s: tuple[float, ...]
+
+    @property
+    def sha(self) -> str:
+        text = json.dumps([self.prompts, self.output_tokens, [round(a, 9) for a in self.arrivals_s]])
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    @property
+    def longest(self) -> int:
+        """The most tokens one request holds: its prompt and every output token."""
+        return max(len(p) + n for p, n in zip(self.prompts, self.output_tokens))
+
+    def columns(self) -> dict:
+        return {"trace_sha": self.sha, "prompt_tokens_total": sum(map(len, self.prompts)),
+                "output_tokens_total": sum(self.output_tokens), "trace_span_s": self.arrivals_s[-1]}
+
+
+def trace_of(tokenizer, values: dict) -> Trace:
+    """The point's trace, from its workload values (see the module's docstring) and nothing else."""
+    n, seed = values["num_requests"], values.get("seed", 0)
+    for low, high in (("min_prompt_tokens", "max_prompt_tokens"), ("min_output_tokens", "max_output_tokens")):
+        if not 1 <= values[low] <= values[high]:
+            raise UserError(f"serving: need 1 <= {low} <= {high}, got {values[low]} and {values[high]}")
+    rng = random.Random(seed)  # lengths and text offsets: the same for every rate
+    prompt_lengths = [rng.randint(values["min_prompt_tokens"], values["max_prompt_tokens"]) for _ in range(n)]
+    output_lengths = [rng.randint(values["min_output_tokens"], values["max_output_tokens"]) for _ in range(n)]
+    offsets = [rng.randrange(10**9) for _ in range(n)]
+    prompts = tuple(tuple(prompt_of_length(tokenizer, length, offset=offset, source=values.get("text_source")))
+                    for length, offset in zip(prompt_lengths, offsets))
+    arrivals = arrival_times(n, float(values["request_rate"]), values.get("burstiness", 1.0), seed)
+    return Trace(prompts, tuple(output_lengths), tuple(arrivals))
+
+
+def slo_of(values: dict) -> dict:
+    return {k: values[f"slo_{k}"] for k in ("ttft_s", "tpot_s") if values.get(f"slo_{k}") is not None}
+
+
+def serve(point: Point, trace: Trace, *, memory_run: bool) -> RunResult:
+    """One replay of the trace by the point's runner. memory_run: the engine reads what it holds as it goes (kvlib's
+    ledger and timer sections, vLLM's KV blocks and preemptions); otherwise nothing is read from inside it."""
+    from kvlib.engine.scheduler import Sequence, run
+
+    runner = make_runner(point.runner, **point.settings)
+    prompts = [list(p) for p in trace.prompts]
+    if runner.outside:
+        return runner.generate(point.model, prompts, list(trace.output_tokens), stop_at_eos=False,
+                               device_capacity_bytes=point.capacity_bytes, weights=point.weights,
+                               read_memory=memory_run, arrivals=list(trace.arrivals_s), slo=slo_of(point.values),
+                               max_model_len=trace.longest)
+    requests = [Sequence(p, n, arrival_s=a) for p, n, a in zip(prompts, trace.output_tokens, trace.arrivals_s)]
+    return run(make_engine(point, instrumented=memory_run), requests, "continuous", "chunked",
+               point.values.get("chunk_size", 512), stop_at_eos=False, slo=slo_of(point.values))
+
+
+def serving_row(result: RunResult, point: Point) -> dict:
+    """The run's row (RunResult.row) with every serving metric as a column of its own."""
+    return {**result_row(result, point), **{k: result.metrics.get(k) for k in LATENCY_COLUMNS}}
+
+
+def _does_not_fit(point: Point) -> dict | None:
+    """An OOM row for a runner whose setup cannot hold even one request: vLLM left no KV pool by the capacity, or a
+    kvlib pool too small for one request of the trace alone (the scheduler says so as it meets it)."""
+    runner = make_runner(point.runner, **point.settings)
+    if runner.outside and point.capacity_bytes is not None:
+        from kvlib.backends.vllm import _kv_space
+
+        try:
+            _kv_space(point.model, point.capacity_bytes)
+        except UserError as exc:
+            return {"oom": True, "oom_where": str(exc), "completed": False, **{k: None for k in LATENCY_COLUMNS},
+                    "preemptions": None, "slo_attainment": None}
+    return None
+
+
+_untimed_rows: dict[str, dict] = {}  # per process: the instrumented replay's row of each point it has met
+
+
+def run_point(point: Point) -> list[dict]:
+    trace = trace_of(model_of(point).tokenizer, point.values)
+    row = _does_not_fit(point)
+    if row is None:
+        if point.key not in _untimed_rows:
+            _untimed_rows[point.key] = _replay(point, trace, memory_run=True)
+        warm = _untimed_rows[point.key]
+        if warm["oom"]:
+            row = dict(warm)
+        else:
+            timed = _replay(point, trace, memory_run=False)
+            # preemptions: counted by kvlib's scheduler in either replay; vLLM's are read from its scheduler, only in
+            # the instrumented one
+            preemptions = timed["preemptions"] if timed.get("preemptions") is not None else warm["preemptions"]
+            row = {**timed, **accounting_columns(warm), "preemptions": preemptions,
+                   "stat_peak_blocks_used": warm.get("stat_peak_blocks_used"),
+                   "untimed_max_running": warm["max_running"]}
+    return [{**row, **trace.columns(), "slo_ttft_s": point.values.get("slo_ttft_s"),
+             "slo_tpot_s": point.values.get("slo_tpot_s")}]
+
+
+def _replay(point: Point, trace: Trace, *, memory_run: bool) -> dict:
+    try:
+        result = serve(point, trace, memory_run=memory_run)
+    except (UserError, ValueError) as exc:
+        kvlib_pool = isinstance(exc, UserError) and isinstance(exc.__cause__, (OutOfBlocks, DeviceOOM))
+        # vLLM refuses to start when its pool cannot hold the longest request (its words: "... KV cache is needed")
+        vllm_pool = isinstance(exc, ValueError) and make_runner(point.runner).outside and "KV cache" in str(exc)
+        if not (kvlib_pool or vllm_pool):
+            raise
+        # the pool cannot hold one of the trace's requests even alone: the capacity does not fit this runner
+        return {"oom": True, "oom_where": str(exc).splitlines()[0], "completed": False,
+                **{k: None for k in LATENCY_COLUMNS}, "preemptions": None, "slo_attainment": None}
+    row = serving_row(result, point)
+    good, served = row.get("goodput"), row.get("request_throughput")
+    # the share of requests within every SLO limit (goodput and request throughput share one time span; rounded, so
+    # that 9 of 10 reads 0.9 and not 0.8999...)
+    row["slo_attainment"] = round(good / served, 9) if good is not None and served else None
+    if row.get("preemptions") is None:
+        row["preemptions"] = result.stats.get("preemptions")
+    return row

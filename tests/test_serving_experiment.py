@@ -1,0 +1,225 @@
+"""The serving experiment (issue 33): one trace per rate for every runner, replayed identically; a point runs end to
+end into a row with every serving metric; a setup that does not fit is an OOM row; the report's rule for the highest
+sustained rate, its tables and sentences, on synthetic frames with known answers."""
+
+import math
+
+import pandas as pd
+import pytest
+
+from kvlib.report import serving as report
+from kvlib.study.experiments import common, serving
+from kvlib.study.profile import Point
+from kvlib.study.runners import make_runner
+
+VALUES = {"num_requests": 5, "min_prompt_tokens": 20, "max_prompt_tokens": 60, "min_output_tokens": 3,
+          "max_output_tokens": 6, "burstiness": 1.0, "seed": 0, "chunk_size": 16, "prefill": "chunked",
+          "slo_ttft_s": 30.0, "slo_tpot_s": 5.0, "request_rate": 50.0}
+
+
+def point(runner, capacity_gb=None, **values):
+    settings = {"block_size": 4, **({"budget": 0.3} if runner == "h2o" else {})}
+    if runner == "vllm":
+        settings = {}
+    return Point("serving", runner, make_runner(runner, **settings).settings(), {**VALUES, **values}, "tiny-llama",
+                 device_capacity_gb=capacity_gb)
+
+
+@pytest.fixture
+def on_tiny(tiny, monkeypatch):
+    """Points of the tiny random Llama: the experiment's model cache answers with the fixture."""
+    monkeypatch.setattr(common, "model", lambda *args, **kwargs: tiny)
+    return tiny
+
+
+def test_every_runner_at_a_rate_replays_one_trace(smollm):
+    traces = {r: serving.trace_of(smollm.tokenizer, point(r).values) for r in ("paged", "h2o", "vllm")}
+    assert len({t.sha for t in traces.values()}) == 1
+    trace = traces["paged"]
+    assert len(trace.prompts) == len(trace.output_tokens) == len(trace.arrivals_s) == 5
+    assert all(20 <= len(p) <= 60 for p in trace.prompts) and all(3 <= n <= 6 for n in trace.output_tokens)
+    assert len({len(p) for p in trace.prompts}) > 1  # lengths drawn, not one length repeated
+    assert serving.trace_of(smollm.tokenizer, point("paged").values) == trace  # drawn again: the same
+
+
+def test_between_rates_only_the_clock_changes(smollm):
+    slow = serving.trace_of(smollm.tokenizer, {**VALUES, "request_rate": 1.0})
+    fast = serving.trace_of(smollm.tokenizer, {**VALUES, "request_rate": 4.0})
+    assert slow.prompts == fast.prompts and slow.output_tokens == fast.output_tokens
+    assert all(math.isclose(a, 4 * b, abs_tol=1e-9) for a, b in zip(slow.arrivals_s, fast.arrivals_s))
+    assert slow.sha != fast.sha
+
+
+def test_a_trace_is_replayed_identically(on_tiny):
+    p = point("paged")
+    trace = serving.trace_of(on_tiny.tokenizer, p.values)
+    first, second = (serving.serve(p, trace, memory_run=m) for m in (True, False))
+    assert [o["token_ids"] for o in first.outputs] == [o["token_ids"] for o in second.outputs]
+    assert [len(o["token_ids"]) for o in first.outputs] == list(trace.output_tokens)  # EOS ignored, lengths drawn
+
+
+def test_a_point_is_one_row_with_every_serving_metric(on_tiny):
+    rows = serving.run_point(point("h2o", request_rate=100.0))
+    assert len(rows) == 1
+    row = rows[0]
+    for column in (*serving.LATENCY_COLUMNS, "preemptions", "slo_attainment", "device_kv_peak_bytes",
+                   "stat_peak_blocks_used", "trace_sha", "setup_s"):
+        assert column in row, column
+    assert not row["oom"] and row["device_kv_peak_bytes"] > 0 and row["max_running"] >= 1
+    assert row["ttft_s_p99"] >= row["ttft_s_p50"] > 0 and row["slo_attainment"] == 1.0  # SLO far above the times
+
+
+def test_a_setup_that_does_not_fit_is_an_oom_row(on_tiny):
+    row, = serving.run_point(point("paged", capacity_gb=1e-4))
+    assert row["oom"] and row["oom_where"] and row["ttft_s_p50"] is None
+
+
+def test_vllm_refusing_a_pool_too_small_is_an_oom_row_and_other_errors_are_not(on_tiny, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise ValueError("To serve at least one request ... (0.35 GiB KV cache is needed, which is larger than ...")
+
+    monkeypatch.setattr(serving, "serve", refuse)
+    row, = serving.run_point(point("vllm"))
+    assert row["oom"] and "KV cache is needed" in row["oom_where"]
+
+    def broken(*args, **kwargs):
+        raise ValueError("something else")
+
+    monkeypatch.setattr(serving, "serve", broken)
+    with pytest.raises(ValueError, match="something else"):
+        serving.run_point(point("vllm", request_rate=51.0))
+
+
+@pytest.mark.model
+def test_a_smoke_point_runs_end_to_end_on_smollm2(tmp_path, monkeypatch):
+    from kvlib import study
+    from kvlib.study import executor, results
+
+    monkeypatch.setenv("KVLIB_ROOT", str(tmp_path))
+    (tmp_path / "params").mkdir()
+    (tmp_path / "params" / "p.yaml").write_text(
+        "model: smollm2-135m\nexperiments:\n  serving:\n    device_capacity_gb: 0.75\n    policies: [paged]\n"
+        "    grid: {request_rate: [20.0]}\n    fixed: {num_requests: 2, min_prompt_tokens: 16, max_prompt_tokens: 32,"
+        " min_output_tokens: 2, max_output_tokens: 3, chunk_size: 16, prefill: chunked, slo_ttft_s: 60.0,"
+        " slo_tpot_s: 10.0}\n")
+    executor.run_experiment(study.load_profile("p"), "serving", progress=False)
+    df = results.load("p", "serving")
+    assert len(df) == 1 and not df["oom"].any() and {"git_sha", "device_name", "repeat"} <= set(df)
+    assert df["request_rate"].iloc[0] == 20.0 and df["goodput"].iloc[0] > 0
+
+
+# ---- the report, on synthetic frames ---------------------------------------------------------------------------------
+
+def frame(points: dict) -> pd.DataFrame:
+    """points: {(policy, rate): share within SLO, or "oom"}."""
+    rows = []
+    for (policy, rate), share in points.items():
+        oom = share == "oom"
+        rows.append({"policy": policy, "request_rate": rate, "oom": oom, "completed": not oom,
+                     "lossless": policy == "paged", "slo_attainment": None if oom else share,
+                     "request_throughput": None if oom else rate * 0.9, "goodput": None if oom else rate * 0.9 * share,
+                     "ttft_s_p50": None if oom else rate / 10, "ttft_s_p99": None if oom else rate / 5,
+                     "ttft_s_p90": None if oom else rate / 6, "tpot_s_p90": None if oom else 0.08,
+                     "budget": None if policy == "paged" else 0.3,
+                     "tpot_s_p50": 0.05, "tpot_s_p99": 0.1, "output_throughput": rate * 20,
+                     "max_running": {"paged": 4, "h2o": 12}.get(policy, 2) if rate >= 2 else 2,
+                     "preemptions": 3 if policy == "paged" and rate >= 2 else 0,
+                     "device_kv_peak_bytes": {"paged": 64, "h2o": 20}.get(policy, 30) * 2**20,
+                     "num_requests": 16, "device_capacity_gb": 0.75, "slo_ttft_s": 2.0, "slo_tpot_s": 0.2})
+    return pd.DataFrame(rows)
+
+
+SYNTHETIC = frame({("paged", 0.5): 1.0, ("paged", 1.0): 0.95, ("paged", 2.0): 0.5,
+                   ("h2o", 0.5): 1.0, ("h2o", 1.0): 1.0, ("h2o", 2.0): 0.9,
+                   ("quest", 0.5): 0.8, ("quest", 1.0): 1.0, ("quest", 2.0): 1.0,  # fails at the lowest: below it
+                   ("snapkv", 0.5): 1.0, ("snapkv", 1.0): "oom", ("snapkv", 2.0): 1.0})
+
+
+def test_the_highest_sustained_rate_is_measured_and_never_beyond_the_grid():
+    rates = report.sustained_rates(SYNTHETIC)
+    assert rates["paged"].rate == 1.0 and not rates["paged"].at_least  # 95 % passes, 50 % fails
+    assert rates["h2o"].rate == 2.0 and rates["h2o"].at_least  # 90 % passes at the top: "at least"
+    assert rates["h2o"].text() == "at least 2 requests/s"
+    assert rates["quest"].rate is None and rates["quest"].text().startswith("below 0.5")  # not read past a failure
+    assert rates["snapkv"].rate == 0.5  # out of memory at 1.0 stops it there, whatever 2.0 did
+    assert rates["paged"].row["ttft_s_p99"] == pytest.approx(0.2)
+
+
+def test_repeats_pass_on_their_median_share():
+    repeats = frame({("paged", 1.0): 0.95}).loc[[0, 0, 0]].assign(slo_attainment=[0.95, 0.5, 0.92])
+    assert report.passes(repeats)
+    assert not report.passes(repeats.assign(slo_attainment=[0.5, 0.5, 0.95]))
+
+
+def test_the_tables_show_every_point_and_oom():
+    table = report.serving_table(SYNTHETIC)
+    assert len(table) == 12
+    assert (table.loc[("snapkv", 1.0)] == "OOM").all()
+    assert table.loc[("h2o", 2.0), "within SLO"] == "0.9"
+    traces = report.trace_table(SYNTHETIC.assign(trace_sha=SYNTHETIC["request_rate"].astype(str), prompt_tokens_total=99,
+                                                 output_tokens_total=9, trace_span_s=3.0))
+    assert traces["one trace for all"].all() and (traces["runners"] == 4).all()
+    closing = report.sustained_table(SYNTHETIC)
+    assert list(closing.index[:2]) == ["h2o", "paged"]  # the highest sustained rate first
+    assert closing.loc["paged", "preemptions there"] == "0"  # at 1 request/s, where paged still sustains
+
+
+def test_the_pool_line_is_vllms_rule_at_the_rows_capacity():
+    rows = SYNTHETIC.assign(device_weights_peak_bytes=538060032, device_weights_packed_peak_bytes=113246208)
+    assert report.pool_mib(rows) == pytest.approx((0.9 * 0.75 * 2**30 - 651306240) / 2**20, abs=1e-3)
+    assert report.pool_mib(SYNTHETIC) is None  # no weights booked: no line
+
+
+def test_the_sentences_say_whether_compression_bought_capacity():
+    text = "\n".join(report.lines(SYNTHETIC))
+    assert "at least 90% of the requests" in text
+    assert ("h2o against paged at 2 requests/s: peak KV 20.0 against 64.0 MiB, up to 12 against 4 requests running, "
+            "0 against 3 preemptions") in text
+    assert "it sustains a higher rate than paged (at least 2 requests/s against 1 requests/s)" in text
+    assert "quest against paged" in text and "a lower rate than paged" in text
+    assert "measured once" in text
+
+
+# ---- the chooser learns serving ----------------------------------------------------------------------------------------
+
+def test_the_chooser_reads_who_meets_the_slo_at_a_rate_interpolated_never_extrapolated():
+    from kvlib.report.choose import choose_serving
+
+    c = choose_serving(SYNTHETIC, pd.DataFrame(), 1.5, slo_ttft_s=0.3, slo_tpot_s=0.1)
+    assert c.capacity_gb == 0.75
+    assert c.meets["paged"]["ttft_s"].value == pytest.approx((1 / 6 + 2 / 6) / 2)  # between 1 and 2 requests/s
+    assert c.meets["paged"]["ttft_s"].points == [1.0, 2.0]
+    assert "snapkv" in c.excluded and "out of device memory" in c.excluded["snapkv"]  # OOM at 1.0, under the reading
+    assert set(c.meets) == {"paged", "h2o", "quest"}
+    at_two = choose_serving(SYNTHETIC, pd.DataFrame(), 2.0, slo_ttft_s=0.3)
+    assert "paged" in at_two.misses and "> 0.3 s" in at_two.misses["paged"]
+    beyond = choose_serving(SYNTHETIC, pd.DataFrame(), 4.0, slo_ttft_s=10.0)
+    assert not beyond.meets and "not extrapolated" in beyond.excluded["paged"]
+    below = choose_serving(SYNTHETIC, pd.DataFrame(), 0.1, slo_ttft_s=10.0)
+    assert below.meets["paged"]["ttft_s"].at == 0.5 and "below the lowest rate measured" in below.text()
+
+
+def test_the_serving_chooser_keeps_to_the_memory_and_accuracy_asked():
+    from kvlib.report.choose import choose_serving
+
+    assert not choose_serving(SYNTHETIC, pd.DataFrame(), 1.0, 1.0, device_memory_gb=0.5).meets  # measured at 0.75
+    assert choose_serving(SYNTHETIC, pd.DataFrame(), 1.0, 1.0, device_memory_gb=2.0).meets  # more memory: more blocks
+    strict = choose_serving(SYNTHETIC, pd.DataFrame(), 1.0, 1.0, max_accuracy_drop=1.0)
+    assert set(strict.meets) == {"paged"}  # lossless; the others' accuracy was not measured
+    assert strict.excluded["h2o"] == "its accuracy was not measured in this profile"
+    assert "keeps every entry" in strict.text()
+
+
+def test_kvlib_choose_answers_a_request_rate(tmp_path, monkeypatch, capsys):
+    from kvlib import cli
+    from kvlib.study import results
+
+    monkeypatch.setenv("KVLIB_ROOT", str(tmp_path))
+    (tmp_path / "params").mkdir()
+    (tmp_path / "params" / "p.yaml").write_text("model: smollm2-135m\nexperiments: {}\n")
+    results.write_unit("p", "serving", "k", 0, SYNTHETIC)
+    assert cli.main(["choose", "--profile", "p", "--request-rate", "1.5", "--slo-ttft", "0.3"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("At 1.5 requests/s with p90 TTFT <= 0.3 s (serving results at 0.75 GiB):")
+    assert "Meet it: " in out and "Not read: snapkv" in out
+    assert cli.main(["choose", "--profile", "p", "--slo-ttft", "0.3"]) == 2  # a workload or a rate
