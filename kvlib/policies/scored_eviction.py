@@ -314,10 +314,9 @@ class ScoredEvictionPolicy(BudgetedPolicy):
         s = self.spec
         held = int(self.kept.sum()) + sum(self.filling.values())
         counters = sum(x.nbytes for x in (self.kept, self.region, self.seen, self.prompt_of, self.write_slot))
-        pool_kv = s.kv_bytes(self.kv.pool.num_blocks * self.block_size)
-        self.ledger.set("device", f"{self.name} cache", kv=held * s.kv_bytes_per_token, kv_reserved=pool_kv
-                        - held * s.kv_bytes_per_token, overhead=self.kv.total_bytes() - pool_kv + counters
-                        + self.extra_overhead())
+        kv, pool_kv = held * s.kv_bytes_per_token, self.kv.kv_bytes()
+        self.ledger.set("device", f"{self.name} cache", kv=kv, kv_reserved=pool_kv - kv,
+                        overhead=self.kv.total_bytes() - pool_kv + counters + self.extra_overhead())
 
     def finish(self):
         self.kv = None
