@@ -21,7 +21,7 @@ from kvlib.errors import UserError
 from kvlib.kernels.attention import prefill_attention
 from kvlib.kernels.decode import DecodeReads
 from kvlib.memory.block_pool import BlockTable
-from kvlib.memory.paged_kv import PagedKV
+from kvlib.memory.paged_kv import PagedKV, check_pool_settings
 from kvlib.policies.base import KVPolicy, Step
 from kvlib.policies.registry import register
 
@@ -38,10 +38,7 @@ class PagedPolicy(KVPolicy):
     prefix_caching: bool = True
 
     def __post_init__(self):
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            raise UserError(f"block_size must be a power of two >= 1, got {self.block_size}")
-        if self.num_blocks is not None and self.num_blocks < 1:
-            raise UserError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        check_pool_settings(self.block_size, self.num_blocks)
 
     def start(self, batch_size, prompt_lens, max_new_tokens):
         s, bs = self.spec, self.block_size

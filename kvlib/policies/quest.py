@@ -41,7 +41,7 @@ from kvlib.errors import UserError
 from kvlib.kernels import cpu_kernel
 from kvlib.kernels.attention import prefill_attention
 from kvlib.kernels.decode import DecodeReads
-from kvlib.memory.paged_kv import PagedKV, PerBlock
+from kvlib.memory.paged_kv import PagedKV, PerBlock, check_pool_settings
 from kvlib.policies.base import BudgetedPolicy, Step
 from kvlib.policies.registry import register
 
@@ -57,12 +57,9 @@ class QuestPolicy(BudgetedPolicy):
 
     def __post_init__(self):
         super().__post_init__()
-        if not isinstance(self.block_size, int) or self.block_size < 1 or self.block_size & (self.block_size - 1):
-            raise UserError(f"block_size must be a power of two >= 1, got {self.block_size!r}")
+        check_pool_settings(self.block_size, self.num_blocks)
         if not isinstance(self.dense_layers, int) or self.dense_layers < 0:
             raise UserError(f"dense_layers must be an integer >= 0, got {self.dense_layers!r}")
-        if self.num_blocks is not None and self.num_blocks < 1:
-            raise UserError(f"num_blocks must be >= 1, got {self.num_blocks}")
 
     # -- storage ---------------------------------------------------------------------------------------------------
     def start(self, batch_size, prompt_lens, max_new_tokens):

@@ -32,7 +32,7 @@ import torch
 from kvlib.errors import UserError
 from kvlib.kernels.attention import prefill_attention
 from kvlib.kernels.decode import DecodeReads
-from kvlib.memory.paged_kv import PagedKV, PerSlot
+from kvlib.memory.paged_kv import PagedKV, PerSlot, check_pool_settings
 from kvlib.policies.base import BudgetedPolicy, Step
 
 SLOT_ARRAYS = {"scores": PerSlot(torch.float32, 0.0), "positions": PerSlot(torch.long, -1)}
@@ -49,10 +49,7 @@ class ScoredEvictionPolicy(BudgetedPolicy):
 
     def __post_init__(self):
         super().__post_init__()
-        if not isinstance(self.block_size, int) or self.block_size < 1 or self.block_size & (self.block_size - 1):
-            raise UserError(f"block_size must be a power of two >= 1, got {self.block_size!r}")
-        if self.num_blocks is not None and self.num_blocks < 1:
-            raise UserError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        check_pool_settings(self.block_size, self.num_blocks)
 
     # -- what a subclass decides ------------------------------------------------------------------------------------
     def limits(self, seen: int, prompt: int) -> tuple[int, int]:
