@@ -397,6 +397,8 @@ def choose_serving(serving: pd.DataFrame, accuracy: pd.DataFrame, rate: float, s
                 choice.excluded[p] = f"{choice.accuracy.pop(p)}; allowed: {max_accuracy_drop:g}"
         elif max_accuracy_drop is not None:
             choice.excluded[p] = "its accuracy was not measured in this profile"
+        else:  # a lossy runner with no accuracy read says so rather than nothing
+            choice.accuracy[p] = "its accuracy loss was not measured in this profile"
     rates = sorted(d["request_rate"].unique())
     if rate < rates[0]:
         choice.notes.append(f"{rate:g} requests/s is below the lowest rate measured; read at {rates[0]:g} requests/s "
