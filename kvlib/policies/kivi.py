@@ -86,24 +86,23 @@ class KIVIPolicy(KVPolicy):
 
     # -- storage ---------------------------------------------------------------------------------------------------
     def start(self, batch_size, prompt_lens, max_new_tokens):
-        s, r = self.spec, self.residual
+        r = self.residual
         cap = -(-(max(prompt_lens) + max_new_tokens) // r) * r
-        base = (s.num_layers, 1, s.num_kv_heads)  # one row's, to size it; then the rows held
-        shapes = self._shapes(base, cap)
-        rows = self.row_capacity(batch_size, sum(math.prod(shape) * torch.empty((), dtype=dt).element_size()
-                                                 for shape, dt in shapes.values()))
-        base = (s.num_layers, rows, s.num_kv_heads)
-        shapes = self._shapes(base, cap)
-        nbytes = sum(math.prod(shape) * torch.empty((), dtype=dt).element_size() for shape, dt in shapes.values())
+        row_bytes = sum(math.prod(shape) * torch.empty((), dtype=dt).element_size()
+                        for shape, dt in self._shapes(1, cap).values())
+        rows = self.row_capacity(batch_size, row_bytes)
+        shapes = self._shapes(rows, cap)
+        nbytes = rows * row_bytes  # every array is one slice a row
         self.ledger.add("device", "kv_reserved", nbytes, where="kivi cache allocation")
         for attr, (shape, dt) in shapes.items():
             setattr(self, attr, torch.zeros(shape, dtype=dt, device=self.device))
         self.lengths = torch.zeros(rows, dtype=torch.long)
         self.allocated = nbytes
 
-    def _shapes(self, base: tuple[int, ...], cap: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """Each array's shape and dtype, for rows of `cap` tokens (base: layers, rows, KV heads)."""
+    def _shapes(self, rows: int, cap: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Each array's shape and dtype, for `rows` rows of `cap` tokens."""
         s, r, g = self.spec, self.residual, self.group_size
+        base = (s.num_layers, rows, s.num_kv_heads)
         code_bytes = s.head_dim * self.code_bits // 8
         scales = s.head_dim if self.quantize else 0
         return {"key_codes": ((*base, cap, code_bytes), torch.uint8),
