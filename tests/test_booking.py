@@ -132,7 +132,7 @@ def test_infinigen_books_one_live_fetch_and_what_the_gather_moved(tiny):
     (count.max() per row, padding included), not the tokens selected."""
     torch.manual_seed(2)
     prompts = [torch.randint(100, 5000, (n,)).tolist() for n in (90, 30)]
-    policy = make_policy("infinigen", budget=0.3)
+    policy = make_policy("infinigen", budget=0.3, fetch=True)
     engine = Engine(tiny, policy)
     live = []
     original = engine.ledger.add

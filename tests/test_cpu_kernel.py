@@ -80,12 +80,14 @@ def test_the_kernel_refuses_what_it_cannot_read():
 
 
 @needs_kernel
-@pytest.mark.parametrize("policy", ["full", "paged"])
-def test_the_engine_decodes_the_same_with_the_kernel_and_with_pytorch(tiny, mixed_prompts, policy, monkeypatch):
-    """A mixed batch, 12 greedy tokens: the same tokens and, step by step, logits within fp32 rounding."""
+@pytest.mark.parametrize("policy, settings", [("full", {}), ("paged", {}), ("infinigen", {"budget": 0.3})])
+def test_the_engine_decodes_the_same_with_the_kernel_and_with_pytorch(tiny, mixed_prompts, policy, settings,
+                                                                      monkeypatch):
+    """A mixed batch, 12 greedy tokens: the same tokens and, step by step, logits within fp32 rounding (InfiniGen
+    below its budget: its selection in C and in PyTorch, then the index lists read in place)."""
     def run():
         logits = []
-        kv = make_policy(policy)
+        kv = make_policy(policy, **settings)
         engine = Engine(tiny, kv)
         with engine.session(prompt_lens=[len(p) for p in mixed_prompts], max_new_tokens=12) as s:
             tokens = [int(s.prefill(r, p, "fused").argmax()) for r, p in enumerate(mixed_prompts)]

@@ -14,7 +14,7 @@ from kvlib.kernels.quantized import BITS, RAW_BITS, QuantizedKV, unpack
 from kvlib.policies import available, make_policy
 
 needs_kernel = pytest.mark.skipif(not cpu_kernel.available(), reason="no C compiler: the kernel is not built")
-LAYOUTS = ("rows", "row_tables", "head_tables", "index_lists")
+LAYOUTS = ("rows", "row_tables", "head_tables", "index_lists", "row_index_lists")
 
 
 def random_case(rng: random.Random, layout: str) -> tuple[torch.Tensor, DecodeReads, list[list[torch.Tensor]]]:
@@ -41,6 +41,15 @@ def random_case(rng: random.Random, layout: str) -> tuple[torch.Tensor, DecodeRe
         reference_values = [[values[rows[b], h] for h in range(heads)] for b in range(batch)]
         reads = DecodeReads(keys, values, lengths[:, 0].clone() if rng.random() < 0.5 else lengths, rows=rows)
         return query, reads, list(zip(reference_keys, reference_values, slots))
+    if layout == "row_index_lists":  # InfiniGen's selection, read in place: a per-row cache through index lists
+        cache_rows, capacity = batch + rng.randint(0, 2), max(longest, 1) + rng.randint(0, 40)
+        keys, values = (torch.randn(cache_rows, heads, capacity, dim) for _ in range(2))
+        rows = torch.tensor(rng.sample(range(cache_rows), batch))
+        table = torch.stack([torch.stack([torch.tensor(rng.sample(range(capacity), max(longest, 1)))
+                                          for _ in range(heads)]) for _ in range(batch)])  # [B, Hkv, longest]
+        per_row = [([keys[rows[b], h] for h in range(heads)], [values[rows[b], h] for h in range(heads)],
+                    [table[b, h, :int(lengths[b, h])] for h in range(heads)]) for b in range(batch)]
+        return query, DecodeReads(keys, values, lengths, rows=rows, table=table), per_row
     block_size = 1 if layout == "index_lists" else rng.choice([1, 4, 16, 32])
     width = max(-(-longest // block_size), 1)
     pool_blocks = width * batch * heads + rng.randint(0, 5)
@@ -85,7 +94,7 @@ def reference(query, per_row, scale):
 @pytest.mark.parametrize("seed", range(8))
 def test_the_c_kernel_and_the_pytorch_path_equal_a_plain_reference(seed):
     """32 random cases a seed, 256 in all: every layout (a per-row cache or a view of one, block tables per row or
-    per row and KV head, index lists), groups up to the kernel's largest, head dims 16 to 256, lengths 0 to three
+    per row and KV head, index lists into a pool or into a per-row cache), groups up to the kernel's largest, head dims 16 to 256, lengths 0 to three
     jobs, scores of large magnitude, with and without the probability output."""
     rng = random.Random(seed)
     torch.manual_seed(seed)

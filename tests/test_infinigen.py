@@ -12,12 +12,13 @@ from kvlib.policies.infinigen_skew import capture_qk, compute_skew
 @pytest.mark.model
 def test_fetching_every_entry_equals_full(smollm, mixed_prompts):
     full = Engine(smollm, make_policy("full")).generate(mixed_prompts, 16)
-    for mode in ("full", "fused", "chunked"):
-        # budget 1.0 and an alpha that admits every candidate: speculation runs, and each step fetches the whole cache
-        ig = Engine(smollm, make_policy("infinigen", budget=1.0, alpha=1e9)).generate(
+    # the selected entries read in place (a CPU's default) and copied to the device tier (a GPU's path)
+    for mode, fetch in (("full", False), ("fused", False), ("chunked", False), ("fused", True)):
+        # budget 1.0 and an alpha that admits every candidate: speculation runs, and each step selects the whole cache
+        ig = Engine(smollm, make_policy("infinigen", budget=1.0, alpha=1e9, fetch=fetch)).generate(
             mixed_prompts, 16, prefill_mode=mode, chunk_size=6)
         assert [o["token_ids"] for o in ig.outputs] == [o["token_ids"] for o in full.outputs]
-        assert ig.stats["bytes_moved_host_to_device"] > 0 and ig.stats["kv_share_attended"] == 1.0
+        assert (ig.stats["bytes_moved_host_to_device"] > 0) == fetch and ig.stats["kv_share_attended"] == 1.0
 
 
 def test_budget_one_is_a_cap_not_a_bypass(tiny):
@@ -45,13 +46,13 @@ def test_skewing_is_orthogonal_and_leaves_scores_unchanged(tiny):
 
 def test_tiers_and_bytes_moved_match_the_selection(tiny):
     prompts = [list(range(500, 560)), list(range(700, 740))]
-    policy = make_policy("infinigen", budget=0.5, alpha=2.0)
+    policy = make_policy("infinigen", budget=0.5, alpha=2.0, fetch=True)
     fetched, gathered = [], []
     speculate = policy._speculate_and_fetch
 
     def recording(layer, step):
         speculate(layer, step)
-        k, _, count, _ = policy.fetched[layer + 1]
+        _, count, k, _ = policy.fetched[layer + 1]
         fetched.append(int(count.sum()))  # entries per head, summed over rows
         gathered.append(k.shape[0] * k.shape[2])  # what the gather copied: the longest selection, every row
 

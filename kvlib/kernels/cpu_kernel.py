@@ -1,6 +1,6 @@
 """kvlib's CPU kernels (csrc/), built on first use and called through ctypes: decode attention
 (csrc/decode_attention.c), a Llama layer's small ops (csrc/layer_ops.c: RMSNorm with the residual add, RoPE,
-SiLU-and-multiply) and Quest's block selection (csrc/quest_select.c).
+SiLU-and-multiply) and the selections of Quest (csrc/quest_select.c) and InfiniGen (csrc/infinigen_select.c).
 
 PyTorch's CPU flash kernel pays ~60-90 us of fixed work a call and splits work by query blocks, which a decode step
 (one query a row) leaves nearly empty; the C kernel reads each row's keys and values where they lie, through a block
@@ -96,6 +96,9 @@ def _library() -> ctypes.CDLL | None:
         f.restype = None
     lib.quest_select.argtypes = [ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, ptr, i64, ptr]
     lib.quest_select.restype = ctypes.c_int
+    lib.infinigen_select.argtypes = [ptr, ptr, i64, i64, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_float,
+                                     ctypes.c_float, ptr, i64, ptr]
+    lib.infinigen_select.restype = ctypes.c_int
     limits = [i64() for _ in range(4)]
     lib.decode_attention_limits(*map(ctypes.byref, limits))
     lib.chunk, lib.max_group, lib.max_dim, lib.lanes = (x.value for x in limits)
@@ -288,3 +291,40 @@ def quest_select(query: torch.Tensor, key_min: torch.Tensor, key_max: torch.Tens
         reason = QUEST_REFUSED.get(code, f"code {code}").format(lanes=lib.lanes)
         raise ValueError(f"Quest's C selection refused its input: {reason}")
     return out, lengths
+
+
+# -- InfiniGen's selection (csrc/infinigen_select.c) -------------------------------------------------------------------
+INFINIGEN_REFUSED = {-1: "a shape outside its limits (a table at least two wide, a cache at least two tokens long)",
+                     -2: "a row, a length or a cap out of range (1 <= cached < capacity, 1 <= cap < table width)",
+                     -4: "no memory for its scores"}
+
+
+def infinigen_select(query: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor, cached: torch.Tensor,
+                     cap: torch.Tensor, scale: float, alpha: float, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """InfiniGen's selection for one layer's decode step (kvlib.policies.infinigen): query [B, Hkv, G, r] the skewed
+    partial queries; keys [N, Hkv, r, capacity] the partial keys, token-minor; query row b reads cache row rows[b],
+    its first cached[b] tokens, and fetches at most cap[b] a head. Returns (index list [B, Hkv, width]: each head's
+    picks in position order, then the row's new token cached[b] repeated; picks a head [B]). Indices int64 [B],
+    contiguous CPU tensors; width > every cap."""
+    lib = _library()
+    query = query.contiguous()
+    if query.dim() != 4 or keys.dim() != 4:
+        raise ValueError(f"InfiniGen's C selection takes queries [B, Hkv, G, r] and keys [N, Hkv, r, capacity], got "
+                         f"{tuple(query.shape)} and {tuple(keys.shape)}")
+    b, kv_heads, group, r = query.shape
+    for x in (keys, rows, cached, cap):
+        if not x.is_contiguous() or x.device.type != "cpu":
+            raise ValueError("InfiniGen's C selection takes contiguous CPU tensors")
+    if not (query.dtype == keys.dtype == torch.float32 and rows.dtype == cached.dtype == cap.dtype == torch.int64):
+        raise ValueError("InfiniGen's C selection takes fp32 queries and keys, and int64 indices")
+    if keys.shape[1:3] != (kv_heads, r) or any(x.shape != (b,) for x in (rows, cached, cap)):
+        raise ValueError(f"InfiniGen's C selection got mismatched shapes: queries {tuple(query.shape)}, keys "
+                         f"{tuple(keys.shape)}, rows {tuple(rows.shape)}, {tuple(cached.shape)}, {tuple(cap.shape)}")
+    table = torch.empty(b, kv_heads, width, dtype=torch.int64)
+    count = torch.empty(b, dtype=torch.int64)
+    code = lib.infinigen_select(query.data_ptr(), keys.data_ptr(), keys.shape[0], keys.shape[3], rows.data_ptr(),
+                                cached.data_ptr(), cap.data_ptr(), b, kv_heads, group, r, scale, alpha,
+                                table.data_ptr(), width, count.data_ptr())
+    if code:
+        raise ValueError(f"InfiniGen's C selection refused its input: {INFINIGEN_REFUSED.get(code, f'code {code}')}")
+    return table, count

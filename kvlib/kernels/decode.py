@@ -29,9 +29,10 @@ class DecodeReads:
     keys/values: a per-row cache [N, Hkv, capacity, D] (or a view of one: a token's D values contiguous), query row b
     reading cache row rows[b]; or, with a table, a head-major pool [Hkv, slots, D], row b reading through table[b]
     ([B, W]: one table a row) or table[b, h] ([B, Hkv, W]: one a row and KV head), block_size slots a block (1: an
-    index list). lengths: tokens read, [B] or [B, Hkv] (int64, on the CPU). quantized: where each row's oldest tokens
-    are codes (kvlib.kernels.quantized.QuantizedKV); keys and values then hold the rest as a ring [N, Hkv, residual,
-    D], token t at slot t % residual."""
+    index list); with a table and rows, a per-row cache whose row rows[b] is read through table[b] (InfiniGen's
+    selected entries, read in place). lengths: tokens read, [B] or [B, Hkv] (int64, on the CPU). quantized: where
+    each row's oldest tokens are codes (kvlib.kernels.quantized.QuantizedKV); keys and values then hold the rest as a
+    ring [N, Hkv, residual, D], token t at slot t % residual."""
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -91,9 +92,12 @@ def _c_kernel(query, reads: DecodeReads, scale):
         table = torch.zeros(len(reads.rows), 1, dtype=torch.int64)
         return cpu_kernel.decode(query, reads.keys, reads.values, offsets, table, lengths, capacity,
                                  reads.keys.stride(1), scale, probs=reads.probs)
-    offsets = torch.zeros(len(lengths), dtype=torch.int64)
+    if reads.rows is not None:  # a per-row cache through a table: the table indexes within row rows[b]
+        offsets, head_stride = reads.rows * reads.keys.stride(0), reads.keys.stride(1)
+    else:  # a head-major pool
+        offsets, head_stride = torch.zeros(len(lengths), dtype=torch.int64), reads.keys.stride(0)
     return cpu_kernel.decode(query, reads.keys, reads.values, offsets, reads.table, lengths, reads.block_size,
-                             reads.keys.stride(0), scale, per_head_table=reads.table.dim() == 3, probs=reads.probs)
+                             head_stride, scale, per_head_table=reads.table.dim() == 3, probs=reads.probs)
 
 
 def padded_length(reads: DecodeReads, device) -> int:
@@ -131,7 +135,8 @@ def _pytorch(query, reads: DecodeReads, scale):
         blocks = table.gather(2, (t // reads.block_size).clamp(max=table.shape[2] - 1)[None, None].expand(b, heads, -1))
         slots = (blocks * reads.block_size + t % reads.block_size).to(device)  # [B, Hkv, L]
         head = torch.arange(heads, device=device)[None, :, None]
-        k, v = reads.keys[head, slots], reads.values[head, slots]
+        index = (head, slots) if reads.rows is None else (reads.rows.to(device)[:, None, None], head, slots)
+        k, v = reads.keys[index], reads.values[index]
     visible = (t[None, None, :] < reads.per_head_lengths()[:, :, None]).to(device)  # [B, Hkv, L]
     if not reads.probs:
         mask = visible.repeat_interleave(hq // heads, dim=1)[:, :, None, :]

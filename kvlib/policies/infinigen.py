@@ -11,9 +11,14 @@ best-scored ones). Only those keys and values are copied from the host tier to t
 
 On CUDA the host cache is pinned and the copy to the device is issued on a side stream, but the fetch does not
 overlap layer i's compute as the official code's does: the selected indices are needed on the host to gather from the
-host tier, so each sparse layer synchronizes the host once (`chosen.cpu()`) before its gather. The `fetch` timer section
-then holds the host-side gather; the copy on the side stream is waited for, and counted, in the next layer's compute.
-On a CPU both tiers are host memory: the fetch is still a real copy and is counted in bytes, but no bus is crossed.
+host tier, so each sparse layer synchronizes the host once (its index list is made on the CPU) before its gather. The
+`fetch` timer section then holds the host-side gather; the copy on the side stream is waited for, and counted, in the
+next layer's compute.
+
+On a CPU both tiers are one memory, and the copy would only add a read and a write of every selected entry (and
+another of them to append the new token): there a sparse layer reads the selected entries where they lie, through an
+index list per row and KV head into the host tier, which the one decode kernel reads as it reads any block table, and
+nothing is counted as moved. `fetch=True` keeps the copy on a CPU too (the GPU's path, which the tests run here).
 
 The budget is a cap, as in the official code: a head fetches as many tokens as speculation finds candidates (within
 `alpha` of its best approximate score), at most budget x cached tokens. What a run actually attended is reported
@@ -29,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlib.errors import UserError
+from kvlib.kernels import cpu_kernel
 from kvlib.kernels.attention import prefill_attention
 from kvlib.kernels.decode import DecodeReads, rows_view
 from kvlib.models.llama_forward import FusedAttention, QueryProjection
@@ -50,6 +56,7 @@ class InfiniGenPolicy(BudgetedPolicy):
     dense_layers: int = 2
     calibration_tokens: int = 512
     measure_coverage: bool = False  # also compute the true attention, to report speculation quality
+    fetch: bool | None = None  # copy the selected entries to the device tier (None: only where the tiers are apart)
 
     def __post_init__(self):
         super().__post_init__()
@@ -74,10 +81,19 @@ class InfiniGenPolicy(BudgetedPolicy):
                         for layer in range(min(self.dense_layers, len(self.attn_modules)), len(self.attn_modules))}
         self.query_bytes = sum(q.copied_bytes for q in self.queries.values())
 
+    def _fetches(self) -> bool:
+        if self.fetch is None:
+            return self.device.type != "cpu"
+        if not self.fetch and self.device.type != "cpu":
+            raise UserError("infinigen's fetch=False reads the host tier in place, which needs the device to be the "
+                            f"host (a CPU run); this run's device is {self.device}")
+        return self.fetch
+
     def calibrate(self, prompt):
         skew = load_or_compute_skew(self.model, prompt[:self.calibration_tokens], self.partial_ratio, self.skew)
-        self.skew_matrices = skew.matrices.to(self.device)  # [L, Hkv, D, D]
-        self.columns = skew.columns.to(self.device)  # [L, Hkv, r]
+        # skewing then keeping r columns is one product with the kept columns of A: [L, Hkv, D, r]
+        cut = skew.columns[:, :, None, :].expand(-1, -1, skew.matrices.shape[-2], -1)
+        self.skew_cut = skew.matrices.gather(-1, cut).contiguous().to(self.device)
 
     # -- lifecycle -----------------------------------------------------------------------------------------------
     def start(self, batch_size, prompt_lens, max_new_tokens):
@@ -86,15 +102,15 @@ class InfiniGenPolicy(BudgetedPolicy):
         sparse = s.num_layers - self.dense
         cap = max(prompt_lens) + max_new_tokens
         cuda = self.device.type == "cuda"
-        r = self.columns.shape[-1]
-        skew_bytes = self.skew_matrices.nbytes + self.columns.nbytes
+        r = self.skew_cut.shape[-1]
+        skew_bytes = self.skew_cut.nbytes
         # serving: the rows the device tier holds (its dense layers and partial keys); the host tier has no capacity
         row_device = (self.dense * 2 * s.head_dim + sparse * r) * s.num_kv_heads * cap * s.dtype_bytes
         rows = self.row_capacity(batch_size, row_device, beside=skew_bytes + self.query_bytes)
         shape = (rows, s.num_kv_heads, cap, s.head_dim)
+        self.fetches = self._fetches()
         self.bytes_moved = self.decode_steps = 0
         self.coverage: list[float] = []
-        self.selections: dict[int, tuple] = {}  # layer -> (chosen, keep), kept only to measure coverage
         self.ledger.add("device", "kv_reserved", self.dense * 2 * math.prod(shape) * s.dtype_bytes,
                         where="infinigen dense layers")
         self.ledger.add("device", "overhead", sparse * math.prod(shape[:3]) * r * s.dtype_bytes + skew_bytes
@@ -109,7 +125,8 @@ class InfiniGenPolicy(BudgetedPolicy):
         # matmul (0.10 against 0.31 ms a layer at 8 rows of 2,048 tokens in the einsum over a token-major cache)
         self.partial_k = torch.zeros((sparse, *shape[:2], r, shape[2]), dtype=s.dtype, device=self.device)
         self.lengths = torch.zeros(rows, dtype=torch.long)
-        self.fetched: dict[int, tuple] = {}  # layer -> (keys, values, count per row, attended) fetched for this step
+        # layer -> (index list [B, Hkv, W] (_select), picks per row, fetched keys, values or None where read in place)
+        self.fetched: dict[int, tuple] = {}
         self.captured: dict[int, tuple] = {}  # layer -> (attention input, (cos, sin)) of the current pass
         self.stream = torch.cuda.Stream() if cuda else None
         # only the layers that speculate for a sparse next layer need their input
@@ -147,10 +164,8 @@ class InfiniGenPolicy(BudgetedPolicy):
             # a blocking copy: a non-blocking one into pageable memory could be read before it lands
             self.host_k[i][r, heads, p] = key.to("cpu")
             self.host_v[i][r, heads, p] = value.to("cpu")
-        with self.timers.section("selection"):
-            skewed = torch.einsum("bhtd,hde->bhte", key, self.skew_matrices[layer])
-            cols = self.columns[layer][None, :, None, :].expand(*skewed.shape[:3], -1)
-            self.partial_k[i][r, heads, :, p] = skewed.gather(-1, cols)  # (advanced indices first: [B, Hkv, T, r])
+        with self.timers.section("selection"):  # (advanced indices first: [B, Hkv, T, r])
+            self.partial_k[i][r, heads, :, p] = torch.matmul(key, self.skew_cut[layer])
 
     def attend(self, layer, query, key, value, step: Step):
         t = step.q_len
@@ -180,24 +195,34 @@ class InfiniGenPolicy(BudgetedPolicy):
             self.usage.add(layer, step.tokens_seen, step.tokens_seen, len(rows))
             reads = DecodeReads(self.dense_k[layer], self.dense_v[layer], step.start + 1, rows=rows)
             return self.decode_attention(layer, query, reads)[0]
+        table, count, k_sel, v_sel = self.fetched.pop(layer)
+        # the current token's own key/value was computed just now: it is always attended, right after each row's
+        # count[b] picks, so a row reads its first count + 1
+        if k_sel is None:  # read in place: the new token is in the host tier already (stored above)
+            out, _ = self.decode_attention(layer, query, DecodeReads(self.host_k[layer - self.dense],
+                                                                     self.host_v[layer - self.dense], count + 1,
+                                                                     rows=rows, table=table))
+        else:
+            out = self._attend_fetched(layer, query, key, value, k_sel, v_sel, count)
+        self.usage.add(layer, int(count.sum()) + len(rows), step.tokens_seen, len(rows))
+        if self.measure_coverage:
+            self._record_coverage(layer, query, key, step, table[..., :int(count.max())], count)
+        return out
+
+    def _attend_fetched(self, layer, query, key, value, k_sel, v_sel, count):
         if self.stream is not None:
             torch.cuda.current_stream().wait_stream(self.stream)
-        k_sel, v_sel, count, attended = self.fetched.pop(layer)
-        # the current token's own key/value was computed just now: it is always attended, right after each row's
-        # fetched entries (a row fetched count[b] of the count.max() gathered), so a row reads its first count + 1
+        rows = len(count)
         with self.ledger.transient("device", "activations", k_sel.nbytes + v_sel.nbytes + key.nbytes + value.nbytes,
                                    f"infinigen fetched and new entries, layer {layer}"):
             k_all = torch.cat([k_sel, key], dim=2)
             v_all = torch.cat([v_sel, value], dim=2)
-            own = torch.arange(len(rows))
+            own = torch.arange(rows)
             at = count.to(self.device)
             k_all[own.to(self.device), :, at] = key[:, :, 0]
             v_all[own.to(self.device), :, at] = value[:, :, 0]
             out, _ = self.decode_attention(layer, query, DecodeReads(k_all, v_all, count + 1, rows=own))
         self.ledger.add("device", "kv", -(k_sel.nbytes + v_sel.nbytes))  # the fetched entries are dropped now
-        self.usage.add(layer, attended + len(rows), step.tokens_seen, len(rows))
-        if self.measure_coverage:
-            self._record_coverage(layer, query, key, step, self.selections.pop(layer))
         return out
 
     def _speculate_and_fetch(self, layer: int, step: Step):
@@ -207,26 +232,16 @@ class InfiniGenPolicy(BudgetedPolicy):
         group = s.num_attention_heads // s.num_kv_heads
         with self.timers.section("selection"):
             hidden, (cos, sin) = self.captured.pop(layer)
-            q = self.queries[nxt](hidden, (cos, sin))  # [B, Hq, 1, D]
-            q = q.reshape(len(rows), s.num_kv_heads, group, s.head_dim)
-            q_skew = torch.einsum("bhgd,hde->bhge", q, self.skew_matrices[nxt])
-            cols = self.columns[nxt][None, :, None, :].expand(len(rows), -1, group, -1)
-            q_part = q_skew.gather(-1, cols)  # [B, Hkv, G, r]
-            cached = step.start  # tokens already in the cache per row (the current one is not)
-            k_part = rows_view(self.partial_k[nxt - self.dense], rows)[..., :int(cached.max())]  # [B, Hkv, r, L]
-            approx = torch.matmul(q_part, k_part).amax(dim=2) * self.scale  # [B, Hkv, L]
-            if int(cached.min()) < approx.shape[-1]:  # rows shorter than the longest: their tail is no candidate
-                valid = (torch.arange(approx.shape[-1])[None, :] < cached[:, None]).to(self.device)
-                approx = approx.masked_fill(~valid[:, None, :], float("-inf"))
-            peak = approx.amax(dim=-1, keepdim=True)
-            candidates = (approx > peak - self.alpha).sum(dim=-1).float().mean(dim=-1).cpu()  # [B]
-            cap = torch.tensor([self.tokens_allowed(int(n)) for n in cached])
-            count = torch.minimum(candidates.round().long(), cap).clamp(min=1)
-            chosen = approx.topk(int(count.max()), dim=-1).indices  # [B, Hkv, n]
+            q = self.queries[nxt](hidden, (cos, sin)).reshape(len(rows), s.num_kv_heads, group, s.head_dim)
+            q_part = torch.matmul(q, self.skew_cut[nxt])  # [B, Hkv, G, r]
+            table, count = self._select(nxt, q_part, step)
+        if not self.fetches:
+            self.fetched[nxt] = (table, count, None, None)
+            return
         with self.timers.section("fetch"):
             i = nxt - self.dense
             r, heads = rows[:, None, None], torch.arange(s.num_kv_heads)[None, :, None]
-            idx = chosen.cpu()
+            idx = table[..., :int(count.max())]
             # every row gathers count.max() entries per head (the rest masked): that is what crosses to the device
             moved = 2 * math.prod(idx.shape) * s.head_dim * s.dtype_bytes
             self.ledger.add("device", "kv", moved, where=f"infinigen fetch, layer {nxt}")
@@ -234,15 +249,37 @@ class InfiniGenPolicy(BudgetedPolicy):
             with stream:
                 k_sel = self.host_k[i][r, heads, idx].to(self.device, non_blocking=True)
                 v_sel = self.host_v[i][r, heads, idx].to(self.device, non_blocking=True)
-            self.fetched[nxt] = (k_sel, v_sel, count, int(count.sum()))
+            self.fetched[nxt] = (table, count, k_sel, v_sel)
         self.bytes_moved += moved
-        if self.measure_coverage:
-            keep = (torch.arange(chosen.shape[-1])[None, None, :] < count[:, None, None]).to(self.device)
-            self.selections[nxt] = (chosen, keep)
 
-    def _record_coverage(self, layer, query, key, step, selection):
-        """Share of layer's true attention mass (over the whole cache) that the fetched entries carry."""
-        chosen, keep = selection
+    def _select(self, layer: int, q_part: torch.Tensor, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
+        """What each (row, KV head) of `layer` reads this step: (index list [B, Hkv, W] on the CPU, its picks first,
+        then the row's new token at position step.start; picks a head [B]). On kvlib's C kernels one call
+        (kvlib.kernels.cpu_kernel.infinigen_select); elsewhere the PyTorch ops below, which choose the same."""
+        rows, cached = step.rows, step.start  # tokens already in the cache per row (the current one is not)
+        cap = torch.tensor([self.tokens_allowed(int(n)) for n in cached])
+        keys = self.partial_k[layer - self.dense]
+        if self.decode_kernel == "c":
+            return cpu_kernel.infinigen_select(q_part, keys, rows, cached, cap, self.scale, self.alpha,
+                                               int(cap.max()) + 1)
+        k_part = rows_view(keys, rows)[..., :int(cached.max())]  # [B, Hkv, r, L]
+        approx = torch.matmul(q_part, k_part).amax(dim=2) * self.scale  # [B, Hkv, L]
+        if int(cached.min()) < approx.shape[-1]:  # rows shorter than the longest: their tail is no candidate
+            valid = (torch.arange(approx.shape[-1])[None, :] < cached[:, None]).to(self.device)
+            approx = approx.masked_fill(~valid[:, None, :], float("-inf"))
+        peak = approx.amax(dim=-1, keepdim=True)
+        candidates = (approx > peak - self.alpha).sum(dim=-1).float().mean(dim=-1).cpu()  # [B]
+        count = torch.minimum(candidates.round().long(), cap).clamp(min=1)
+        # best first, equal scores the earlier token first: the C selection's order
+        chosen = approx.sort(dim=-1, descending=True, stable=True).indices[..., :int(count.max())].cpu()
+        table = torch.cat([chosen, cached[:, None, None].expand(-1, chosen.shape[1], 1)], dim=-1)
+        table[torch.arange(len(rows)), :, count] = cached[:, None]
+        return table, count
+
+    def _record_coverage(self, layer, query, key, step, chosen, count):
+        """Share of layer's true attention mass (over the whole cache) that the selected entries carry."""
+        keep = (torch.arange(chosen.shape[-1])[None, None, :] < count[:, None, None]).to(self.device)
+        chosen = chosen.to(self.device)
         rows, i = step.rows, layer - self.dense
         kv_len = int(step.start.max())
         k_full = torch.cat([self.host_k[i][rows, :, :kv_len].to(self.device), key], dim=2)
@@ -289,4 +326,5 @@ class InfiniGenPolicy(BudgetedPolicy):
         return {"bytes_moved_host_to_device": self.bytes_moved,
                 "bytes_moved_per_step": self.bytes_moved / max(self.decode_steps, 1),
                 "speculation_coverage": sum(self.coverage) / len(self.coverage) if self.coverage else None,
-                "transfer": "pcie" if self.device.type == "cuda" else "host memory copy (no bus crossed)"}
+                "transfer": ("pcie" if self.device.type == "cuda" else "host memory copy (no bus crossed)")
+                if self.fetches else "read in place (host and device tiers are one memory)"}

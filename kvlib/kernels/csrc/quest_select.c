@@ -13,41 +13,11 @@
  * entry the call reads is checked against the pool before any work. fp32, OpenMP over (row, KV head). */
 #include <stdlib.h>
 
+#include "ranking.h"
 #include "vectors.h"
 
 /* What the call refuses, before it reads anything (kvlib.kernels.cpu_kernel turns each into one error). */
 enum { OK = 0, BAD_SHAPE = -1, BAD_LENGTH = -2, OUT_OF_BOUNDS = -3, NO_MEMORY = -4 };
-
-/* A float's bits as an unsigned integer of the same order: negatives flipped below positives, -0 made 0 first. */
-static inline uint32_t ordered(float x) {
-    uint32_t u;
-    x += 0.f; /* -0 + 0 = +0 */
-    memcpy(&u, &x, sizeof u);
-    return u & 0x80000000u ? ~u : u | 0x80000000u;
-}
-
-/* The k-th largest (1 <= k <= n) of n distinct values, a[] reordered (Hoare's quickselect). */
-static uint64_t kth_largest(uint64_t *a, int64_t n, int64_t k) {
-    int64_t lo = 0, hi = n - 1;
-    const int64_t want = k - 1; /* its index in descending order */
-    while (lo < hi) {
-        const uint64_t pivot = a[lo + (hi - lo) / 2];
-        int64_t i = lo, j = hi;
-        while (i <= j) { /* after: a[lo..j] >= pivot >= a[i..hi], a[j+1..i-1] == pivot */
-            while (a[i] > pivot) i++;
-            while (a[j] < pivot) j--;
-            if (i <= j) {
-                const uint64_t t = a[i];
-                a[i++] = a[j];
-                a[j--] = t;
-            }
-        }
-        if (want <= j) hi = j;
-        else if (want >= i) lo = i;
-        else return pivot;
-    }
-    return a[want];
-}
 
 /* q+ . hi + q- . lo over dim channels, in four independent sums rather than one chain of FMAs each waiting on the
  * last (~10% faster at dim 64, measured; what is left is mostly reading the bounds). */
