@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kvlib.errors import UserError
 from kvlib.memory.block_pool import BlockPool, BlockTable
 
 SERVING_UTILIZATION = 0.9  # vLLM's default gpu_memory_utilization: the share of a capacity its pool and weights take
@@ -23,8 +24,6 @@ SERVING_UTILIZATION = 0.9  # vLLM's default gpu_memory_utilization: the share of
 
 def check_pool_settings(block_size, num_blocks) -> None:
     """One clear error for a block-holding policy's pool settings (a profile's or the command line's)."""
-    from kvlib.errors import UserError
-
     if not isinstance(block_size, int) or block_size < 1 or block_size & (block_size - 1):
         raise UserError(f"block_size must be a power of two >= 1, got {block_size!r}")
     if num_blocks is not None and (not isinstance(num_blocks, int) or num_blocks < 1):

@@ -335,7 +335,7 @@ class ServingChoice:
 
     def text(self) -> str:
         limits = " and ".join(f"{SERVING_PERCENTILE} {name} <= {self.slo[key]:g} s"
-                              for key, name in (("ttft_s", "TTFT"), ("tpot_s", "TPOT")) if key in self.slo)
+                              for key, name in _LIMIT_NAMES.items() if key in self.slo)
         where = "no configured device capacity" if self.capacity_gb is None else f"{self.capacity_gb:g} GiB"
         lines = [f"At {self.rate:g} requests/s with {limits or 'no SLO given'} (serving results at {where}):"]
         if self.meets:

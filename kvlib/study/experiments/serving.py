@@ -123,9 +123,14 @@ def _does_not_fit(point: Point) -> dict | None:
         try:
             _kv_space(point.model, point.capacity_bytes)
         except UserError as exc:
-            return {"oom": True, "oom_where": str(exc), "completed": False, **{k: None for k in LATENCY_COLUMNS},
-                    "preemptions": None, "slo_attainment": None}
+            return _oom_row(str(exc))
     return None
+
+
+def _oom_row(where: str) -> dict:
+    """The row of a point whose runner cannot hold one request of the trace at the capacity: nothing measured."""
+    return {"oom": True, "oom_where": where, "completed": False, **{k: None for k in LATENCY_COLUMNS},
+            "preemptions": None, "slo_attainment": None}
 
 
 _untimed_rows: dict[str, dict] = {}  # per process: the instrumented replay's row of each point it has met
@@ -162,8 +167,7 @@ def _replay(point: Point, trace: Trace, *, memory_run: bool) -> dict:
         if not (kvlib_pool or vllm_pool):
             raise
         # the pool cannot hold one of the trace's requests even alone: the capacity does not fit this runner
-        return {"oom": True, "oom_where": str(exc).splitlines()[0], "completed": False,
-                **{k: None for k in LATENCY_COLUMNS}, "preemptions": None, "slo_attainment": None}
+        return _oom_row(str(exc).splitlines()[0])
     row = serving_row(result, point)
     good, served = row.get("goodput"), row.get("request_throughput")
     # the share of requests within every SLO limit (goodput and request throughput share one time span; rounded, so
