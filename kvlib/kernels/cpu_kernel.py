@@ -1,6 +1,7 @@
 """kvlib's CPU kernels (csrc/), built on first use and called through ctypes: decode attention
 (csrc/decode_attention.c), a Llama layer's small ops (csrc/layer_ops.c: RMSNorm with the residual add, RoPE,
-SiLU-and-multiply) and the selections of Quest (csrc/quest_select.c) and InfiniGen (csrc/infinigen_select.c).
+SiLU-and-multiply), the selections of Quest (csrc/quest_select.c) and InfiniGen (csrc/infinigen_select.c), and KIVI's
+decode-step store (csrc/kivi_store.c).
 
 PyTorch's CPU flash kernel pays ~60-90 us of fixed work a call and splits work by query blocks, which a decode step
 (one query a row) leaves nearly empty; the C kernel reads each row's keys and values where they lie, through a block
@@ -99,6 +100,8 @@ def _library() -> ctypes.CDLL | None:
     lib.infinigen_select.argtypes = [ptr, ptr, i64, i64, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_float,
                                      ctypes.c_float, ptr, i64, ptr]
     lib.infinigen_select.restype = ctypes.c_int
+    lib.kivi_store.argtypes = [ptr, ptr, i64, i64, ptr, ptr, i64, *[ptr] * 8, *[i64] * 8]
+    lib.kivi_store.restype = ctypes.c_int
     limits = [i64() for _ in range(4)]
     lib.decode_attention_limits(*map(ctypes.byref, limits))
     lib.chunk, lib.max_group, lib.max_dim, lib.lanes = (x.value for x in limits)
@@ -193,6 +196,17 @@ def decode(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, row_of
 
 def _quantized_args(q, rows: torch.Tensor, batch: int, kv_heads: int, dim: int) -> _Quantized:
     """The kernel's view of a QuantizedKV, its tensors checked against one another (the kernel checks the counts)."""
+    n_rows, capacity, code_bytes = _checked_codes(q, kv_heads)
+    for x in (rows, q.keys_quantized, q.values_quantized):
+        if x is None or tuple(x.shape) != (batch,) or x.dtype != torch.int64 or not x.is_contiguous():
+            raise ValueError("the C decode kernel takes quantized rows and counts as contiguous int64 [batch] tensors")
+    return _Quantized(q.key_codes.data_ptr(), q.value_codes.data_ptr(), q.key_scale.data_ptr(), q.key_zero.data_ptr(),
+                      q.value_scale.data_ptr(), q.value_zero.data_ptr(), rows.data_ptr(), q.keys_quantized.data_ptr(),
+                      q.values_quantized.data_ptr(), n_rows, q.bits, code_bytes, capacity, q.group, q.value_group)
+
+
+def _checked_codes(q, kv_heads: int) -> tuple[int, int, int]:
+    """A QuantizedKV's arrays checked against one another: (cache rows, capacity in tokens, code bytes a token)."""
     n_rows, _, capacity, code_bytes = q.key_codes.shape
     scales = q.key_scale.shape[-1]
     value_groups = q.value_scale.shape[-1]
@@ -204,14 +218,9 @@ def _quantized_args(q, rows: torch.Tensor, batch: int, kv_heads: int, dim: int) 
         x = getattr(q, name)
         dtype = torch.uint8 if name.endswith("codes") else torch.float32
         if tuple(x.shape) != shape or x.dtype != dtype or not x.is_contiguous() or x.device.type != "cpu":
-            raise ValueError(f"the C decode kernel got a quantized {name} {tuple(x.shape)} {x.dtype}; expected a "
+            raise ValueError(f"kvlib's C kernels got a quantized {name} {tuple(x.shape)} {x.dtype}; expected a "
                              f"contiguous CPU {dtype} tensor {shape}")
-    for x in (rows, q.keys_quantized, q.values_quantized):
-        if x is None or tuple(x.shape) != (batch,) or x.dtype != torch.int64 or not x.is_contiguous():
-            raise ValueError("the C decode kernel takes quantized rows and counts as contiguous int64 [batch] tensors")
-    return _Quantized(q.key_codes.data_ptr(), q.value_codes.data_ptr(), q.key_scale.data_ptr(), q.key_zero.data_ptr(),
-                      q.value_scale.data_ptr(), q.value_zero.data_ptr(), rows.data_ptr(), q.keys_quantized.data_ptr(),
-                      q.values_quantized.data_ptr(), n_rows, q.bits, code_bytes, capacity, q.group, q.value_group)
+    return n_rows, capacity, code_bytes
 
 
 # -- a Llama layer's small ops (csrc/layer_ops.c) ------------------------------------------------------------------------
@@ -328,3 +337,30 @@ def infinigen_select(query: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor
     if code:
         raise ValueError(f"InfiniGen's C selection refused its input: {INFINIGEN_REFUSED.get(code, f'code {code}')}")
     return table, count
+
+
+# -- KIVI's decode-step store (csrc/kivi_store.c) ----------------------------------------------------------------------
+def kivi_store(key: torch.Tensor, value: torch.Tensor, rows: torch.Tensor, begin: torch.Tensor,
+               key_ring: torch.Tensor, value_ring: torch.Tensor, coded, residual: int) -> None:
+    """KIVI's store of one layer's decode step (kvlib.policies.kivi), in place: key, value [B, Hkv, D] (each row's D x
+    Hkv floats contiguous) go to cache rows `rows` holding `begin` tokens, into the rings [N, Hkv, residual, D]; the
+    value each pushes out of its ring, and a key ring that fills, become codes in `coded` (a
+    kvlib.kernels.quantized.QuantizedKV whose counts are not read). rows, begin: int64 [B]."""
+    b, kv_heads, d = key.shape
+    n_rows, capacity, _ = _checked_codes(coded, kv_heads)
+    arrays = (key_ring, value_ring, coded.key_codes, coded.key_scale, coded.key_zero, coded.value_codes,
+              coded.value_scale, coded.value_zero)
+    if any(x.device.type != "cpu" or not x.is_contiguous() for x in (*arrays, rows, begin)) \
+            or any(x.shape != key.shape or x.stride(-1) != 1 or x.stride(-2) != d or x.dtype != torch.float32
+                   or x.device.type != "cpu" for x in (key, value)) \
+            or any(x.dtype != torch.int64 or x.shape != (b,) for x in (rows, begin)) \
+            or any(x.shape != (n_rows, kv_heads, residual, d) or x.dtype != torch.float32
+                   for x in (key_ring, value_ring)):
+        raise ValueError("KIVI's C store takes contiguous CPU caches and rings [N, Hkv, residual, D], fp32 keys and "
+                         "values [B, Hkv, D] with contiguous heads, and int64 rows and lengths [B]")
+    code = _library().kivi_store(key.data_ptr(), value.data_ptr(), key.stride(0), value.stride(0), rows.data_ptr(),
+                                 begin.data_ptr(), b, *(x.data_ptr() for x in arrays), n_rows, kv_heads, d, residual,
+                                 capacity, coded.bits, coded.group, coded.value_group)
+    if code:
+        reason = {-1: "a shape outside its limits", -2: "a row or a length out of range"}.get(code, f"code {code}")
+        raise ValueError(f"KIVI's C store refused its input: {reason}")

@@ -86,8 +86,8 @@ class QuantizedKV:
     value_codes: torch.Tensor
     value_scale: torch.Tensor
     value_zero: torch.Tensor
-    keys_quantized: torch.Tensor  # [B] int64
-    values_quantized: torch.Tensor  # [B] int64
+    keys_quantized: torch.Tensor | None  # [B] int64 (None where only written, not read)
+    values_quantized: torch.Tensor | None  # [B] int64
     bits: int
     group: int
     value_group: int

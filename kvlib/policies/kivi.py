@@ -46,6 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlib.errors import UserError
+from kvlib.kernels import cpu_kernel
 from kvlib.kernels.attention import prefill_attention
 from kvlib.kernels.decode import DecodeReads
 from kvlib.kernels.quantized import BITS, QuantizedKV, dequantize, encode_keys, encode_values
@@ -189,7 +190,12 @@ class KIVIPolicy(KVPolicy):
 
     def _store_token(self, layer, rows, begin, key, value):
         """A decode step's key and value [B, Hkv, D] of rows holding `begin` tokens: a value pushed out of the ring
-        becomes codes, and a key residual that fills is quantized as a whole."""
+        becomes codes, and a key residual that fills is quantized as a whole. On kvlib's C kernels one call
+        (kvlib.kernels.cpu_kernel.kivi_store); elsewhere the PyTorch ops below, which write the same codes."""
+        if self.decode_kernel == "c":
+            cpu_kernel.kivi_store(key, value, rows, begin, self.key_residual[layer], self.value_residual[layer],
+                                  self._coded(layer), self.residual)
+            return
         r = self.residual
         slot = begin % r
         leaving = begin >= r  # the value of token begin - r sits in the slot the new token takes
@@ -204,12 +210,16 @@ class KIVIPolicy(KVPolicy):
             self._write_key_codes(layer, row, last + 1 - r, self.key_residual[layer, row])
 
     # -- reading ---------------------------------------------------------------------------------------------------
+    def _coded(self, layer: int, lengths: torch.Tensor | None = None) -> QuantizedKV:
+        """One layer's codes, as held by rows of these lengths (None: a writer's view, the counts unset)."""
+        counts = (None, None) if lengths is None else (self.keys_quantized(lengths), self.values_quantized(lengths))
+        return QuantizedKV(*(getattr(self, name)[layer] for name in CACHES[:6]), *counts, bits=self.code_bits,
+                           group=self.group_size, value_group=self.value_group)
+
     def _reads(self, layer: int, rows: torch.Tensor, lengths: torch.Tensor) -> DecodeReads:
         """What rows holding `lengths` tokens read: their codes in place, the rest in the residual ring."""
-        coded = QuantizedKV(*(getattr(self, name)[layer] for name in CACHES[:6]),
-                            keys_quantized=self.keys_quantized(lengths), values_quantized=self.values_quantized(lengths),
-                            bits=self.code_bits, group=self.group_size, value_group=self.value_group)
-        return DecodeReads(self.key_residual[layer], self.value_residual[layer], lengths, rows=rows, quantized=coded)
+        return DecodeReads(self.key_residual[layer], self.value_residual[layer], lengths, rows=rows,
+                           quantized=self._coded(layer, lengths))
 
     # -- the contract ----------------------------------------------------------------------------------------------
     def attend(self, layer, query, key, value, step: Step):
