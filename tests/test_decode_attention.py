@@ -123,7 +123,7 @@ def random_quantized_case(rng: random.Random):
     """A query over rows whose oldest tokens are codes (random bytes: any byte is a valid code) and the rest in a
     residual ring; the keys and values each (row, KV head) reads, dequantized token by token by the layout's rule."""
     bits = rng.choice([*BITS, RAW_BITS])
-    group, dim = rng.choice([4, 8, 32]), rng.choice([16, 64, 128])
+    group, dim = rng.choice([4, 8, 16, 32, 64]), rng.choice([16, 64, 128])  # 16 up: keys scored a vector of tokens
     value_group, ring = min(rng.choice([8, 16, 32]), dim), group * rng.choice([1, 2])
     batch, heads, q_group = rng.randint(1, 3), rng.randint(1, 3), rng.choice([1, 3, 7])
     lengths = torch.tensor([rng.choice([1, 2, ring, 255, 257, rng.randint(1, 600)]) for _ in range(batch)])
@@ -132,12 +132,16 @@ def random_quantized_case(rng: random.Random):
     rows = torch.tensor(rng.sample(range(n_rows), batch))
     scales = 0 if bits == RAW_BITS else dim
     code_bytes = dim * bits // 8
-    codes = [torch.randint(0, 256, (n_rows, heads, capacity, code_bytes), dtype=torch.uint8) for _ in range(2)]
+    key_shape = (n_rows, heads, capacity // group, dim, group * bits // 8)  # each channel's codes along its group
+    codes = [torch.randint(0, 256, shape, dtype=torch.uint8) for shape in (key_shape, (*key_shape[:2], capacity,
+                                                                             code_bytes))]
     if bits == RAW_BITS:  # each value's own fp32 bytes
-        codes = [torch.randn(n_rows, heads, capacity, dim).view(torch.uint8) for _ in range(2)]
-    coded = QuantizedKV(codes[0], torch.rand(n_rows, heads, capacity // group, scales),
+        codes = [torch.randn(*key_shape[:4], group).view(torch.uint8),
+                 torch.randn(n_rows, heads, capacity, dim).view(torch.uint8)]
+    top = 2 ** bits - 1 if bits != RAW_BITS else 1  # a scale spreads the codes over a range of ~1, as min-max's does
+    coded = QuantizedKV(codes[0], torch.rand(n_rows, heads, capacity // group, scales) * 4 / top,
                         torch.randn(n_rows, heads, capacity // group, scales), codes[1],
-                        torch.rand(n_rows, heads, capacity, scales // value_group),
+                        torch.rand(n_rows, heads, capacity, scales // value_group) * 4 / top,
                         torch.randn(n_rows, heads, capacity, scales // value_group),
                         keys_quantized=torch.tensor([rng.randint(0, int(n) // group) * group for n in lengths]),
                         values_quantized=torch.tensor([rng.randint(0, int(n)) for n in lengths]),
@@ -148,12 +152,15 @@ def random_quantized_case(rng: random.Random):
         row = int(rows[b])
         if t >= int(getattr(coded, f"{kind}s_quantized")[b]):
             return (ring_keys if kind == "key" else ring_values)[row, h, t % ring]
-        raw = getattr(coded, f"{kind}_codes")[row, h, t]
+        if kind == "key":  # channel c's code of token t: the (t % group)-th along its group
+            raw = coded.key_codes[row, h, t // group]
+            x = raw.view(torch.float32) if bits == RAW_BITS else unpack(raw, bits).float()
+            x = x[:, t % group]
+            return x if bits == RAW_BITS else x * coded.key_scale[row, h, t // group] + coded.key_zero[row, h, t // group]
+        raw = coded.value_codes[row, h, t]
         if bits == RAW_BITS:
             return raw.view(torch.float32)
         x = unpack(raw, bits).float()
-        if kind == "key":
-            return x * coded.key_scale[row, h, t // group] + coded.key_zero[row, h, t // group]
         return (x.view(-1, value_group) * coded.value_scale[row, h, t, :, None]
                 + coded.value_zero[row, h, t, :, None]).flatten()
 
@@ -167,7 +174,7 @@ def random_quantized_case(rng: random.Random):
     return query, DecodeReads(ring_keys, ring_values, lengths, rows=rows, quantized=coded), per_row
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(8))
 def test_coded_tokens_are_read_in_place_as_dequantized(seed):
     """KIVI's layout, 6 random cases a seed: every code width and the raw bytes, groups, rings, lengths across the
     kernel's jobs and coded counts anywhere in a row; the C kernel reads the codes where they lie, the PyTorch path

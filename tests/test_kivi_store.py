@@ -19,7 +19,7 @@ needs_kernel = pytest.mark.skipif(not cpu_kernel.available(), reason="no C compi
 
 def started_policy(rng: random.Random, bits: int, quantize: bool):
     """A KIVI policy holding random caches for a few cache rows of a 2-layer model."""
-    group = rng.choice([1, 4, 8])
+    group = rng.choice([4, 8, 16, 32])
     residual = group * rng.choice([1, 2, 4])
     kv_heads, head_dim = rng.choice([1, 2, 3]), rng.choice([16, 32, 64])
     policy = make_policy("kivi", bits=bits, group_size=group, residual=residual, quantize=quantize)
@@ -57,7 +57,7 @@ def store(policy, kernel, layer, rows, begin, key, value):
 def test_the_c_store_equals_the_pytorch_path(bits, quantize, seed):
     rng = random.Random(seed * 10 + bits)
     policy = started_policy(rng, bits, quantize)
-    n_rows, kv_heads, capacity = policy.key_codes.shape[1], policy.spec.num_kv_heads, policy.key_codes.shape[3]
+    n_rows, kv_heads, capacity = policy.value_codes.shape[1], policy.spec.num_kv_heads, policy.value_codes.shape[3]
     r, d = policy.residual, policy.spec.head_dim
     for _ in range(6):
         batch = rng.randint(1, n_rows)
@@ -78,7 +78,7 @@ def test_the_c_store_equals_the_pytorch_path(bits, quantize, seed):
 @needs_kernel
 def test_the_c_store_refuses_what_it_cannot_write():
     policy = started_policy(random.Random(0), 2, True)
-    n_rows, kv_heads, capacity = policy.key_codes.shape[1], policy.spec.num_kv_heads, policy.key_codes.shape[3]
+    n_rows, kv_heads, capacity = policy.value_codes.shape[1], policy.spec.num_kv_heads, policy.value_codes.shape[3]
     key = torch.zeros(1, kv_heads, policy.spec.head_dim)
     policy.decode_kernel = "c"
     for rows, begin in (([n_rows], [0]), ([-1], [0]), ([0], [capacity]), ([0], [-1])):

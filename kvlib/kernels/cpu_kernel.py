@@ -139,7 +139,8 @@ REFUSED = {-1: "a shape outside its limits (query heads per KV head <= {max_grou
            -2: "a length below 0 or past its table, its workspace or its probabilities",
            -3: "a block outside the keys and values (a table entry or offset past the cache)",
            -4: "no memory for its job list",
-           -5: "a quantized cache it cannot read (bits, code width, groups, a row or a coded count out of range)"}
+           -5: "a quantized cache it cannot read (bits, code width, groups, a row or a coded count out of range, "
+               "keys coded in part of a group)"}
 
 
 def decode(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, row_offset: torch.Tensor,
@@ -207,12 +208,14 @@ def _quantized_args(q, rows: torch.Tensor, batch: int, kv_heads: int, dim: int) 
 
 def _checked_codes(q, kv_heads: int) -> tuple[int, int, int]:
     """A QuantizedKV's arrays checked against one another: (cache rows, capacity in tokens, code bytes a token)."""
-    n_rows, _, capacity, code_bytes = q.key_codes.shape
+    n_rows, _, capacity, code_bytes = q.value_codes.shape
     scales = q.key_scale.shape[-1]
     value_groups = q.value_scale.shape[-1]
-    expected = {"key_codes": (n_rows, kv_heads, capacity, code_bytes), "value_codes": (n_rows, kv_heads, capacity,
-                code_bytes), "key_scale": (n_rows, kv_heads, capacity // q.group, scales), "key_zero": (n_rows, kv_heads,
-                capacity // q.group, scales), "value_scale": (n_rows, kv_heads, capacity, value_groups),
+    dim = code_bytes * 8 // q.bits
+    groups = capacity // q.group
+    expected = {"key_codes": (n_rows, kv_heads, groups, dim, q.group * q.bits // 8),
+                "value_codes": (n_rows, kv_heads, capacity, code_bytes), "key_scale": (n_rows, kv_heads, groups, scales),
+                "key_zero": (n_rows, kv_heads, groups, scales), "value_scale": (n_rows, kv_heads, capacity, value_groups),
                 "value_zero": (n_rows, kv_heads, capacity, value_groups)}
     for name, shape in expected.items():
         x = getattr(q, name)

@@ -2,12 +2,14 @@
 
 Keys are quantized per channel over groups of `group` consecutive tokens (a scale and a zero point per channel and
 group: key outliers sit in fixed channels), values per token over groups of `value_group` channels; x ~ code x scale +
-zero, min-max asymmetric. Codes are packed into uint8 along the channels, 8 / bits to a byte, lowest bits first (a
-16-bit code takes two bytes). What a policy keeps in full precision (KIVI's residual) is a ring of `residual` slots,
+zero, min-max asymmetric. Codes are packed into uint8, 8 / bits to a byte, lowest bits first (a 16-bit code takes two
+bytes): a key group's codes channel by channel, each along the group's tokens (as KIVI packs them), a value's along its
+channels. What a policy keeps in full precision (KIVI's residual) is a ring of `residual` slots,
 token t in slot t % residual, read through the ordinary layout of kvlib.kernels.decode.
 
-The C kernel dequantizes each coded token as it reads it, into a vector that stays in L1, so a decode step reads the
-codes, not a full-precision copy; the PyTorch path (GPU, other dtypes, no compiler) dequantizes the rows into a copy
+The C kernel reads the codes where they lie (a key group's scores channel by channel against the query times the
+channel's scale, LANES tokens at a time; a value dequantized into a vector that stays in L1), so a decode step reads
+the codes, not a full-precision copy; the PyTorch path (GPU, other dtypes, no compiler) dequantizes the rows into a copy
 (`dequantize`) and attends that.
 """
 
@@ -51,14 +53,15 @@ def quantize(x: torch.Tensor, dim: int, bits: int) -> tuple[torch.Tensor, torch.
 
 
 def encode_keys(keys: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Keys [..., T, D] (T a multiple of group) -> (packed codes [..., T, code bytes], scale and zero [..., T / group,
-    D]); with RAW_BITS the raw bytes and empty scales."""
+    """Keys [..., T, D] (T a multiple of group) -> (packed codes [..., T / group, D, group x bits / 8], each channel's
+    along the group's tokens; scale and zero [..., T / group, D]); with RAW_BITS the raw bytes and empty scales."""
     *lead, t, d = keys.shape
+    grouped = keys.reshape(*lead, t // group, group, d)
     if bits == RAW_BITS:
         empty = keys.new_empty(*lead, t // group, 0)
-        return keys.contiguous().view(torch.uint8), empty, empty
-    codes, scale, zero = quantize(keys.reshape(*lead, t // group, group, d), dim=-2, bits=bits)
-    return pack(codes.flatten(-3, -2), bits), scale.squeeze(-2), zero.squeeze(-2)
+        return grouped.transpose(-1, -2).contiguous().view(torch.uint8), empty, empty
+    codes, scale, zero = quantize(grouped, dim=-2, bits=bits)
+    return pack(codes.transpose(-1, -2), bits), scale.squeeze(-2), zero.squeeze(-2)
 
 
 def encode_values(values: torch.Tensor, bits: int, value_group: int
@@ -77,7 +80,8 @@ class QuantizedKV:
     values_quantized[b] are codes of cache row DecodeReads.rows[b]; its other tokens are in the residual ring
     (DecodeReads.keys / values [N, Hkv, residual, D]).
 
-    key_codes, value_codes [N, Hkv, capacity, D * bits / 8] uint8; key_scale, key_zero [N, Hkv, capacity / group, D];
+    key_codes [N, Hkv, capacity / group, D, group * bits / 8], value_codes [N, Hkv, capacity, D * bits / 8] uint8;
+    key_scale, key_zero [N, Hkv, capacity / group, D];
     value_scale, value_zero [N, Hkv, capacity, D / value_group] (empty in the last dimension for RAW_BITS)."""
 
     key_codes: torch.Tensor
@@ -117,13 +121,13 @@ def dequantize(quantized: QuantizedKV, residual_keys: torch.Tensor, residual_val
 def _decoded_keys(q: QuantizedKV, rows, count: int, d: int, dtype):
     if not count:
         return None
-    count = -(-count // q.group) * q.group  # whole groups (a row's count past them is masked by the caller)
-    codes = q.key_codes[rows, :, :count]
+    groups = -(-count // q.group)  # whole groups (a row's count past them is masked by the caller)
+    codes = q.key_codes[rows, :, :groups]  # [B, Hkv, groups, D, group bytes]
     if q.bits == RAW_BITS:
-        return codes.contiguous().view(dtype)
-    x = unpack(codes, q.bits).to(dtype).view(*codes.shape[:2], count // q.group, q.group, d)
-    scale, zero = q.key_scale[rows, :, :count // q.group], q.key_zero[rows, :, :count // q.group]
-    return (x * scale[:, :, :, None] + zero[:, :, :, None]).flatten(2, 3)
+        return codes.contiguous().view(dtype).transpose(-1, -2).flatten(2, 3)
+    x = unpack(codes, q.bits).to(dtype)  # [B, Hkv, groups, D, group]
+    scale, zero = q.key_scale[rows, :, :groups], q.key_zero[rows, :, :groups]
+    return (x * scale[..., None] + zero[..., None]).transpose(-1, -2).flatten(2, 3)
 
 
 def _decoded_values(q: QuantizedKV, rows, count: int, d: int, dtype):

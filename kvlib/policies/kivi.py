@@ -26,11 +26,11 @@ Read: jy-yuan/KIVI `quant/new_pack.py` (quant_and_pack_kcache / vcache: min-max 
 (max - min) / (2^bits - 1), codes packed into int32 along tokens for keys and channels for values) and
 `models/llama_kivi.py` (prefill quantizes all but T mod residual keys and all but the last residual values; at decode a
 full key residual is quantized at once, one value token at a time). Deviations:
-- The official fused kernels fold the key scales into the query and multiply packed codes directly; kvlib's C kernel
-  dequantizes a token into an L1-resident vector and runs the same dot product as for every policy (a few
-  operations a value more, the same bytes read).
-- Codes are packed into uint8 along the channels for keys and values alike (the official packs keys along tokens into
-  int32): the same bytes, and a token-major layout that a row's growing length does not reshape.
+- Keys are scored as the official fused kernels score them, the key scales folded into the query and the packed codes
+  multiplied directly (a group's channel at a time, 16 tokens to a vector); values are dequantized a token at a time
+  into an L1-resident vector and weighted as every policy's are.
+- Codes are packed into uint8 (the official packs into int32): keys along a group's tokens, channel by channel, as the
+  official; values along the channels. The same bytes.
 - Prefill attends over the chunk in full precision and over earlier chunks (or earlier turns) as stored, quantized: the
   official prefill is one pass over the full-precision prompt, which kvlib's fused prefill reproduces.
 - A zero range (max = min) quantizes to code 0 with zero scale instead of dividing by zero.
@@ -80,10 +80,10 @@ class KIVIPolicy(KVPolicy):
         super().bind(model, ledger, timers)
         d = self.spec.head_dim
         self.value_group = min(self.group_size, d)
-        if d % self.value_group or (d * self.bits) % 8:
-            raise UserError(f"policy 'kivi' needs head_dim ({d}) divisible by its value group ({self.value_group}) "
-                            f"and by 8 / bits")
         self.code_bits = self.bits if self.quantize else 8 * self.spec.dtype_bytes
+        if d % self.value_group or (d * self.code_bits) % 8 or (self.group_size * self.code_bits) % 8:
+            raise UserError(f"policy 'kivi' needs head_dim ({d}) divisible by its value group ({self.value_group}), "
+                            f"and head_dim and group_size ({self.group_size}) by 8 / bits (codes fill whole bytes)")
 
     # -- storage ---------------------------------------------------------------------------------------------------
     def start(self, batch_size, prompt_lens, max_new_tokens):
@@ -106,7 +106,7 @@ class KIVIPolicy(KVPolicy):
         base = (s.num_layers, rows, s.num_kv_heads)
         code_bytes = s.head_dim * self.code_bits // 8
         scales = s.head_dim if self.quantize else 0
-        return {"key_codes": ((*base, cap, code_bytes), torch.uint8),
+        return {"key_codes": ((*base, cap // g, s.head_dim, g * self.code_bits // 8), torch.uint8),
                 "key_scale": ((*base, cap // g, scales), s.dtype), "key_zero": ((*base, cap // g, scales), s.dtype),
                 "value_codes": ((*base, cap, code_bytes), torch.uint8),
                 "value_scale": ((*base, cap, scales // self.value_group), s.dtype),
@@ -121,9 +121,9 @@ class KIVIPolicy(KVPolicy):
 
     def prepare(self, step: Step):
         grown = int((step.start + step.q_len).max())
-        if grown > self.key_codes.shape[3]:
+        if grown > self.value_codes.shape[3]:
             raise UserError(f"a row grew to {grown} tokens, past the lengths given to start() "
-                            f"({self.key_codes.shape[3]} slots)")
+                            f"({self.value_codes.shape[3]} slots)")
 
     def keys_quantized(self, lengths: torch.Tensor) -> torch.Tensor:
         """Keys held as codes in rows of these lengths: whole residuals (a full one is quantized at once)."""
@@ -160,7 +160,7 @@ class KIVIPolicy(KVPolicy):
         """Keys [Hkv, m, D] (m a multiple of group_size) as codes of tokens at..at+m of a row."""
         codes, scale, zero = encode_keys(keys, self.code_bits, self.group_size)
         g = self.group_size
-        self.key_codes[layer, row, :, at:at + keys.shape[1]] = codes
+        self.key_codes[layer, row, :, at // g:(at + keys.shape[1]) // g] = codes
         self.key_scale[layer, row, :, at // g:(at + keys.shape[1]) // g] = scale
         self.key_zero[layer, row, :, at // g:(at + keys.shape[1]) // g] = zero
 

@@ -2,8 +2,10 @@
  * and KV head reads where it lies (a row of a contiguous cache, a paged pool through a block table per row, a block
  * list per row and KV head, an index list), each over its own length: no copy, no padding to the longest row.
  * Optionally it also returns each token's attention probability summed over the KV head's query group (H2O's score).
- * A row's oldest keys and values may be low-bit codes (KIVI's layout, kvlib.kernels.quantized): each token is
- * dequantized as it is read, into a vector that stays in L1, so the cache's codes are all that is read from memory.
+ * A row's oldest keys and values may be low-bit codes (KIVI's layout, kvlib.kernels.quantized), read where they lie:
+ * a group of coded keys is scored channel by channel, LANES tokens at a time, against the query scaled by the
+ * channel's scale (no key is dequantized); a coded value is dequantized as it is read, into a vector that stays in L1.
+ * The cache's codes are all that is read from memory.
  *
  * Work is split into (row, KV head, chunk of CHUNK tokens) jobs, so one long row still keeps every core busy; each
  * job writes its softmax's max, sum and weighted values, and a second pass merges a row's chunks. Every read is
@@ -57,11 +59,13 @@ static inline int64_t slot(const layout *l, const int64_t *tbl, int64_t base, in
 
 /* Where a row's oldest tokens are codes: row b's keys of tokens t < keys_quantized[b] and values of tokens
  * t < values_quantized[b] are read from cache row rows[b] of the arrays below (each contiguous), the rest through the
- * layout above. Keys are quantized per channel over groups of `group` tokens, values per token over groups of
- * `value_group` channels, x = code x scale + zero; codes of `bits` bits packed into bytes lowest bits first (RAW_BITS:
- * the fp32 value itself, no scale).
- *   key_codes, value_codes [n_rows, kv_heads, capacity, code_bytes]; key_scale, key_zero [n_rows, kv_heads,
- *   capacity / group, dim]; value_scale, value_zero [n_rows, kv_heads, capacity, dim / value_group] */
+ * layout above. Keys are quantized per channel over groups of `group` tokens, each channel's codes packed along
+ * the group's tokens (as KIVI's own kernels pack them); values per token over groups of `value_group` channels,
+ * packed along the channels; x = code x scale + zero; codes of `bits` bits packed into bytes lowest bits first (RAW_BITS: the fp32
+ * value itself, no scale).
+ *   key_codes [n_rows, kv_heads, capacity / group, dim, group * bits / 8]; value_codes [n_rows, kv_heads, capacity,
+ *   code_bytes]; key_scale, key_zero [n_rows, kv_heads, capacity / group, dim]; value_scale, value_zero [n_rows,
+ *   kv_heads, capacity, dim / value_group] */
 typedef struct {
     const uint8_t *key_codes, *value_codes;
     const float *key_scale, *key_zero, *value_scale, *value_zero;
@@ -95,19 +99,75 @@ static inline vf unpacked(const uint8_t *c, int64_t bits) {
     }
 }
 
-/* Key t of cache row `row`, KV head h, into out[dim]: its codes times its group's per-channel scale, plus zero. */
-static inline void dequantized_key(const quantized *q, int64_t row, int64_t h, int64_t kv_heads, int64_t t,
-                                   int64_t dim, float *out) {
-    const int64_t rh = row * kv_heads + h, step = LANES * q->bits / 8;
-    const uint8_t *codes = q->key_codes + (rh * q->capacity + t) * q->code_bytes;
+/* Code i of those packed at c (i * bits bits in). */
+static inline float code_at(const uint8_t *c, int64_t i, int64_t bits) {
+    if (bits == 16) return (float)(c[2 * i] | c[2 * i + 1] << 8);
+    return (float)(c[i * bits / 8] >> (i * bits % 8) & ((1 << bits) - 1));
+}
+
+/* The first byte of channel c's codes, in the key group holding token t of cache row `row`, KV head h. */
+static inline const uint8_t *key_channel(const quantized *q, int64_t row, int64_t h, int64_t kv_heads, int64_t t,
+                                         int64_t dim, int64_t c) {
+    const int64_t group_bytes = q->group * q->bits / 8;
+    return q->key_codes + (((row * kv_heads + h) * (q->capacity / q->group) + t / q->group) * dim + c) * group_bytes;
+}
+
+/* Key t into out[dim], channel by channel (a group whose tokens do not fill whole vectors). */
+static void dequantized_key(const quantized *q, int64_t row, int64_t h, int64_t kv_heads, int64_t t, int64_t dim,
+                            float *out) {
+    const uint8_t *codes = key_channel(q, row, h, kv_heads, t, dim, 0);
+    const int64_t i = t % q->group, group_bytes = q->group * q->bits / 8;
     if (q->bits == RAW_BITS) {
-        memcpy(out, codes, dim * sizeof(float));
+        for (int64_t c = 0; c < dim; c++) memcpy(out + c, codes + c * group_bytes + i * sizeof(float), sizeof(float));
         return;
     }
-    const int64_t at = (rh * (q->capacity / q->group) + t / q->group) * dim;
-    const float *scale = q->key_scale + at, *zero = q->key_zero + at;
-    for (int64_t d = 0; d < dim; d += LANES, codes += step)
-        *(vf *)(out + d) = unpacked(codes, q->bits) * *(const vf *)(scale + d) + *(const vf *)(zero + d);
+    const int64_t at = ((row * kv_heads + h) * (q->capacity / q->group) + t / q->group) * dim;
+    for (int64_t c = 0; c < dim; c++)
+        out[c] = code_at(codes + c * group_bytes, i, q->bits) * q->key_scale[at + c] + q->key_zero[at + c];
+}
+
+/* The scores of the group of coded keys from token t (a multiple of q->group, a multiple of LANES) for each of the
+ * G query heads qh, into scores[g][i..]: q.k = sum_c q_c scale_c code_c + q.zero, so the query is scaled once a group
+ * and each channel's codes, LANES tokens in a vector, are multiplied into G sums that never cross lanes. G is a
+ * constant where the caller inlines it (the sums stay in registers). */
+static inline __attribute__((always_inline)) void coded_key_scores(
+    const quantized *q, int64_t row, int64_t h, int64_t kv_heads, int64_t t, const float *qh, const int64_t G,
+    int64_t dim, float scale, float scores[][CHUNK], int64_t i) {
+    float qs[MAX_GROUP][MAX_DIM] __attribute__((aligned(64))), base[MAX_GROUP];
+    const int64_t at = ((row * kv_heads + h) * (q->capacity / q->group) + t / q->group) * dim;
+    for (int64_t g = 0; g < G; g++) {
+        float zero = 0.f;
+        for (int64_t c = 0; c < dim; c++) {
+            const float x = qh[g * dim + c] * scale;
+            qs[g][c] = q->bits == RAW_BITS ? x : x * q->key_scale[at + c];
+            zero += q->bits == RAW_BITS ? 0.f : x * q->key_zero[at + c];
+        }
+        base[g] = zero;
+    }
+    const uint8_t *codes = key_channel(q, row, h, kv_heads, t, dim, 0);
+    const int64_t group_bytes = q->group * q->bits / 8, step = LANES * q->bits / 8;
+    for (int64_t j = 0; j < q->group; j += LANES) {
+        vf acc[MAX_GROUP];
+        for (int64_t g = 0; g < G; g++) acc[g] = (vf){} + base[g];
+        for (int64_t c = 0; c < dim; c++) {
+            const vf x = unpacked(codes + c * group_bytes + j / LANES * step, q->bits);
+            for (int64_t g = 0; g < G; g++) acc[g] += qs[g][c] * x;
+        }
+        for (int64_t g = 0; g < G; g++) *(vf *)&scores[g][i + j] = acc[g];
+    }
+}
+
+static void coded_key_group(const quantized *q, int64_t row, int64_t h, int64_t kv_heads, int64_t t, const float *qh,
+                            int64_t group, int64_t dim, float scale, float scores[][CHUNK], int64_t i) {
+    switch (group) { /* the query-head groups of common models, unrolled */
+    case 1: coded_key_scores(q, row, h, kv_heads, t, qh, 1, dim, scale, scores, i); break;
+    case 2: coded_key_scores(q, row, h, kv_heads, t, qh, 2, dim, scale, scores, i); break;
+    case 3: coded_key_scores(q, row, h, kv_heads, t, qh, 3, dim, scale, scores, i); break;
+    case 4: coded_key_scores(q, row, h, kv_heads, t, qh, 4, dim, scale, scores, i); break;
+    case 7: coded_key_scores(q, row, h, kv_heads, t, qh, 7, dim, scale, scores, i); break;
+    case 8: coded_key_scores(q, row, h, kv_heads, t, qh, 8, dim, scale, scores, i); break;
+    default: coded_key_scores(q, row, h, kv_heads, t, qh, group, dim, scale, scores, i);
+    }
 }
 
 /* Value t likewise: one scale and zero for each group of value_group channels. */
@@ -132,12 +192,13 @@ static inline void dequantized_value(const quantized *q, int64_t row, int64_t h,
 static int check_quantized(const quantized *q, int64_t batch, int64_t dim) {
     const int64_t bits = q->bits;
     if (!(bits == 2 || bits == 4 || bits == 8 || bits == 16 || bits == RAW_BITS) || q->code_bytes != dim * bits / 8 ||
-        q->group < 1 || q->capacity < 0 || q->capacity % q->group || q->value_group < 1 || dim % q->value_group ||
-        q->n_rows < 0)
+        q->group < 1 || q->group * bits % 8 || q->capacity < 0 || q->capacity % q->group || q->value_group < 1 ||
+        dim % q->value_group || q->n_rows < 0)
         return BAD_QUANTIZED;
     for (int64_t b = 0; b < batch; b++)
         if (q->rows[b] < 0 || q->rows[b] >= q->n_rows || q->keys_quantized[b] < 0 || q->values_quantized[b] < 0 ||
-            q->keys_quantized[b] > q->capacity || q->values_quantized[b] > q->capacity)
+            q->keys_quantized[b] > q->capacity || q->values_quantized[b] > q->capacity ||
+            q->keys_quantized[b] % q->group) /* keys are coded in whole groups */
             return BAD_QUANTIZED;
     return OK;
 }
@@ -219,6 +280,9 @@ int decode_attention(const float *q, const float *k, const float *v, float *out,
         const int64_t coded_values = quant != NULL ? quant->values_quantized[b] : 0;
 
         int64_t t = t0;
+        if (quant != NULL && quant->group % LANES == 0 && CHUNK % quant->group == 0) /* t0, coded_keys: whole groups */
+            for (; t < t1 && t < coded_keys; t += quant->group)
+                coded_key_group(quant, quant->rows[b], h, kv_heads, t, qh, group, dim, scale, scores, t - t0);
         for (; t < t1 && t < coded_keys; t++) {
             dequantized_key(quant, quant->rows[b], h, kv_heads, t, dim, token);
             score(scores, t - t0, qh, token, group, dim, scale);
