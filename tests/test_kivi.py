@@ -137,6 +137,7 @@ def test_two_bits_change_the_scores(tiny):
 @pytest.mark.parametrize("settings, message", [
     ({"bits": 3}, "bits must be one of"),
     ({"group_size": 0}, "group_size must be"),
+    ({"group_size": 2, "residual": 8}, "group_size must fill whole bytes with 2-bit codes.*multiple of 4"),
     ({"group_size": 32, "residual": 48}, "residual must be a positive multiple"),
     ({"residual": 0}, "residual must be a positive multiple"),
 ])

@@ -102,15 +102,15 @@ def dequantize(quantized: QuantizedKV, residual_keys: torch.Tensor, residual_val
     """Full-precision keys and values [B, Hkv, max(lengths), D] of cache rows `rows` holding `lengths` tokens: the
     PyTorch path's copy (the C kernel reads the codes in place)."""
     q, ring = quantized, residual_keys.shape[2]
-    n, d = int(lengths.max()), residual_keys.shape[-1]
+    n = int(lengths.max())
     device, dtype = residual_keys.device, residual_keys.dtype
     token = torch.arange(n)
     slots = (token % ring).to(device)
     keys = residual_keys[rows.to(device)][:, :, slots]  # every token from the ring, then the coded ones over it
     values = residual_values[rows.to(device)][:, :, slots]
     kq, vq = int(q.keys_quantized.max()), int(q.values_quantized.max())
-    for out, count, decoded in ((keys, q.keys_quantized, _decoded_keys(q, rows, kq, d, dtype)),
-                                (values, q.values_quantized, _decoded_values(q, rows, vq, d, dtype))):
+    for out, count, decoded in ((keys, q.keys_quantized, _decoded_keys(q, rows, kq, dtype)),
+                                (values, q.values_quantized, _decoded_values(q, rows, vq, dtype))):
         if decoded is None:
             continue
         coded = (token[:decoded.shape[2]][None, :] < count[:, None]).to(device)[:, None, :, None]
@@ -118,7 +118,7 @@ def dequantize(quantized: QuantizedKV, residual_keys: torch.Tensor, residual_val
     return keys, values
 
 
-def _decoded_keys(q: QuantizedKV, rows, count: int, d: int, dtype):
+def _decoded_keys(q: QuantizedKV, rows, count: int, dtype):
     if not count:
         return None
     groups = -(-count // q.group)  # whole groups (a row's count past them is masked by the caller)
@@ -130,7 +130,7 @@ def _decoded_keys(q: QuantizedKV, rows, count: int, d: int, dtype):
     return (x * scale[..., None] + zero[..., None]).transpose(-1, -2).flatten(2, 3)
 
 
-def _decoded_values(q: QuantizedKV, rows, count: int, d: int, dtype):
+def _decoded_values(q: QuantizedKV, rows, count: int, dtype):
     if not count:
         return None
     codes = q.value_codes[rows, :, :count]

@@ -72,6 +72,10 @@ class KIVIPolicy(KVPolicy):
             raise UserError(f"bits must be one of {list(BITS)}, got {self.bits!r}")
         if not isinstance(self.group_size, int) or self.group_size < 1:
             raise UserError(f"group_size must be an integer >= 1, got {self.group_size!r}")
+        if self.quantize and (self.group_size * self.bits) % 8:
+            raise UserError(f"group_size must fill whole bytes with {self.bits}-bit codes (a key group's codes are "
+                            f"packed along its tokens): a multiple of {8 // math.gcd(8, self.bits)}, got "
+                            f"{self.group_size!r}")
         if not isinstance(self.residual, int) or self.residual < self.group_size or self.residual % self.group_size:
             raise UserError(f"residual must be a positive multiple of group_size={self.group_size} (keys are "
                             f"quantized a whole residual at a time), got {self.residual!r}")
@@ -81,9 +85,9 @@ class KIVIPolicy(KVPolicy):
         d = self.spec.head_dim
         self.value_group = min(self.group_size, d)
         self.code_bits = self.bits if self.quantize else 8 * self.spec.dtype_bytes
-        if d % self.value_group or (d * self.code_bits) % 8 or (self.group_size * self.code_bits) % 8:
-            raise UserError(f"policy 'kivi' needs head_dim ({d}) divisible by its value group ({self.value_group}), "
-                            f"and head_dim and group_size ({self.group_size}) by 8 / bits (codes fill whole bytes)")
+        if d % self.value_group or (d * self.code_bits) % 8:
+            raise UserError(f"policy 'kivi' needs head_dim ({d}) divisible by its value group ({self.value_group}) "
+                            f"and by 8 / bits")
 
     # -- storage ---------------------------------------------------------------------------------------------------
     def start(self, batch_size, prompt_lens, max_new_tokens):
