@@ -3,7 +3,7 @@
 import pandas as pd
 import pytest
 
-from kvlib.report.choose import choose, read_at, regimes
+from kvlib.report.choose import choose, largest_workload, read_at, regimes
 
 GIB = 2**30
 
@@ -68,6 +68,13 @@ def test_the_regimes_table_is_computed_by_the_same_function():
     at = table[table["device memory (GiB)"] == "profile's"]
     row = at[(at["batch"] == 8) & (at["accuracy drop allowed (pp)"] == "5")].iloc[0]
     assert row["fastest decode"].startswith("full") and "sparse" in row["ruled out"]
+
+
+def test_the_chapter_answers_for_the_largest_workload_and_a_profile_without_systems_results_still_gets_an_answer():
+    assert largest_workload(frames()).text() == choose(frames(), 2048, 8, 32, 5.0).text()
+    only_accuracy = {"accuracy": frames()["accuracy"], "batch_scaling": pd.DataFrame(), "ttft": pd.DataFrame()}
+    answer = largest_workload(only_accuracy)  # the confirmatory profile measures no decode and no TTFT
+    assert answer.fastest_decode is None and answer.lowest_ttft is None and answer.text()
 
 
 def test_the_regimes_table_has_a_device_memory_where_only_some_runners_fit():

@@ -4,7 +4,7 @@ import numpy as np
 import pandas as pd
 
 from kvlib.report import findings
-from kvlib.report.findings import CONFIRMED, INCONCLUSIVE, NOT_TESTABLE, REFUTED
+from kvlib.report.findings import CONFIRMED, INCONCLUSIVE, NOT_RUN, NOT_TESTABLE, REFUTED
 
 
 def accuracy_rows(full_share=0.9, h2o_lost_at_01=0.3, items=300, seed=0):
@@ -84,7 +84,7 @@ def test_findings_1_to_3_from_the_systems_experiments():
     assert word == INCONCLUSIVE and "too few repeats" in numbers
     assert verdict({"batch_scaling": rows}, 3)[0] == CONFIRMED
     assert verdict({"batch_scaling": rows[rows["policy"] != "vllm (real)"]}, 2)[0] == NOT_TESTABLE
-    assert verdict({}, 1)[0] == NOT_TESTABLE
+    assert verdict({}, 1)[0] == NOT_RUN  # no batch-scaling results: not that it cannot be tested here
 
 
 def test_the_table_renders_as_markdown_with_five_rows():

@@ -276,12 +276,9 @@ def regimes(frames: dict[str, pd.DataFrame], tolerances=(None, 5.0, 1.0), memori
     x shortest/longest output x accuracy tolerance; each row computed by `choose`, nothing written per policy.
     memories: device memory limits in GiB (None: what the profile's capacity allowed); by default that and
     `tight_memory_gb`, where some runners no longer fit at the largest batch."""
-    batch_df, ttft_df, length_df = (frames.get(k, pd.DataFrame()) for k in ("batch_scaling", "ttft", "decode_length"))
-    prompts = sorted(ttft_df["prompt_tokens"].unique()) if not ttft_df.empty else [0]
-    batches = sorted(batch_df["batch_size"].unique()) if not batch_df.empty else [1]
-    outputs = sorted(length_df["output_tokens"].unique()) if not length_df.empty else [0]
+    prompts, batches, outputs = _grid(frames)
     if memories is None:
-        memories = tuple(dict.fromkeys([None, tight_memory_gb(batch_df)]))
+        memories = tuple(dict.fromkeys([None, tight_memory_gb(frames.get("batch_scaling", pd.DataFrame()))]))
     rows = []
     for memory in memories:
         for prompt in dict.fromkeys([prompts[0], prompts[-1]]):
@@ -298,6 +295,25 @@ def regimes(frames: dict[str, pd.DataFrame], tolerances=(None, 5.0, 1.0), memori
                                      "TTFT, within noise of it": ", ".join(c.ttft_ties) or "-",
                                      "ruled out": ", ".join(sorted(c.excluded)) or "-"})
     return pd.DataFrame(rows)
+
+
+def largest_workload(frames: dict[str, pd.DataFrame], output_tokens: int = 32, max_accuracy_drop: float = 5.0
+                     ) -> Choice:
+    """The chooser's answer for the grid's largest batch and longest prompt (what the chooser chapter prints in full);
+    a profile that measured neither (accuracy and retention only) gets the answer for batch 1 and no prompt, which
+    says what is missing."""
+    prompts, batches, _ = _grid(frames)
+    return choose(frames, int(prompts[-1]), int(batches[-1]), output_tokens, max_accuracy_drop)
+
+
+def _grid(frames: dict[str, pd.DataFrame]) -> tuple[list, list, list]:
+    """The prompt lengths, batch sizes and output lengths the profile measured, in order (0, 1 and 0 where it did
+    not)."""
+    batch_df, ttft_df, length_df = (frames.get(k, pd.DataFrame()) for k in ("batch_scaling", "ttft", "decode_length"))
+    prompts = sorted(ttft_df["prompt_tokens"].unique()) if not ttft_df.empty else [0]
+    batches = sorted(batch_df["batch_size"].unique()) if not batch_df.empty else [1]
+    outputs = sorted(length_df["output_tokens"].unique()) if not length_df.empty else [0]
+    return prompts, batches, outputs
 
 
 def tight_memory_gb(batch_df: pd.DataFrame) -> float | None:

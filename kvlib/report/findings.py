@@ -471,6 +471,7 @@ def markdown(lines: list[str]) -> str:
 # ---- the verdicts: each of the paper's five findings, read from every experiment's rows -----------------------------
 
 CONFIRMED, REFUTED, INCONCLUSIVE, NOT_TESTABLE = "confirmed", "refuted", "inconclusive", "not testable on this machine"
+NOT_RUN = "not run in this profile"  # its experiment has no results here (the confirmatory profile runs two of five)
 
 FINDINGS = {
     1: "full-matrix prefill runs out of memory at ~10K tokens; fused attention rescues InfiniGen, chunked prefill "
@@ -486,8 +487,8 @@ FINDINGS = {
 
 
 def verdict_table(frames: dict[str, pd.DataFrame], gate: float = GATE) -> pd.DataFrame:
-    """One row per finding of the paper: our verdict (confirmed, refuted, inconclusive, not testable on this machine)
-    and the numbers behind it. 1-3 from the systems experiments (OOM boundaries, the timing rule's comparisons,
+    """One row per finding of the paper: our verdict (confirmed, refuted, inconclusive, not testable on this machine,
+    not run in this profile) and the numbers behind it. 1-3 from the systems experiments (OOM boundaries, the timing rule's comparisons,
     booked host memory), 4 and 5 from the paired drops against the full cache where it passes the validity gate."""
     def frame(name):
         return frames.get(name, pd.DataFrame())
@@ -516,7 +517,7 @@ def _combined(verdicts: list[str]) -> str:
 
 def _prefill_finding(df: pd.DataFrame) -> tuple[str, str]:
     if df.empty or "prefill" not in df:
-        return NOT_TESTABLE, "the TTFT experiment has no results"
+        return NOT_RUN, "the TTFT experiment has no results"
     oom = df["oom"].astype(bool)
     full_oom = df[oom & (df["prefill"] == "full")]
     if full_oom.empty:
@@ -540,7 +541,9 @@ def _prefill_finding(df: pd.DataFrame) -> tuple[str, str]:
 
 
 def _throughput_finding(df: pd.DataFrame) -> tuple[str, str]:
-    outside = outside_label(df) if not df.empty else None
+    if df.empty:
+        return NOT_RUN, "the batch-scaling experiment has no results"
+    outside = outside_label(df)
     if outside is None:
         return NOT_TESTABLE, "no vLLM rows (the real vLLM did not run here)"
     d = df[~df["oom"].astype(bool)]
@@ -567,7 +570,7 @@ def _throughput_finding(df: pd.DataFrame) -> tuple[str, str]:
 def _host_memory_finding(df: pd.DataFrame) -> tuple[str, str]:
     """Booked bytes are the same every run (the ledger), so no repeats are needed to read them."""
     if df.empty or "host_peak_bytes" not in df:
-        return NOT_TESTABLE, "the batch-scaling experiment has no results"
+        return NOT_RUN, "the batch-scaling experiment has no results"
     d = df[~df["oom"].astype(bool)]
     peaks = d.groupby(["policy", "batch_size"])["host_peak_bytes"].median()
     if "infinigen" not in peaks or "h2o" not in peaks or peaks["infinigen"].size < 2:
@@ -617,7 +620,7 @@ def _near_baseline(drop: stats.Drop) -> str:
 
 def _accuracy_finding(df: pd.DataFrame, gate: float) -> tuple[str, str]:
     if df.empty:
-        return NOT_TESTABLE, "the accuracy experiment has no results"
+        return NOT_RUN, "the accuracy experiment has no results"
     units = _accuracy_units(df, gate)
     if not units:
         return NOT_TESTABLE, f"no scored task passes the validity gate ({gate:.0%} with the full cache)"
@@ -647,7 +650,9 @@ def _accuracy_finding(df: pd.DataFrame, gate: float) -> tuple[str, str]:
 
 
 def _retention_finding(df: pd.DataFrame, gate: float) -> tuple[str, str]:
-    if df.empty or "full" not in set(df["policy"]):
+    if df.empty:
+        return NOT_RUN, "the retention experiment has no results"
+    if "full" not in set(df["policy"]):
         return NOT_TESTABLE, "the retention experiment has no full-cache results"
     valid = passing(retention_gate(df, gate), "bucket")
     d = df[df["bucket"].isin(valid)]

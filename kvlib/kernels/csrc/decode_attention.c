@@ -61,8 +61,8 @@ static inline int64_t slot(const layout *l, const int64_t *tbl, int64_t base, in
  * t < values_quantized[b] are read from cache row rows[b] of the arrays below (each contiguous), the rest through the
  * layout above. Keys are quantized per channel over groups of `group` tokens, each channel's codes packed along
  * the group's tokens (as KIVI's own kernels pack them); values per token over groups of `value_group` channels,
- * packed along the channels; x = code x scale + zero; codes of `bits` bits packed into bytes lowest bits first (RAW_BITS: the fp32
- * value itself, no scale).
+ * packed along the channels; x = code x scale + zero; codes of `bits` bits packed into bytes lowest bits first
+ * (RAW_BITS: the fp32 value itself, no scale).
  *   key_codes [n_rows, kv_heads, capacity / group, dim, group * bits / 8]; value_codes [n_rows, kv_heads, capacity,
  *   code_bytes]; key_scale, key_zero [n_rows, kv_heads, capacity / group, dim]; value_scale, value_zero [n_rows,
  *   kv_heads, capacity, dim / value_group] */
