@@ -12,9 +12,10 @@ model's dtype (kvlib.kernels.quantized); the ledger books
 those bytes (the codes, scales and zero points of the quantized tokens, and the residual's full-precision entries) as
 `kv`, the rest of each row's allocation as `kv_reserved`.
 
-Decode reads the codes where they lie: the decode attention every policy shares (kvlib.kernels.decode) dequantizes each
-coded token as it reads it, as KIVI's fused kernels do on CUDA; no full-precision copy of the cache is made (the
-PyTorch path, on a GPU or without a compiler, makes one). A prefill that extends a row (a later chunk or turn) attends a
+Decode reads the codes where they lie: the decode attention every policy shares (kvlib.kernels.decode) scores a key
+group from its codes and dequantizes each coded value as it reads it, as KIVI's fused kernels do on CUDA; no
+full-precision copy of the cache is made (the PyTorch path, on a GPU or without a compiler, makes one). Its decode-step
+store (the value leaving the ring, a key ring that fills) is one C call a layer there (`_store_token`). A prefill that extends a row (a later chunk or turn) attends a
 dequantized copy of what the row holds, booked as activations while it lives. `quantize=False` runs the same
 mechanism (key groups flushed from the residual, values leaving it one at a time, byte arrays, the kernel's coded
 reads) with each value's raw bytes instead of codes: the check that the mechanism is exact, token for token equal to
