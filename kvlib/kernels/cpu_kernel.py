@@ -214,8 +214,9 @@ def _checked_codes(q, kv_heads: int) -> tuple[int, int, int]:
     dim = code_bytes * 8 // q.bits
     groups = capacity // q.group
     expected = {"key_codes": (n_rows, kv_heads, groups, dim, q.group * q.bits // 8),
-                "value_codes": (n_rows, kv_heads, capacity, code_bytes), "key_scale": (n_rows, kv_heads, groups, scales),
-                "key_zero": (n_rows, kv_heads, groups, scales), "value_scale": (n_rows, kv_heads, capacity, value_groups),
+                "value_codes": (n_rows, kv_heads, capacity, code_bytes),
+                "key_scale": (n_rows, kv_heads, groups, scales), "key_zero": (n_rows, kv_heads, groups, scales),
+                "value_scale": (n_rows, kv_heads, capacity, value_groups),
                 "value_zero": (n_rows, kv_heads, capacity, value_groups)}
     for name, shape in expected.items():
         x = getattr(q, name)
@@ -352,13 +353,13 @@ def kivi_store(key: torch.Tensor, value: torch.Tensor, rows: torch.Tensor, begin
     b, kv_heads, d = key.shape
     n_rows, capacity, _ = _checked_codes(coded, kv_heads)
     arrays = (key_ring, value_ring, coded.key_codes, coded.key_scale, coded.key_zero, coded.value_codes,
-              coded.value_scale, coded.value_zero)
-    if any(x.device.type != "cpu" or not x.is_contiguous() for x in (*arrays, rows, begin)) \
+              coded.value_scale, coded.value_zero)  # the codes' shapes, dtypes and layout checked above
+    if any(x.shape != (n_rows, kv_heads, residual, d) or x.dtype != torch.float32 or x.device.type != "cpu"
+           or not x.is_contiguous() for x in (key_ring, value_ring)) \
             or any(x.shape != key.shape or x.stride(-1) != 1 or x.stride(-2) != d or x.dtype != torch.float32
                    or x.device.type != "cpu" for x in (key, value)) \
-            or any(x.dtype != torch.int64 or x.shape != (b,) for x in (rows, begin)) \
-            or any(x.shape != (n_rows, kv_heads, residual, d) or x.dtype != torch.float32
-                   for x in (key_ring, value_ring)):
+            or any(x.dtype != torch.int64 or x.shape != (b,) or x.device.type != "cpu" or not x.is_contiguous()
+                   for x in (rows, begin)):
         raise ValueError("KIVI's C store takes contiguous CPU caches and rings [N, Hkv, residual, D], fp32 keys and "
                          "values [B, Hkv, D] with contiguous heads, and int64 rows and lengths [B]")
     code = _library().kivi_store(key.data_ptr(), value.data_ptr(), key.stride(0), value.stride(0), rows.data_ptr(),

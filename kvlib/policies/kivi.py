@@ -15,8 +15,9 @@ those bytes (the codes, scales and zero points of the quantized tokens, and the 
 Decode reads the codes where they lie: the decode attention every policy shares (kvlib.kernels.decode) scores a key
 group from its codes and dequantizes each coded value as it reads it, as KIVI's fused kernels do on CUDA; no
 full-precision copy of the cache is made (the PyTorch path, on a GPU or without a compiler, makes one). Its decode-step
-store (the value leaving the ring, a key ring that fills) is one C call a layer there (`_store_token`). A prefill that extends a row (a later chunk or turn) attends a
-dequantized copy of what the row holds, booked as activations while it lives. `quantize=False` runs the same
+store (the value leaving the ring, a key ring that fills) is one C call a layer there (`_store_token`). A prefill that
+extends a row (a later chunk or turn) attends a dequantized copy of what the row holds, booked as activations while it
+lives. `quantize=False` runs the same
 mechanism (key groups flushed from the residual, values leaving it one at a time, byte arrays, the kernel's coded
 reads) with each value's raw bytes instead of codes: the check that the mechanism is exact, token for token equal to
 `full`. `bits=16` quantizes with an error below 2^-16 of

@@ -488,8 +488,9 @@ FINDINGS = {
 
 def verdict_table(frames: dict[str, pd.DataFrame], gate: float = GATE) -> pd.DataFrame:
     """One row per finding of the paper: our verdict (confirmed, refuted, inconclusive, not testable on this machine,
-    not run in this profile) and the numbers behind it. 1-3 from the systems experiments (OOM boundaries, the timing rule's comparisons,
-    booked host memory), 4 and 5 from the paired drops against the full cache where it passes the validity gate."""
+    not run in this profile) and the numbers behind it. 1-3 from the systems experiments (OOM boundaries, the timing
+    rule's comparisons, booked host memory), 4 and 5 from the paired drops against the full cache where it passes the
+    validity gate."""
     def frame(name):
         return frames.get(name, pd.DataFrame())
 

@@ -105,23 +105,21 @@ static inline float code_at(const uint8_t *c, int64_t i, int64_t bits) {
     return (float)(c[i * bits / 8] >> (i * bits % 8) & ((1 << bits) - 1));
 }
 
-/* The first byte of channel c's codes, in the key group holding token t of cache row `row`, KV head h. */
-static inline const uint8_t *key_channel(const quantized *q, int64_t row, int64_t h, int64_t kv_heads, int64_t t,
-                                         int64_t dim, int64_t c) {
-    const int64_t group_bytes = q->group * q->bits / 8;
-    return q->key_codes + (((row * kv_heads + h) * (q->capacity / q->group) + t / q->group) * dim + c) * group_bytes;
+/* The key group holding token t of cache row `row`, KV head h, as an index of channels: its scales and zero points
+ * start at element key_group(...) of key_scale and key_zero, its codes at key_group(...) x group * bits / 8 bytes. */
+static inline int64_t key_group(const quantized *q, int64_t row, int64_t h, int64_t kv_heads, int64_t t, int64_t dim) {
+    return ((row * kv_heads + h) * (q->capacity / q->group) + t / q->group) * dim;
 }
 
 /* Key t into out[dim], channel by channel (a group whose tokens do not fill whole vectors). */
 static void dequantized_key(const quantized *q, int64_t row, int64_t h, int64_t kv_heads, int64_t t, int64_t dim,
                             float *out) {
-    const uint8_t *codes = key_channel(q, row, h, kv_heads, t, dim, 0);
-    const int64_t i = t % q->group, group_bytes = q->group * q->bits / 8;
+    const int64_t at = key_group(q, row, h, kv_heads, t, dim), i = t % q->group, group_bytes = q->group * q->bits / 8;
+    const uint8_t *codes = q->key_codes + at * group_bytes;
     if (q->bits == RAW_BITS) {
         for (int64_t c = 0; c < dim; c++) memcpy(out + c, codes + c * group_bytes + i * sizeof(float), sizeof(float));
         return;
     }
-    const int64_t at = ((row * kv_heads + h) * (q->capacity / q->group) + t / q->group) * dim;
     for (int64_t c = 0; c < dim; c++)
         out[c] = code_at(codes + c * group_bytes, i, q->bits) * q->key_scale[at + c] + q->key_zero[at + c];
 }
@@ -134,7 +132,7 @@ static inline __attribute__((always_inline)) void coded_key_scores(
     const quantized *q, int64_t row, int64_t h, int64_t kv_heads, int64_t t, const float *qh, const int64_t G,
     int64_t dim, float scale, float scores[][CHUNK], int64_t i) {
     float qs[MAX_GROUP][MAX_DIM] __attribute__((aligned(64))), base[MAX_GROUP];
-    const int64_t at = ((row * kv_heads + h) * (q->capacity / q->group) + t / q->group) * dim;
+    const int64_t at = key_group(q, row, h, kv_heads, t, dim);
     for (int64_t g = 0; g < G; g++) {
         float zero = 0.f;
         for (int64_t c = 0; c < dim; c++) {
@@ -144,8 +142,8 @@ static inline __attribute__((always_inline)) void coded_key_scores(
         }
         base[g] = zero;
     }
-    const uint8_t *codes = key_channel(q, row, h, kv_heads, t, dim, 0);
     const int64_t group_bytes = q->group * q->bits / 8, step = LANES * q->bits / 8;
+    const uint8_t *codes = q->key_codes + at * group_bytes;
     for (int64_t j = 0; j < q->group; j += LANES) {
         vf acc[MAX_GROUP];
         for (int64_t g = 0; g < G; g++) acc[g] = (vf){} + base[g];

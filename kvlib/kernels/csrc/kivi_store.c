@@ -67,12 +67,11 @@ static void pack_codes(const float *x, int64_t n, int64_t stride, const float *s
 int kivi_store(const float *key, const float *value, int64_t key_stride, int64_t value_stride, const int64_t *rows,
                const int64_t *begin, int64_t batch, float *key_ring, float *value_ring, uint8_t *key_codes,
                float *key_scale, float *key_zero, uint8_t *value_codes, float *value_scale, float *value_zero,
-               int64_t n_rows, int64_t kv_heads, int64_t dim, int64_t residual, int64_t capacity, int64_t bits, int64_t group,
-               int64_t value_group) {
+               int64_t n_rows, int64_t kv_heads, int64_t dim, int64_t residual, int64_t capacity, int64_t bits,
+               int64_t group, int64_t value_group) {
     if (!(bits == 2 || bits == 4 || bits == 8 || bits == 16 || bits == RAW_BITS) || dim < 1 || kv_heads < 1 ||
         batch < 0 || n_rows < 0 || group < 1 || value_group < 1 || dim % value_group || (dim * bits) % 8 ||
-        (group * bits) % 8 ||
-        residual < group || residual % group || capacity < residual || capacity % residual ||
+        (group * bits) % 8 || residual < group || residual % group || capacity < residual || capacity % residual ||
         key_stride < kv_heads * dim || value_stride < kv_heads * dim)
         return BAD_SHAPE;
     for (int64_t b = 0; b < batch; b++)
