@@ -54,6 +54,100 @@ def test_many_repeats_use_random_splits_and_stay_calibrated():
     assert not c.exact and c.verdict == stats.SMALLER
 
 
+def test_attained_size_and_coverage_of_the_exact_test():
+    """4 against 4 splits 70 ways, 2 of them as extreme as complete separation: the test "at 5 %" rejects only there,
+    so its real size is 2/70 and its intervals cover 68/70; 6 against 6: 2/924 steps, 46 of them fit under 5 %."""
+    assert stats.attained_size(4, 4) == pytest.approx(2 / 70)
+    assert stats.attained_size(6, 6) == pytest.approx(46 / 924)
+    assert stats.attained_size(2, 2) == 0.0
+    assert "at 4 repeats a side its real size is 2.9 % and its intervals cover 97.1 %" in stats.timing_rule(
+        repeats=4, paired=False)
+    # round by round: 2^n sign flips, 2 of them extreme; 8 rounds: steps of 1/128, 6 of them under 5 %
+    assert stats.attained_size(8, 8, paired=True) == pytest.approx(6 / 128)
+    assert "at 8 rounds its real size is 4.7 % and its intervals cover 95.3 %" in stats.timing_rule(repeats=8)
+    assert stats.repeats_needed(paired=True) == 6 and stats.attained_size(5, 5, paired=True) == 0.0
+
+
+def test_rounds_are_compared_round_by_round():
+    """A slow round weighs on both sides alike when paired: B is 5 % slower than A in every round, though the rounds
+    differ by 30 %; as two samples the rounds' spread hides it, round by round it is plain."""
+    rounds = pd.Series([1.0, 1.3, 0.8, 1.1, 0.9, 1.2, 1.05, 0.95]).rename_axis("round")
+    a, b = rounds, rounds / 1.05
+    paired = stats.compare_timings(a, b)
+    assert paired.paired and paired.verdict == stats.LARGER and paired.ratio == pytest.approx(1.05)
+    unpaired = stats.compare_timings(list(a), list(b))
+    assert not unpaired.paired and unpaired.verdict == stats.WITHIN_NOISE
+    frame = pd.DataFrame({"repeat": range(8), "tps": list(a)})
+    assert stats.by_round(frame, "tps").index.name == "round"
+    assert stats.by_round(pd.concat([frame, frame]), "tps").index.name is None  # a repeated round: two samples
+
+
+@pytest.mark.parametrize("p, rejected", [
+    ([0.01, 0.04, 0.03, 0.005], [True, False, False, True]),  # 0.005 <= .05/4, 0.01 <= .05/3, 0.03 > .05/2: stop
+    ([0.01, 0.015, 0.02, 0.04], [True, True, True, True]),  # .0125, .0167, .025, .05: each passes its step
+    ([0.01, 0.03, 0.001, 0.04], [True, False, True, False]),  # .001 <= .0125, .01 <= .0167, then .03 > .025: stop
+    ([0.02, 0.001], [True, True]),  # 0.001 <= .05/2, then 0.02 <= .05/1
+    ([0.03, 0.03], [False, False]),  # 0.03 > .05/2 stops at once, though each alone is under .05
+    ([0.2, float("nan")], [False, False]),
+])
+def test_holm_on_known_p_values(p, rejected):
+    assert stats.holm(p) == rejected
+
+
+def test_a_range_claim_confirms_inside_refutes_outside_and_holds_both_edges():
+    a, b = [100, 101, 99, 100.5, 99.5, 100.2], [10, 10.1, 9.9, 10.05, 9.95, 10.02]
+    inside = stats.range_claim("10x", a, b, 10 / 10**0.5, 10 * 10**0.5)
+    assert inside.inside and inside.p_value == pytest.approx(2 / 924) and stats.settle([inside]) == ["confirmed"]
+    outside = stats.range_claim("3x", a, b, 2.5, 3.5)
+    assert not outside.inside and stats.settle([outside]) == ["refuted"]
+    noisy = stats.range_claim("faster", [1.0, 1.3, 0.9, 1.2], [1.1, 0.95, 1.25, 1.0], 1.0)
+    assert stats.settle([noisy]) == ["inconclusive"]
+
+
+def finding_2_family(values, devices):
+    """The findings' family for finding 2 (kvlib.report.findings.throughput_claims) on {runner: timings}."""
+    runs = values
+    scale = devices["h2o"] / devices["vllm"]
+    return [stats.range_claim("vllm > h2o", runs["vllm"], runs["h2o"], 1.0),
+            stats.range_claim("vllm > infinigen", runs["vllm"], runs["infinigen"], 1.0),
+            stats.range_claim("10x", runs["vllm"], runs["infinigen"], 10 / 10**0.5, 10 * 10**0.5),
+            stats.range_claim("3x per GB", runs["h2o"], runs["vllm"], 3 / 2**0.5 * scale, 3 * 2**0.5 * scale)]
+
+
+def simulated_book_false_positive_rate(shuffled: bool, books: int = 1000, drift: float = 0.04, seed: int = 7) -> float:
+    """A/A of the book's design: vLLM, H2O and InfiniGen equally fast, the batch-scaling point repeated as the embedded
+    profile repeats it, rounds ordered as the executor orders them (kvlib.study.executor.rounds), each run slowed by
+    `drift` per slot of its round (the machine warming, memory filling). Under that truth every settled
+    directional claim and every confirmed magnitude claim of finding 2's family is false; the share of books with at
+    least one such claim is the family-wise false-positive rate."""
+    from pathlib import Path
+
+    from kvlib.study.executor import rounds
+    from kvlib.study.profile import load_profile
+
+    repeats = load_profile("embedded", Path(__file__).parents[1]).repeats("batch_scaling")
+    rng = np.random.default_rng(seed)
+    runners = ["vllm", "h2o", "infinigen", "full", "paged"]  # others share the rounds, as in the book
+    wrong_books = 0
+    for book in range(books):
+        runs = {r: {} for r in runners}
+        for runner, round_, slot in rounds(runners, repeats, f"aa/{book}", shuffled=shuffled):
+            runs[runner][round_] = timings(rng, 1, 1.0)[0] * (1 - drift) ** slot
+        by_round = {r: pd.Series(v).rename_axis("round") for r, v in runs.items()}  # as stats.by_round gives them
+        verdicts = stats.settle(finding_2_family(by_round, {"vllm": 1.0, "h2o": 1.0}))
+        wrong_books += any(v != "inconclusive" for v in verdicts[:2]) or "confirmed" in verdicts[2:]
+    return wrong_books / books
+
+
+def test_a_simulated_aa_of_the_books_design_keeps_its_family_wise_error_within_five_percent():
+    random_order = simulated_book_false_positive_rate(shuffled=True)
+    fixed_order = simulated_book_false_positive_rate(shuffled=False)
+    print(f"A/A of finding 2's family: {random_order:.3f} of books with a false claim in random order, "
+          f"{fixed_order:.3f} in a fixed order")
+    assert random_order <= 0.05 + 2 * (0.05 * 0.95 / 1000) ** 0.5  # <= 5 %, plus the simulation's own error
+    assert fixed_order > 0.2  # the drift the random order protects against is real for a fixed order
+
+
 def items(n, accuracy, rng):
     return (rng.random(n) < accuracy).astype(float)
 

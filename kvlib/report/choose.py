@@ -8,11 +8,18 @@ Evidence per question:
   larger batch, the batch-scaling experiment (mixed-length prompts, its own output length) at the batch asked;
 - TTFT: the TTFT experiment, each policy at its fastest prefill mode, at the prompt length asked;
 - memory: the device peak measured at the point used (an OOM there rules the policy out);
-- accuracy: the largest plausible drop against the full cache over the accuracy tasks (accuracy-scored ones,
-  percentage points: the upper end of the drop's paired 95 % interval, so a drop measured on few items rules a
-  policy out until more items show it is small), at the policy's budget in the systems experiments or, where that budget was not scored, the nearest
-  scored budget below it. Policies that keep and attend every entry (rows say `lossless`) lose nothing by
-  construction.
+- accuracy: the drop against the full cache on the accuracy-scored tasks the full cache passes (the validity gate),
+  paired on the items with its 95 % interval, at the policy's budget in the systems experiments or, where that budget
+  was not scored, the nearest scored budget below it. Three outcomes against a tolerance: within it (the interval's
+  upper end below it on every task), ruled out (the interval's lower end above it on some task), or "cannot tell at
+  n items" (the interval spans the tolerance; the answer says about how many items would resolve it), which keeps
+  the policy out of the ranking without calling it lossy. Policies that keep and attend every entry (rows say
+  `lossless`) lose nothing by construction.
+- ties: the runners the timing rule cannot tell from the answer at the grid point read, with the family-wise error
+  over the candidates held by Holm (kvlib.report.stats.holm); a figure interpolated between grid points has no
+  repeats of its own and is said to be untested.
+- a runner that preallocates its KV pool from the memory it is given (vLLM) is, below the memory it was measured
+  with, "not measured at this capacity", never "does not fit": it would start with a smaller pool.
 """
 
 from __future__ import annotations
@@ -24,7 +31,8 @@ import numpy as np
 import pandas as pd
 
 from kvlib.report import stats
-from kvlib.report.tables import accuracy_item, accuracy_table, decode_kernels, kernel_note
+from kvlib.report.gate import GATE, accuracy_gate, passing
+from kvlib.report.tables import accuracy_item, accuracy_table, decode_kernels, geometric_mean, kernel_note
 
 
 @dataclass
@@ -67,6 +75,7 @@ class Choice:
     decode: dict[str, Estimate] = field(default_factory=dict)
     ttft: dict[str, Estimate] = field(default_factory=dict)
     excluded: dict[str, str] = field(default_factory=dict)  # policy -> why it was ruled out
+    undecided: dict[str, str] = field(default_factory=dict)  # policy -> why its accuracy cannot be told yet
     notes: list[str] = field(default_factory=list)
     # the policies the findings' timing rule cannot tell from the answer (kvlib.report.stats), where both were measured
     # at the grid point read: a lead inside the noise is no lead
@@ -76,54 +85,106 @@ class Choice:
     def text(self) -> str:
         lines = []
         if self.fastest_decode:
-            lines.append(f"Highest decode throughput: {self.fastest_decode}, "
-                         f"{self.decode[self.fastest_decode].how('tokens/s')}.{_ties(self.decode_ties)}")
+            best = self.decode[self.fastest_decode]
+            lines.append(f"Highest decode throughput: {self.fastest_decode}, {best.how('tokens/s')}."
+                         f"{_ties(self.decode_ties, best)}")
         if self.lowest_ttft:
-            lines.append(f"Lowest TTFT: {self.lowest_ttft}, {self.ttft[self.lowest_ttft].how('s')}."
-                         f"{_ties(self.ttft_ties)}")
+            best = self.ttft[self.lowest_ttft]
+            lines.append(f"Lowest TTFT: {self.lowest_ttft}, {best.how('s')}.{_ties(self.ttft_ties, best)}")
         if not (self.fastest_decode or self.lowest_ttft):
             lines.append("No policy qualifies.")
         others = [f"{p} {e.value:.3g} tokens/s" for p, e in sorted(self.decode.items(), key=lambda kv: -kv[1].value)]
         if len(others) > 1:
             lines.append("Decode throughput of every qualifying policy: " + ", ".join(others) + ".")
         lines += [f"Ruled out: {p}: {why}." for p, why in sorted(self.excluded.items())]
+        lines += [f"Not ranked: {p}: {why}." for p, why in sorted(self.undecided.items())]
         return "\n".join(lines + self.notes)
 
 
-def accuracy_drops(accuracy: pd.DataFrame, budgets: dict[str, float | None]) -> dict[str, tuple[float, str, float]]:
-    """Per policy, the largest plausible accuracy loss (pp) against the full cache over accuracy-scored tasks: the
-    upper end of the 95 % interval of its drop, paired on the items (kvlib.report.stats.paired_drop; unpaired where
-    rows carry no item ids), the largest over tasks; with where it was read and that task's measured drop (pp).
-    budgets: the policy's budget in the systems experiments (None: not a budgeted policy)."""
+WITHIN, RULED_OUT, CANNOT_TELL = "within the tolerance", "ruled out", "cannot tell"
+
+
+@dataclass
+class AccuracyEvidence:
+    """A lossy policy's drop against the full cache where it was read: the task whose interval decides (the largest
+    upper end), the budget read, and, against a tolerance, the outcome."""
+
+    drop: stats.Drop
+    task: str
+    where: str
+    outcome: str | None = None  # WITHIN, RULED_OUT or CANNOT_TELL, once judged against a tolerance
+
+    def text(self, tolerance: float | None = None) -> str:
+        d = self.drop
+        measured = (f"measured drop {d.drop * 100:.1f} pp on {self.task} at {self.where}, 95 % interval "
+                    f"{d.low * 100:.1f} to {d.high * 100:.1f} pp over {d.items} items")
+        if self.outcome == RULED_OUT:
+            return f"loses more than the {tolerance:g} pp allowed ({measured}: its lower end is above it)"
+        if self.outcome == CANNOT_TELL:
+            return (f"cannot tell at {d.items} items whether it stays within {tolerance:g} pp: the interval spans "
+                    f"{d.low * 100:.1f} to {d.high * 100:.1f} pp (measured drop {d.drop * 100:.1f} pp on {self.task} at "
+                    f"{self.where}); {items_to_resolve(d, tolerance)}")
+        return measured
+
+
+def items_to_resolve(drop: stats.Drop, tolerance: float) -> str:
+    """About how many items would put the interval on one side of the tolerance, if the measured drop held: an
+    interval's half-width falls as 1 / sqrt(items)."""
+    half = (drop.high - drop.low) / 2
+    distance = abs(drop.drop * 100 - tolerance) / 100
+    if distance < 1e-9:
+        return "no number of items would: the measured drop is at the tolerance"
+    return f"about {math.ceil(drop.items * (half / distance) ** 2):,} items would resolve it"
+
+
+def accuracy_evidence(accuracy: pd.DataFrame, budgets: dict[str, float | None], gate: float = GATE
+                      ) -> dict[str, list[AccuracyEvidence]]:
+    """Per lossy policy, its paired drop on each accuracy-scored task the full cache passes (the validity gate: no
+    accuracy statement from a task the model fails), at the policy's budget in the systems experiments or the nearest
+    scored budget below it. budgets: the policy's budget there (None: not a budgeted policy)."""
     if accuracy.empty:
         return {}
     table = accuracy_table(accuracy)
     table = table[table["metric"] == "accuracy"]
+    gated = accuracy_gate(accuracy, gate)
+    valid = passing(gated[gated["length"].isna()], "task")
     rows = accuracy[accuracy["ruler_score"].isna()] if "ruler_score" in accuracy else accuracy
     rows = rows.assign(budget=rows["budget"].fillna(1.0) if "budget" in rows else 1.0)
     item = accuracy_item(rows)
-    drops = {}
+    out = {}
     for policy, g in table[table["policy"] != "full"].groupby("policy"):
         budget = budgets.get(policy)
         scored = sorted(g["budget"].unique())
         below = [b for b in scored if budget is None or b <= budget + 1e-9]
         used = below[-1] if below else scored[0]
-        per_task = [stats.paired_drop(rows[(rows["task"] == task) & (rows["policy"] == "full")],
-                                      rows[(rows["task"] == task) & (rows["policy"] == policy)
-                                           & (rows["budget"] == used)], "correct", item)
-                    for task in g.loc[g["budget"] == used, "task"] if task in set(table.loc[table["policy"] == "full",
-                                                                                              "task"])]
-        if not per_task:
-            continue
-        worst = max(per_task, key=lambda d: d.high)
         where = f"budget {used:g}" + ("" if budget is None or abs(used - budget) < 1e-9
                                       else f" (the nearest scored budget {'below' if below else 'above'} {budget:g})")
-        drops[policy] = (worst.high * 100, where, worst.drop * 100)
-    return drops
+        out[policy] = [AccuracyEvidence(stats.paired_drop(rows[(rows["task"] == task) & (rows["policy"] == "full")],
+                                                          rows[(rows["task"] == task) & (rows["policy"] == policy)
+                                                               & (rows["budget"] == used)], "correct", item),
+                                        task, where)
+                       for task in g.loc[g["budget"] == used, "task"] if task in valid]
+        if not out[policy]:
+            del out[policy]
+    return out
+
+
+def judge_accuracy(evidence: list[AccuracyEvidence], tolerance: float) -> AccuracyEvidence:
+    """The outcome against a tolerance (pp): ruled out where any passing task's interval lies above it, within it
+    where every task's lies below, else cannot tell; the evidence returned is the deciding task's."""
+    for e in evidence:
+        e.outcome = (RULED_OUT if e.drop.low * 100 > tolerance else WITHIN if e.drop.high * 100 < tolerance
+                     else CANNOT_TELL)
+    for outcome in (RULED_OUT, CANNOT_TELL):
+        hits = [e for e in evidence if e.outcome == outcome]
+        if hits:
+            return max(hits, key=lambda e: e.drop.high)
+    return max(evidence, key=lambda e: e.drop.high)
 
 
 def choose(frames: dict[str, pd.DataFrame], prompt_tokens: int, batch: int, output_tokens: int,
-           max_accuracy_drop: float | None = None, device_memory_gb: float | None = None) -> Choice:
+           max_accuracy_drop: float | None = None, device_memory_gb: float | None = None, gate: float = GATE
+           ) -> Choice:
     """frames: the profile's results by experiment (ttft, batch_scaling, decode_length, accuracy)."""
     choice = Choice(None, None)
     batch_df = frames.get("batch_scaling", pd.DataFrame())
@@ -139,19 +200,21 @@ def choose(frames: dict[str, pd.DataFrame], prompt_tokens: int, batch: int, outp
             budgets.update(df.dropna(subset=["budget"]).groupby("policy")["budget"].first().to_dict())
     lossless = _lossless(decode_df) | _lossless(ttft_df)
     if max_accuracy_drop is not None:
-        drops = accuracy_drops(frames.get("accuracy", pd.DataFrame()), budgets)
+        evidence = accuracy_evidence(frames.get("accuracy", pd.DataFrame()), budgets, gate)
         for p in policies:
             if p in lossless:
                 continue
-            if p not in drops:
-                choice.excluded[p] = "its accuracy was not measured in this profile"
-            elif drops[p][0] > max_accuracy_drop:  # the largest plausible loss, not the point estimate
-                upper, where, measured = drops[p]
-                choice.excluded[p] = (f"may lose up to {upper:.1f} pp of accuracy at {where} (measured drop "
-                                      f"{measured:.1f} pp; {upper:.1f} is the upper end of its 95 % interval; allowed: "
-                                      f"{max_accuracy_drop:g})")
+            if p not in evidence:
+                choice.excluded[p] = ("its accuracy was not measured in this profile on a task the full cache passes "
+                                      "(the validity gate)")
+                continue
+            e = judge_accuracy(evidence[p], max_accuracy_drop)
+            if e.outcome == RULED_OUT:
+                choice.excluded[p] = e.text(max_accuracy_drop)
+            elif e.outcome == CANNOT_TELL:
+                choice.undecided[p] = e.text(max_accuracy_drop)
     for p in policies:
-        if p in choice.excluded:
+        if p in choice.excluded or p in choice.undecided:
             continue
         decode = _read(decode_df, p, axis, x, "decode_tokens_per_s", device_memory_gb, choice)
         if decode is not None:
@@ -187,30 +250,45 @@ def choose(frames: dict[str, pd.DataFrame], prompt_tokens: int, batch: int, outp
 
 
 def _within_noise(df: pd.DataFrame, axis: str, value: str, best: str, estimates: dict[str, Estimate]) -> list[str]:
-    """The policies measured at the same grid point as the answer whose repeats the permutation rule cannot tell
-    from its repeats there (TTFT: each policy's fastest prefill mode at that point)."""
+    """The runners measured at the same grid point as the answer that the timing rule cannot tell from it there, the
+    family-wise error over the candidates held by Holm (TTFT: each runner's fastest prefill mode at that point). A
+    runner the rule could not test (too few repeats) is listed too: nothing shows it slower."""
     point = estimates[best]
     if len(point.points) != 1 or point.beyond_grid:
-        return []  # an interpolated figure has no repeats of its own to test
+        return []  # an interpolated figure has no repeats of its own to test (Choice.text says so)
 
     def runs(policy):
         g = df[(df["policy"] == policy) & (df[axis] == point.at) & ~df["oom"].astype(bool)]
         if "prefill" in g and value == "ttft_s":
-            g = g[g["prefill"] == g.groupby("prefill")[value].median().idxmin()]
-        return g[value].dropna()
+            g = g[g["prefill"] == g.groupby("prefill")[value].apply(geometric_mean).idxmin()]
+        return stats.by_round(g.dropna(subset=[value]), value)
 
     reference = runs(best)
-    return [p for p in sorted(estimates) if p != best and len(estimates[p].points) == 1
-            and estimates[p].at == point.at
-            and stats.compare_timings(runs(p), reference).verdict == stats.WITHIN_NOISE]
+    rivals = [p for p in sorted(estimates) if p != best and len(estimates[p].points) == 1
+              and estimates[p].at == point.at]
+    tests = [stats.compare_timings(runs(p), reference) for p in rivals]
+    rejected = stats.holm([c.p_value if c.judged else math.nan for c in tests])
+    return [p for p, r in zip(rivals, rejected) if not r]
 
 
-def _ties(policies: list[str]) -> str:
-    return f" Within noise of it there: {', '.join(policies)}." if policies else ""
+def _ties(policies: list[str], best: Estimate) -> str:
+    if len(best.points) != 1 or best.beyond_grid:
+        return " Untested: a figure read between or beyond grid points has no repeats of its own to compare."
+    return (f" Not distinguishable from it there (Holm over the candidates): {', '.join(policies)}."
+            if policies else "")
 
 
 def _lossless(df: pd.DataFrame) -> set[str]:
     return set(df.loc[df["lossless"].fillna(False).astype(bool), "policy"]) if "lossless" in df else set()
+
+
+def preallocates(g: pd.DataFrame) -> bool:
+    """A runner that sizes its KV pool from the memory it is given (vLLM: 0.9 x capacity less the weights), so its
+    device peak is that pool whatever the workload: below the memory it was measured with it would start with a
+    smaller pool, which was not measured."""
+    return bool(g.get("outside", pd.Series(False, index=g.index)).fillna(False).astype(bool).any()
+                and pd.to_numeric(g.get("device_kv_reserved_peak_bytes", pd.Series(dtype=float)),
+                                  errors="coerce").fillna(0).gt(0).any())
 
 
 def _fits(g: pd.DataFrame, device_memory_gb: float | None) -> pd.DataFrame:
@@ -222,14 +300,21 @@ def _fits(g: pd.DataFrame, device_memory_gb: float | None) -> pd.DataFrame:
 
 
 def _read(df, policy, axis, x, value, device_memory_gb, choice) -> Estimate | None:
-    """The policy's `value` at `x` on `axis`: the median of the repeats at each grid point, TTFT at the fastest
-    prefill mode of each length."""
+    """The policy's `value` at `x` on `axis`: the geometric mean of the repeats at each grid point, TTFT at the
+    fastest prefill mode of each length."""
     if df.empty:
         return None
     g = df[df["policy"] == policy]
     ok = _fits(g, device_memory_gb)
+    if preallocates(g) and len(ok) < len(g[~g["oom"].astype(bool)]):
+        peak = pd.to_numeric(g["device_peak_bytes"], errors="coerce").max() / 2**30
+        choice.excluded.setdefault(policy, f"not measured at this capacity (it preallocates its KV pool from the "
+                                           f"memory it is given: measured with a {peak:.2f} GiB device peak, above "
+                                           f"the {device_memory_gb:g} GiB asked; with less it would start with a "
+                                           f"smaller pool)")
+        return None
     by = [axis, "prefill"] if "prefill" in ok and value == "ttft_s" else [axis]
-    curve = ok.groupby(by)[value].median()
+    curve = ok.groupby(by)[value].apply(geometric_mean)
     curve = curve.groupby(axis).min() if len(by) > 1 else curve
     estimate = read_at(curve, x, axis.replace("_size", "").replace("_", " "))
     if estimate is None:
@@ -290,10 +375,11 @@ def regimes(frames: dict[str, pd.DataFrame], tolerances=(None, 5.0, 1.0), memori
                                      "prompt tokens": prompt, "batch": b, "output tokens": out,
                                      "accuracy drop allowed (pp)": "any" if tol is None else f"{tol:g}",
                                      "fastest decode": _named(c.fastest_decode, c.decode, "{:.1f} tok/s"),
-                                     "decode, within noise of it": ", ".join(c.decode_ties) or "-",
+                                     "decode, not distinguishable": ", ".join(c.decode_ties) or "-",
                                      "lowest TTFT": _named(c.lowest_ttft, c.ttft, "{:.3g} s"),
-                                     "TTFT, within noise of it": ", ".join(c.ttft_ties) or "-",
-                                     "ruled out": ", ".join(sorted(c.excluded)) or "-"})
+                                     "TTFT, not distinguishable": ", ".join(c.ttft_ties) or "-",
+                                     "ruled out": ", ".join(sorted(c.excluded)) or "-",
+                                     "cannot tell": ", ".join(sorted(c.undecided)) or "-"})
     return pd.DataFrame(rows)
 
 
@@ -402,17 +488,22 @@ def choose_serving(serving: pd.DataFrame, accuracy: pd.DataFrame, rate: float, s
         d = d[d["device_capacity_gb"] == max(capacities)]
     budgets = d.dropna(subset=["budget"]).groupby("policy")["budget"].first().to_dict() if "budget" in d else {}
     lossless = _lossless(d)
-    drops = accuracy_drops(accuracy, budgets) if not accuracy.empty else {}
+    evidence = accuracy_evidence(accuracy, budgets) if not accuracy.empty else {}
     for p in sorted(d["policy"].unique()):
         if p in lossless:
             choice.accuracy[p] = "keeps every entry: no accuracy lost"
-        elif p in drops:
-            upper, where, measured = drops[p]
-            choice.accuracy[p] = f"may lose up to {upper:.1f} pp of accuracy at {where} (measured drop {measured:.1f} pp)"
-            if max_accuracy_drop is not None and upper > max_accuracy_drop:
-                choice.excluded[p] = f"{choice.accuracy.pop(p)}; allowed: {max_accuracy_drop:g}"
+        elif p in evidence:
+            if max_accuracy_drop is None:
+                e = max(evidence[p], key=lambda e: e.drop.high)
+                choice.accuracy[p] = f"accuracy: {e.text()}"
+                continue
+            e = judge_accuracy(evidence[p], max_accuracy_drop)
+            if e.outcome == WITHIN:
+                choice.accuracy[p] = f"accuracy within {max_accuracy_drop:g} pp: {e.text()}"
+            else:
+                choice.excluded[p] = e.text(max_accuracy_drop)
         elif max_accuracy_drop is not None:
-            choice.excluded[p] = "its accuracy was not measured in this profile"
+            choice.excluded[p] = "its accuracy was not measured in this profile on a task the full cache passes"
         else:  # a lossy runner with no accuracy read says so rather than nothing
             choice.accuracy[p] = "its accuracy loss was not measured in this profile"
     rates = sorted(d["request_rate"].unique())

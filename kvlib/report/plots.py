@@ -6,6 +6,8 @@ import matplotlib.pyplot as plt
 import pandas as pd
 import seaborn as sns
 
+from kvlib.report.tables import decode_spread, geometric_mean
+
 GB = 2**30
 COMPONENTS = ["weights", "weights_packed", "activations", "kv", "kv_reserved", "overhead"]
 
@@ -20,20 +22,20 @@ def _palette(policies) -> dict:
 
 
 def ttft(df: pd.DataFrame):
-    """TTFT vs prompt length, one line per policy and prefill mode (median of the repeats, the band their range); OOM
+    """TTFT vs prompt length, one line per policy and prefill mode (geometric mean of the repeats, the band their range); OOM
     points marked on the top edge."""
     _style()
     fig, ax = plt.subplots(figsize=(8, 4.5))
     ok = df[~df["oom"]]
     sns.lineplot(ok, x="prompt_tokens", y="ttft_s", hue="policy", style="prefill", markers=True, dashes=True,
-                 estimator="median", errorbar=("pi", 100), ax=ax)
+                 estimator=geometric_mean, errorbar=("pi", 100), ax=ax)
     oom = df[df["oom"]]
     if not oom.empty:
         top = ok["ttft_s"].max() * 1.3 if not ok.empty else 1
         ax.scatter(oom["prompt_tokens"], [top] * len(oom), marker="x", color="crimson", s=80, label="OOM")
         ax.axhline(top, color="crimson", lw=0.5, ls=":")
     ax.set(xscale="log", yscale="log", xlabel="prompt length (tokens)", ylabel="time to first token (s)",
-           title="TTFT vs prompt length (median, band: range of repeats; x = out of device memory)")
+           title="TTFT vs prompt length (geometric mean, band: range of repeats; x = out of device memory)")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
     fig.tight_layout()
     return fig
@@ -78,24 +80,22 @@ def batch_scaling(df: pd.DataFrame):
             throughput(d, "batch_size", ax)
         else:
             sns.lineplot(d, x="batch_size", y=col, hue="policy", palette=_palette(d["policy"]), marker="o",
-                         estimator="median", errorbar=None, ax=ax, legend=False)
+                         estimator=geometric_mean, errorbar=None, ax=ax, legend=False)
         ax.set(xlabel="batch size", ylabel=label)
-    fig.suptitle("Batch scaling (mixed-length prompts; median of repeats, bars: range of repeats and their steps)")
+    fig.suptitle("Batch scaling (mixed-length prompts; geometric mean of repeats, bars: range of repeats and their steps)")
     fig.tight_layout()
     return fig
 
 
 def throughput(d: pd.DataFrame, by: str, ax) -> None:
-    """Decode throughput vs `by`, one line per policy: the median over repeats, error bars spanning the repeats and
+    """Decode throughput vs `by`, one line per policy: the geometric mean over repeats, error bars spanning the repeats and
     each repeat's interquartile range of per-step throughput (kvlib.report.tables.decode_spread, as the findings read it)."""
-    from kvlib.report.tables import decode_spread
-
     palette = _palette(d["policy"])
     for policy, g in d.groupby("policy"):
         spreads = [(x, decode_spread(point)) for x, point in g.groupby(by)]
-        xs, medians = [x for x, _ in spreads], [s.median for _, s in spreads]
-        yerr = [[s.median - s.low for _, s in spreads], [s.high - s.median for _, s in spreads]]
-        ax.errorbar(xs, medians, yerr=yerr, marker="o", capsize=3, label=policy, color=palette[policy])
+        xs, centres = [x for x, _ in spreads], [s.centre for _, s in spreads]
+        yerr = [[s.centre - s.low for _, s in spreads], [s.high - s.centre for _, s in spreads]]
+        ax.errorbar(xs, centres, yerr=yerr, marker="o", capsize=3, label=policy, color=palette[policy])
     ax.legend(fontsize="small")
 
 
@@ -122,7 +122,7 @@ def decode_length(df: pd.DataFrame):
     fig, ax = plt.subplots(figsize=(7, 4))
     throughput(df[~df["oom"]], "output_tokens", ax)
     ax.set(xlabel="output length (tokens)", ylabel="decode throughput (tokens/s)",
-           title="Decode throughput vs output length (median, bars: range of repeats and their steps)")
+           title="Decode throughput vs output length (geometric mean, bars: range of repeats and their steps)")
     return fig
 
 

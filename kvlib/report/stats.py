@@ -1,15 +1,27 @@
 """The statistics the book's verdicts rest on: pure functions of numbers and frames (numpy, pandas), seeded, so the
 same results always read the same way.
 
-Timing: is A faster than B? Each side is a handful of repeated timings of one point (TTFT in s, decode throughput in
-tok/s). The test is a two-sided permutation test on the logarithms of the timings (the statistic: the difference of
-their means, so the figure compared is the ratio of geometric means), exact while the splits of the pooled timings
-are few enough to enumerate, on PERMUTATIONS random splits beyond that. Its interval of the ratio is the set of ratios
-the same test does not reject (test inversion), so "A faster" is said exactly when that interval excludes 1. Under
-the one assumption that the repeats of A and B are exchangeable when the engines are equal (repeats run interleaved),
-two equal engines are called different at most ALPHA (5 %) of the time, whatever the timings' distribution. With few
-repeats no split can be that extreme (2 against 2 gives 6 splits: at best p = 1/3): the verdict then says so instead
-of guessing; 4 repeats a side is the fewest that can reach 5 %.
+Timing: how does A's speed compare with B's? Each side is a handful of repeated timings of one point (TTFT in s,
+decode throughput in tok/s), one a round: the executor runs every point once a round, each round's points in a
+seeded random order (recorded in the rows). The test is a two-sided permutation test on the logarithms of the
+timings, the figure compared the ratio of geometric means (the one ratio the book quotes). Where both sides ran in
+the same rounds it is read round by round: under the null, each round's two timings are exchangeable (the random
+order put either side first as likely), so the test flips which side each round's log ratio belongs to (2^n
+arrangements of n rounds); a slow round of the machine then weighs on both sides alike. Otherwise (rows without
+rounds) the timings are two samples and the test splits their pool. Exact while the arrangements are few enough to
+enumerate, PERMUTATIONS random ones beyond that. Its interval of the ratio is the set of ratios the same test does
+not reject (test inversion). An exact test on few repeats is discrete: 6 rounds give 64 sign flips, so the smallest
+p-value is 2/64 and a test "at 5 %" rejects only there; its real size is 3.1 % and its interval covers 96.9 %
+(`attained_size`). The book states those.
+
+Claims: a page's sentences that rank runners rest on a declared family of claims (the paper's finding 2: a handful,
+not every pair). Each claim is a range the ratio is said to lie in ("A faster than B": above 1; "an order of
+magnitude": 10x within a factor of sqrt(10)); it is confirmed where the test rejects both of the range's edges with
+the ratio inside, refuted where it rejects the nearer edge with the ratio outside, and the family-wise error across
+the family's claims is held at ALPHA by Holm's step-down rule (`holm`). Every other pair is shown as a ratio with
+its interval, described, never ranked. A sameness claim needs an equivalence test with a margin
+(`timing_equivalent`: the two one-sided tests, +-EQUIVALENCE_TIMING); otherwise two runners are "not
+distinguishable at n repeats", never "the same".
 
 Accuracy: how much does a policy lose against the full cache? Every policy answers the same items, so the drop is read
 item by item (rows joined on their item ids) with a paired bootstrap interval: items resampled, or, for retention,
@@ -38,9 +50,10 @@ PERMUTATIONS = 4000  # random splits when the exact ones are more than EXACT_SPL
 EXACT_SPLITS = 20000
 DRAWS = 4000  # bootstrap resamples of the accuracy drops
 EQUIVALENCE_MARGIN = 0.05  # "near the baseline": within 5 percentage points
+EQUIVALENCE_TIMING = 0.10  # two runners' speeds "equivalent": their ratio within 1/1.1 to 1.1
 
 # timing verdicts: A against B
-LARGER, SMALLER, WITHIN_NOISE, TOO_FEW = "larger", "smaller", "within noise", "too few repeats to judge"
+LARGER, SMALLER, WITHIN_NOISE, TOO_FEW = "larger", "smaller", "not distinguishable", "too few repeats to judge"
 # accuracy verdicts: the policy against its reference
 LOWER, HIGHER, EQUIVALENT, INCONCLUSIVE = "lower", "higher", "equivalent", "inconclusive"
 
@@ -50,7 +63,8 @@ LOWER, HIGHER, EQUIVALENT, INCONCLUSIVE = "lower", "higher", "equivalent", "inco
 @dataclass(frozen=True)
 class TimingComparison:
     """A against B: the ratio of their geometric means with its interval, and the verdict (A is LARGER, SMALLER,
-    WITHIN_NOISE of B, or TOO_FEW repeats to tell). low and high are nan when there were too few repeats."""
+    WITHIN_NOISE of B, or TOO_FEW repeats to tell). low and high are nan when there were too few repeats. paired:
+    read round by round (the sign-flip test), else as two samples."""
 
     ratio: float
     low: float
@@ -60,38 +74,126 @@ class TimingComparison:
     p_value: float
     verdict: str
     exact: bool = True
+    paired: bool = False
 
     @property
     def judged(self) -> bool:
         return self.verdict != TOO_FEW
 
 
-def smallest_p_value(n_a: int, n_b: int) -> float:
-    """The smallest two-sided p-value any n_a against n_b timings can give: the observed split alone (and its mirror
-    image, when the sides are equal) among all splits of the pooled timings."""
+def smallest_p_value(n_a: int, n_b: int, paired: bool = False) -> float:
+    """The smallest two-sided p-value any n_a against n_b timings can give: the observed arrangement and its mirror
+    image among all of them (two samples: the splits of the pooled timings, mirrored only when the sides are equal;
+    paired: the 2^n sign flips of n rounds)."""
+    if paired:
+        return 2 / 2**n_a
     return (2 if n_a == n_b else 1) / math.comb(n_a + n_b, n_a)
 
 
-def repeats_needed(alpha: float = ALPHA) -> int:
+def repeats_needed(alpha: float = ALPHA, paired: bool = False) -> int:
     """The fewest repeats a side with which a difference can be declared at alpha."""
     n = 2
-    while smallest_p_value(n, n) > alpha:
+    while smallest_p_value(n, n, paired) > alpha:
         n += 1
     return n
 
 
-def timing_rule(alpha: float = ALPHA) -> str:
-    """The timing rule and its error rate, in words (for the book: said once per page)."""
-    return (f"a difference in time or throughput is stated only where a two-sided permutation test on the repeats "
-            f"rejects equality at {alpha * 100:g} % (two equal engines are called different at most {alpha * 100:g} % "
-            f"of the time; it takes {repeats_needed(alpha)} repeats a side to ever reject); the interval given is that "
-            f"test's {(1 - alpha) * 100:g} % interval of the ratio")
+def attained_size(n_a: int, n_b: int, alpha: float = ALPHA, paired: bool = False) -> float:
+    """The real false-positive rate of the exact permutation test of n_a against n_b timings run "at alpha": its
+    p-values come in steps of the smallest one, so it rejects at the largest step at or below alpha (ties among the
+    timings only make it rarer). 4 against 4 as two samples: 2/70 = 2.9 %; 6 rounds paired: 1/32 = 3.1 %. Beyond the
+    exact arrangements (random ones), alpha."""
+    if (2**n_a if paired else math.comb(n_a + n_b, n_a)) > EXACT_SPLITS:
+        return alpha
+    step = smallest_p_value(n_a, n_b, paired)
+    return math.floor(alpha / step + 1e-9) * step
 
 
-def _splits(n_a: int, n_b: int, permutations: int, seed: int) -> tuple[np.ndarray, bool]:
-    """Which of the pooled timings each split takes as A (rows of 0/1, so a split's sum is one matrix product); the
-    first row is the observed split. Every split when they are few enough (exact), else the observed one and
-    `permutations` random ones."""
+def timing_rule(alpha: float = ALPHA, repeats: int | None = None, paired: bool = True) -> str:
+    """The timing rule and its real error rate at `repeats` rounds (or repeats a side, where the timings carry no
+    rounds: not paired), in words (for the book: said once per page)."""
+    rule = (f"timings are compared as ratios of geometric means with a two-sided permutation test, nominally at "
+            f"{alpha * 100:g} %: round by round where both sides ran in the same rounds (each round's runs in a random "
+            f"order; the test flips which side each round's pair of timings belongs to, and "
+            f"{repeats_needed(alpha, True)} rounds are the fewest that can ever reject), else as two samples")
+    if repeats and repeats >= 2:
+        size = attained_size(repeats, repeats, alpha, paired)
+        rule += (f"; at {repeats} {'rounds' if paired else 'repeats a side'} its real size is {size * 100:.1f} % and "
+                 f"its intervals cover {(1 - size) * 100:.1f} %")
+    return rule
+
+
+def by_round(frame: pd.DataFrame, value: str) -> pd.Series:
+    """A point's timings indexed by their round (the `repeat` column), so that two runners of the same rounds are
+    compared round by round; as a plain sample where the rows carry no round or repeat one."""
+    if "repeat" in frame and frame["repeat"].notna().all() and frame["repeat"].is_unique:
+        return frame.set_index("repeat")[value].rename_axis("round")
+    return frame[value].reset_index(drop=True)
+
+
+@dataclass
+class _Permutation:
+    """The permutation test of A's log-timings against B's under the null A = B x e^shift. Paired (A and B indexed
+    by the same rounds): the statistic is the mean of the per-round log ratios and the arrangements are the sign
+    flips of those ratios. Two samples: the difference of the mean logs and the splits of the pooled timings. The
+    first arrangement is always the observed one."""
+
+    log_a: np.ndarray
+    log_b: np.ndarray
+    paired: bool
+    arrangements: np.ndarray
+    exact: bool
+
+    @property
+    def centre(self) -> float:
+        return float(self.log_a.mean() - self.log_b.mean())
+
+    def p(self, shift: float) -> float:
+        """Two-sided p-value of the null ratio e^shift."""
+        if self.paired:
+            stats = self.arrangements @ (self.log_a - self.log_b - shift) / len(self.log_a)
+        else:
+            pooled = np.concatenate([self.log_a - shift, self.log_b])
+            n_a, n_b = len(self.log_a), len(self.log_b)
+            sum_a = self.arrangements @ pooled
+            stats = sum_a / n_a - (pooled.sum() - sum_a) / n_b
+        # a relative tolerance so that rounding never decides whether an arrangement is as extreme as the observed
+        return float(np.mean(np.abs(stats) >= np.abs(stats[0]) * (1 - 1e-9) - 1e-12))
+
+    def edge(self, alpha: float, far: float) -> float:
+        """The shift between the centre (not rejected) and `far` (rejected) where the test starts rejecting."""
+        centre = self.centre
+        for _ in range(40):
+            mid = (centre + far) / 2
+            if self.p(mid) > alpha:
+                centre = mid
+            else:
+                far = mid
+        return (centre + far) / 2
+
+
+def _positive(x) -> pd.Series:
+    x = pd.Series(x, dtype=float).dropna()
+    return x[x > 0]
+
+
+def _permutation(a, b, permutations: int, seed: int) -> _Permutation | None:
+    """The test for A's and B's timings: paired on their common rounds where both are indexed by rounds (by_round)
+    with at least two in common, else two samples; None with fewer than two timings a side."""
+    a, b = _positive(a), _positive(b)
+    rounds = a.index.intersection(b.index) if a.index.name == b.index.name == "round" else []
+    if len(rounds) >= 2:
+        n = len(rounds)
+        exact = 2**n <= EXACT_SPLITS
+        if exact:
+            signs = 1 - 2 * ((np.arange(2**n)[:, None] >> np.arange(n)[None, :]) & 1)
+        else:
+            signs = np.vstack([np.ones(n), np.random.default_rng(seed).choice([-1.0, 1.0], (permutations, n))])
+        return _Permutation(np.log(a[rounds].to_numpy()), np.log(b[rounds].to_numpy()), True,
+                            signs.astype(float), exact)
+    if min(len(a), len(b)) < 2:
+        return None
+    n_a, n_b = len(a), len(b)
     n = n_a + n_b
     exact = math.comb(n, n_a) <= EXACT_SPLITS
     if exact:
@@ -101,49 +203,101 @@ def _splits(n_a: int, n_b: int, permutations: int, seed: int) -> tuple[np.ndarra
         chosen = np.vstack([np.arange(n_a)[None, :], random])
     member = np.zeros((len(chosen), n))
     np.put_along_axis(member, chosen, 1.0, axis=1)
-    return member, exact
-
-
-def _p_value(log_a: np.ndarray, log_b: np.ndarray, shift: float, splits: np.ndarray) -> float:
-    """Two-sided permutation p-value of the difference of mean logs, A shifted by -shift (the null: A = B x e^shift)."""
-    pooled = np.concatenate([log_a - shift, log_b])
-    n_a, n_b = len(log_a), len(log_b)
-    sum_a = splits @ pooled
-    stats = sum_a / n_a - (pooled.sum() - sum_a) / n_b
-    # a relative tolerance so that rounding never decides whether a split is as extreme as the observed one
-    return float(np.mean(np.abs(stats) >= np.abs(stats[0]) * (1 - 1e-9) - 1e-12))
-
-
-def _accepted_edge(log_a, log_b, splits, alpha, centre: float, far: float) -> float:
-    """The shift between centre (not rejected) and far (rejected) where the test starts rejecting (bisection)."""
-    for _ in range(40):
-        mid = (centre + far) / 2
-        if _p_value(log_a, log_b, mid, splits) > alpha:
-            centre = mid
-        else:
-            far = mid
-    return (centre + far) / 2
+    return _Permutation(np.log(a.to_numpy()), np.log(b.to_numpy()), False, member, exact)
 
 
 def compare_timings(a, b, alpha: float = ALPHA, permutations: int = PERMUTATIONS, seed: int = SEED) -> TimingComparison:
-    """A's repeated timings against B's (any positive figure: seconds, or tokens per second). The verdict says
-    whether A is larger or smaller than B at the false-positive rate alpha; see the module's docstring."""
-    a, b = (np.asarray(pd.Series(x, dtype=float).dropna(), dtype=float) for x in (a, b))
-    a, b = a[a > 0], b[b > 0]
-    if len(a) == 0 or len(b) == 0:
-        return TimingComparison(math.nan, math.nan, math.nan, len(a), len(b), math.nan, TOO_FEW)
-    log_a, log_b = np.log(a), np.log(b)
-    centre = float(log_a.mean() - log_b.mean())
-    if min(len(a), len(b)) < 2 or smallest_p_value(len(a), len(b)) > alpha:
-        return TimingComparison(math.exp(centre), math.nan, math.nan, len(a), len(b), math.nan, TOO_FEW)
-    splits, exact = _splits(len(a), len(b), permutations, seed)
-    p = _p_value(log_a, log_b, 0.0, splits)
-    # far enough that the shifted observed split is the most extreme of all: rejected whenever anything is
-    reach = 4 * (np.ptp(np.concatenate([log_a - centre, log_b])) + 1.0)
-    low = _accepted_edge(log_a, log_b, splits, alpha, centre, centre - reach)
-    high = _accepted_edge(log_a, log_b, splits, alpha, centre, centre + reach)
+    """A's repeated timings against B's (any positive figure: seconds, or tokens per second; indexed by round, as
+    by_round gives them, to be compared round by round). The verdict says whether A is larger or smaller than B at
+    the false-positive rate alpha; see the module's docstring."""
+    test = _permutation(a, b, permutations, seed)
+    if test is None:
+        a, b = _positive(a), _positive(b)
+        ratio = math.exp(np.log(a).mean() - np.log(b).mean()) if len(a) and len(b) else math.nan
+        return TimingComparison(ratio, math.nan, math.nan, len(a), len(b), math.nan, TOO_FEW)
+    n_a, n_b = len(test.log_a), len(test.log_b)
+    centre = test.centre
+    if smallest_p_value(n_a, n_b, test.paired) > alpha:
+        return TimingComparison(math.exp(centre), math.nan, math.nan, n_a, n_b, math.nan, TOO_FEW,
+                                paired=test.paired)
+    # far enough that the shifted observed arrangement is the most extreme of all: rejected whenever anything is
+    spread = test.log_a - test.log_b - centre if test.paired else np.concatenate([test.log_a - centre, test.log_b])
+    reach = 4 * (np.ptp(spread) + 1.0)
+    low, high = test.edge(alpha, centre - reach), test.edge(alpha, centre + reach)
     verdict = LARGER if low > 0 else SMALLER if high < 0 else WITHIN_NOISE
-    return TimingComparison(math.exp(centre), math.exp(low), math.exp(high), len(a), len(b), p, verdict, exact)
+    return TimingComparison(math.exp(centre), math.exp(low), math.exp(high), n_a, n_b, test.p(0.0), verdict,
+                            test.exact, test.paired)
+
+
+def timing_equivalent(a, b, margin: float = EQUIVALENCE_TIMING, alpha: float = ALPHA) -> bool:
+    """A and B's speeds equivalent within +-margin: the two one-sided tests at alpha, i.e. the test's 1 - 2 alpha
+    interval of the ratio inside 1/(1 + margin) to 1 + margin. The only way the book says two runners are alike."""
+    c = compare_timings(a, b, alpha=2 * alpha)
+    return c.judged and 1 / (1 + margin) < c.low and c.high < 1 + margin
+
+
+def holm(p_values, alpha: float = ALPHA) -> list[bool]:
+    """Holm's step-down rule: which of a family's hypotheses are rejected with the family-wise error at alpha.
+    The smallest p-value is compared with alpha / m, the next with alpha / (m - 1), ..., stopping at the first that
+    fails. NaN p-values are never rejected."""
+    p = [math.inf if p is None or math.isnan(p) else p for p in p_values]
+    order = sorted(range(len(p)), key=lambda i: p[i])
+    rejected = [False] * len(p)
+    for rank, i in enumerate(order):
+        if p[i] > alpha / (len(p) - rank):
+            break
+        rejected[i] = True
+    return rejected
+
+
+CONFIRMED, REFUTED, UNSETTLED = "confirmed", "refuted", "inconclusive"
+
+
+@dataclass(frozen=True)
+class RangeClaim:
+    """A claim that the ratio of A's timings to B's lies in [low, high] (high may be inf: "A larger than B").
+    p_value: the evidence the claim can be settled by, tested as one member of a family (`settle`): where the
+    observed ratio lies inside the range, the larger of the two edges' p-values (both edges rejected: the ratio is
+    inside, the claim confirmed); outside it, the nearer edge's (rejected: the claim refuted)."""
+
+    name: str
+    ratio: float
+    low: float
+    high: float
+    p_value: float
+    inside: bool
+    n_a: int
+    n_b: int
+    paired: bool = False
+
+    def verdict(self, rejected: bool) -> str:
+        if not rejected:
+            return UNSETTLED
+        return CONFIRMED if self.inside else REFUTED
+
+
+def range_claim(name: str, a, b, low: float, high: float = math.inf, permutations: int = PERMUTATIONS,
+                seed: int = SEED) -> RangeClaim:
+    """The claim "A / B lies in [low, high]" on A's and B's repeated timings (a ratio of geometric means; paired on
+    their rounds where both are indexed by rounds, as compare_timings)."""
+    test = _permutation(a, b, permutations, seed)
+    if test is None:
+        a, b = _positive(a), _positive(b)
+        ratio = math.exp(np.log(a).mean() - np.log(b).mean()) if len(a) and len(b) else math.nan
+        return RangeClaim(name, ratio, low, high, math.nan, low <= ratio <= high, len(a), len(b))
+    ratio = math.exp(test.centre)
+
+    def p_at(edge: float) -> float:
+        return 0.0 if math.isinf(edge) else test.p(math.log(edge))
+
+    inside = low <= ratio <= high
+    p = max(p_at(low), p_at(high)) if inside else p_at(low if ratio < low else high)
+    return RangeClaim(name, ratio, low, high, p, inside, len(test.log_a), len(test.log_b), test.paired)
+
+
+def settle(claims: list[RangeClaim], alpha: float = ALPHA) -> list[str]:
+    """Each claim's verdict with the family-wise error across the family held at alpha (Holm)."""
+    return [c.verdict(r) for c, r in zip(claims, holm([c.p_value for c in claims], alpha))]
 
 
 # ---- accuracy ------------------------------------------------------------------------------------------------------

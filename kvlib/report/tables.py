@@ -69,9 +69,10 @@ def machine_kind(df: pd.DataFrame) -> pd.Series:
 
 @dataclass
 class Spread:
-    """A measured figure: the median and the range it was seen in (over repeats, or over the steps of a run)."""
+    """A measured figure: its centre (the geometric mean over repeats: the book's one ratio is of geometric means) and
+    the range it was seen in (over repeats, or over the steps of a run)."""
 
-    median: float
+    centre: float
     low: float
     high: float
     n: int = 1  # measurements the range comes from (repeats, or decode steps)
@@ -81,28 +82,35 @@ class Spread:
 
     def __format__(self, spec: str) -> str:
         if f"{self.low:{spec}}" == f"{self.high:{spec}}":
-            return f"{self.median:{spec}}"
-        return f"{self.median:{spec}} ({self.low:{spec}}-{self.high:{spec}})"
+            return f"{self.centre:{spec}}"
+        return f"{self.centre:{spec}} ({self.low:{spec}}-{self.high:{spec}})"
+
+
+def geometric_mean(values) -> float:
+    """The centre every timing is read by (positive figures; NaN where there are none)."""
+    v = pd.to_numeric(pd.Series(values), errors="coerce").dropna()
+    v = v[v > 0]
+    return float(np.exp(np.log(v).mean())) if len(v) else float("nan")
 
 
 def ttft_spread(g: pd.DataFrame) -> Spread:
     """TTFT over the repeats of a point (min to max)."""
-    return Spread(g["ttft_s"].median(), g["ttft_s"].min(), g["ttft_s"].max(), len(g))
+    return Spread(geometric_mean(g["ttft_s"]), g["ttft_s"].min(), g["ttft_s"].max(), len(g))
 
 
 def decode_spread(g: pd.DataFrame) -> Spread:
-    """Decode throughput: the median over repeats; the range spans every repeat's interquartile range of per-step
+    """Decode throughput: the geometric mean over repeats; the range spans every repeat's interquartile range of per-step
     throughput (and the repeats themselves)."""
     tps = g["decode_tokens_per_s"]
     q1, q3 = g.get("decode_tokens_per_s_q1"), g.get("decode_tokens_per_s_q3")
     steps = q1 is not None and q1.notna().all()
     low = min(tps.min(), q1.min()) if steps else tps.min()
     high = max(tps.max(), q3.max()) if steps else tps.max()
-    return Spread(tps.median(), low, high, int(g["decode_steps"].sum()) if steps and "decode_steps" in g else len(g))
+    return Spread(geometric_mean(tps), low, high, int(g["decode_steps"].sum()) if steps and "decode_steps" in g else len(g))
 
 
 def ratio(a: Spread, b: Spread) -> Spread:
-    return Spread(a.median / b.median, a.low / b.high, a.high / b.low, min(a.n, b.n))
+    return Spread(a.centre / b.centre, a.low / b.high, a.high / b.low, min(a.n, b.n))
 
 
 

@@ -5,14 +5,18 @@ An exception in a unit never stops the others, in any executor: it is reported a
 is written, and once every other unit is stored the run fails with `UnitsFailed`, naming each failed unit with its
 error, so a rerun computes exactly those.
 
-Repeats run interleaved: every point once, then every point again, so a slow minute of the machine does not land on
-one policy's repeats. Each unit records the machine's load while it ran (kvlib.study.machine_load); one measured while other
+Repeats run interleaved, in rounds: every point once, then every point again, so a slow minute of the machine does
+not land on one policy's repeats. In a timed experiment each round runs its points in a seeded random order (`rounds`),
+recorded in the rows (`round_slot`), so that a drift within a round (the machine warming, memory filling) falls on
+every runner alike and the repeats of two runners are exchangeable, as the timing rule's permutation test assumes
+(kvlib.report.stats; tests/test_stats.py simulates such a drift under a fixed and a random order). Each unit records the machine's load while it ran (kvlib.study.machine_load); one measured while other
 processes took the CPU is measured once more if the experiment is timed (`TIMED` in its module), and flagged
 `disturbed` if it still was.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import multiprocessing
 import platform
@@ -25,6 +29,7 @@ from concurrent.futures.process import BrokenProcessPool
 from datetime import UTC, datetime
 from typing import Protocol
 
+import numpy as np
 import pandas as pd
 from tqdm import tqdm
 
@@ -151,6 +156,21 @@ def run_metadata(profile: str) -> dict:
             "finished_at": datetime.now(UTC).isoformat()}
 
 
+def rounds(points: list[Point], repeats: int, seed: str, shuffled: bool = True) -> list[tuple[Point, int, int]]:
+    """(point, repeat, slot) for every repeat of every point, round by round; within round r the points in an order
+    drawn from `seed` and r (stable across runs, so a resumed run computes the same order), or as listed where not
+    shuffled. slot: the unit's place in its round."""
+    out = []
+    for r in range(repeats):
+        if shuffled:
+            digest = hashlib.sha256(f"{seed}/{r}".encode()).digest()
+            order = np.random.default_rng(int.from_bytes(digest[:8], "little")).permutation(len(points))
+        else:
+            order = range(len(points))
+        out += [(points[i], r, slot) for slot, i in enumerate(order)]
+    return out
+
+
 def selected_points(points: list[Point], policies: Iterable[str] | None = None) -> list[Point]:
     if policies is not None:
         unknown = sorted(set(policies) - set(runners()))
@@ -171,14 +191,18 @@ def run_experiment(profile: Profile, experiment: str, force: bool = False, progr
     points = selected_points(grid, policies)
     repeats = profile.repeats(experiment)
     results.write_manifest(profile.name, experiment, [p.key for p in grid], repeats)
-    units = [(p, r) for r in range(repeats) for p in points]
+    timed = getattr(importlib.import_module(f"kvlib.study.experiments.{experiment}"), "TIMED", False)
+    ordered = rounds(points, repeats, f"{profile.name}/{experiment}", shuffled=timed)
+    slots = {(p.key, r): slot for p, r, slot in ordered}
+    units = [(p, r) for p, r, _ in ordered]
     todo = [(p, r) for p, r in units
             if force or not results.unit_path(profile.name, experiment, p.key, r).exists()]
     bar = tqdm(total=len(units), initial=len(units) - len(todo), desc=f"{profile.name}/{experiment}", unit="run",
                disable=not progress)
 
     def done(point: Point, repeat: int, rows: pd.DataFrame) -> None:
-        results.write_unit(profile.name, experiment, point.key, repeat, rows)
+        results.write_unit(profile.name, experiment, point.key, repeat,
+                           rows.assign(round_slot=slots[(point.key, repeat)]))
         bar.update(1)
 
     try:
