@@ -1,0 +1,231 @@
+"""The sentences of the accuracy and retention chapters: each task's full-cache score and, where the full cache
+passes the validity gate, each policy's paired change from it with its interval, adjusted across the page."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+
+from kvlib.report import stats
+from kvlib.report.gate import GATE, accuracy_gate, beyond_model, passing, retention_gate
+from kvlib.report.paper import PAPER
+from kvlib.report.tables import accuracy_item, accuracy_table, retention_design, ruler_table, wilson
+
+
+def role(df: pd.DataFrame, policy: str) -> str:
+    """" (exploratory)" for a policy the profile ran on fewer items (kvlib.study.profile: `exploratory`)."""
+    if "role" not in df:
+        return ""
+    return " (exploratory)" if (df.loc[df["policy"] == policy, "role"] == "exploratory").any() else ""
+
+
+def change(drop: stats.Drop) -> str:
+    """A policy's change from its reference in pp with the interval and the verdict word: the reader sees the score
+    move, so the sign is the score's (a drop of 12 pp reads -12.0)."""
+    def pp(share: float) -> str:
+        return f"{-share * 100 + 0.0:+.1f}"  # + 0.0: no "-0.0" for an unchanged score
+
+    return f"{pp(drop.drop)} pp, interval {pp(drop.high)} to {pp(drop.low)}: {drop.verdict}"
+
+
+def accuracy_rule(drops: dict, resampled: str = "items resampled") -> list[str]:
+    """The rule behind the accuracy verdicts, said once per page, and the fallback where rows carried no item ids."""
+    if not drops:
+        return []
+    level = next(iter(drops.values())).level
+    rule = (f"How differences are judged: each change is read on the same items (paired) with a bootstrap interval "
+            f"({resampled}); the {len(drops)} intervals here are adjusted together (Bonferroni: each at "
+            f"{level * 100:.1f} %, all at {(1 - stats.ALPHA) * 100:.0f} %); 'equivalent' when the interval lies within "
+            f"+-{stats.EQUIVALENCE_MARGIN * 100:.0f} pp, 'lower'/'higher' when it excludes 0, else 'inconclusive'.")
+    unpaired = sum(not d.paired for d in drops.values())
+    note = (f"Ours: {unpaired} of these {len(drops)} comparisons could not pair their items: the rows carry no item "
+            f"ids (results from before they were recorded), so each side is resampled on its own, a wider interval.")
+    return [rule] + ([note] if unpaired else [])
+
+
+def family(pairs: dict, value: str, item: list[str], cluster: list[str] | None = None,
+            stratum: str | None = None) -> dict:
+    """The paired drops of every (reference rows, policy rows) pair, their intervals adjusted together."""
+    level = stats.family_level(len(pairs))
+    return {key: stats.paired_drop(ref, other, value, item, cluster, stratum, level=level)
+            for key, (ref, other) in pairs.items()}
+
+
+def pairs_against_full(rows: pd.DataFrame, key) -> dict:
+    """(full's rows, the policy's rows) per policy and budget, and (InfiniGen's, H2O's) per budget where both ran: the
+    paper's two comparisons."""
+    full = rows[rows["policy"] == "full"]
+    pairs = {}
+    if full.empty:
+        return pairs
+    for (policy, budget), g in rows[rows["policy"] != "full"].groupby(["policy", "budget"]):
+        pairs[(*key, budget, policy)] = (full, g)
+    for budget, b in rows.groupby("budget"):
+        if {"h2o", "infinigen"} <= set(b["policy"]):
+            pairs[(*key, budget, H2O_VS_INFINIGEN)] = (b[b["policy"] == "infinigen"], b[b["policy"] == "h2o"])
+    return pairs
+
+
+H2O_VS_INFINIGEN = "h2o vs infinigen"
+
+
+def _who_loses_more(drop: stats.Drop) -> str:
+    """H2O against InfiniGen on the same items (the paper: H2O loses more)."""
+    words = {stats.LOWER: "H2O loses more than InfiniGen", stats.HIGHER: "InfiniGen loses more than H2O",
+             stats.EQUIVALENT: f"H2O and InfiniGen are equivalent within +-{stats.EQUIVALENCE_MARGIN * 100:.0f} pp",
+             stats.INCONCLUSIVE: f"H2O and InfiniGen are not distinguishable on these {drop.clusters} units"}
+    return f"{words[drop.verdict]} (H2O's change from InfiniGen {change(drop)}; paper: H2O loses more)"
+
+
+def scored_rows(df: pd.DataFrame) -> pd.DataFrame:
+    d = df[df["ruler_score"].isna()] if "ruler_score" in df else df
+    return d.assign(budget=d["budget"].fillna(1.0) if "budget" in d else 1.0)
+
+
+def accuracy(df: pd.DataFrame, gate: float = GATE) -> list[str]:
+    """Each task's full-cache score, then, where the full cache passes the validity gate (kvlib.report.gate), each
+    policy's paired change from it; a task the full cache fails is said to be beyond the model, with no verdict."""
+    out = [f"Paper: {PAPER['accuracy']}"]
+    table = accuracy_table(df)
+    rows = scored_rows(df)
+    gated = accuracy_gate(df, gate)
+    gated = gated[gated["length"].isna()]
+    valid = passing(gated, "task")
+    pairs = {}
+    for task in table.loc[table["metric"] == "accuracy", "task"].unique():
+        if task in valid:
+            pairs.update(pairs_against_full(rows[rows["task"] == task], (task,)))
+    drops = family(pairs, "correct", accuracy_item(rows))
+    for task, t in table.groupby("task"):
+        full = t[t["policy"] == "full"]
+        if full.empty:
+            continue
+        base, metric = full.iloc[0], t["metric"].iloc[0]
+        unit = (lambda x: f"{x:.1%}") if metric == "accuracy" else (lambda x: f"{x:.2f}")
+        out.append(f"Ours: {task} ({t['items'].iloc[0]} items), full cache {metric} {unit(base['score'])} "
+                   f"(95 % interval {unit(base['low'])}-{unit(base['high'])}).")
+        if metric == "accuracy" and task not in valid:
+            out += beyond_model(gated[gated["task"] == task], gate)
+            continue
+        for budget, b in t[t["policy"] != "full"].groupby("budget"):
+            parts = []
+            for _, row in b.iterrows():
+                delta = (change(drops[(task, budget, row["policy"])]) if metric == "accuracy"
+                         else f"{row['score'] / base['score'] - 1:+.1%}")
+                used = (f"; attended {row['kv_share_attended']:.0%} of the KV"
+                        if not math.isnan(row["kv_share_attended"]) else "")
+                parts.append(f"{row['policy']}{role(df, row['policy'])} {unit(row['score'])} ({delta}{used})")
+            out.append(f"Ours: {task} at budget {budget:g}: " + ", ".join(parts) + ".")
+            if (task, budget, H2O_VS_INFINIGEN) in drops:
+                out.append(f"Ours: {task} at budget {budget:g}: "
+                           f"{_who_loses_more(drops[(task, budget, H2O_VS_INFINIGEN)])}.")
+    return out + accuracy_rule(drops) + ruler(df, gate)
+
+
+def ruler(df: pd.DataFrame, gate: float = GATE) -> list[str]:
+    """RULER read against the paper's accuracy finding, per protocol where rows ran under several: the subtasks and
+    lengths the full cache passes (the validity gate; the others said to be beyond the model), the mean over those
+    subtasks per length, each policy's change from the full cache at each budget on the same items (resampled within
+    each subtask), and whether H2O loses more than InfiniGen."""
+    if "ruler_score" not in df or df["ruler_score"].isna().all():
+        return []
+    d = df[df["ruler_score"].notna()]
+    gated = accuracy_gate(d, gate)
+    gated = gated[gated["length"].notna()]
+    valid = {(t, int(n)) for t, n, ok in zip(gated["task"], gated["length"], gated["passes"]) if ok}
+    kept = d[[(t, int(n)) in valid for t, n in zip(d["task"], d["length"])]]
+    return beyond_model(gated, gate, "RULER subtask") + per_protocol(_ruler, kept)
+
+
+def per_protocol(lines_of, df: pd.DataFrame) -> list[str]:
+    """lines_of(df) for each protocol the rows ran under (kvlib.evaluation.generation): a score as deployed and a
+    strict one are different measurements, never pooled."""
+    if "protocol" not in df or df["protocol"].nunique() <= 1:
+        return lines_of(df)
+    out = []
+    for protocol, g in df.groupby("protocol", sort=True):
+        out += [line.replace("Ours: ", f"Ours ({protocol} protocol): ", 1) for line in lines_of(g)]
+    return out
+
+
+def _ruler(df: pd.DataFrame) -> list[str]:
+    table = ruler_table(df)
+    if table.empty:
+        return []
+    rows = df[df["ruler_score"].notna()]
+    rows = rows.assign(budget=rows["budget"].fillna(1.0) if "budget" in rows else 1.0)
+    pairs = {}
+    for length, at in rows.groupby("length"):
+        pairs.update(pairs_against_full(at, (length,)))
+    drops = family(pairs, "ruler_score", accuracy_item(rows), stratum="task")
+    out = []
+    means = table[table["task"] == "mean"]
+    for length, t in means.groupby("length"):
+        full = t[t["policy"] == "full"]
+        if full.empty:
+            continue
+        base = full.iloc[0]
+        tasks = sorted(table.loc[(table["length"] == length) & (table["task"] != "mean"), "task"].unique())
+        out.append(f"Ours: RULER at {length:,} tokens ({', '.join(tasks)}; {base['items']} items), full cache "
+                   f"{base['score']:.1%} (95 % interval {base['low']:.1%}-{base['high']:.1%}).")
+        for budget, b in t[t["policy"] != "full"].groupby("budget"):
+            parts = [f"{row['policy']}{role(df, row['policy'])} {row['score']:.1%} "
+                     f"({change(drops[(length, budget, row['policy'])])}"
+                     + (f"; attended {row['kv_share_attended']:.0%} of the KV"
+                        if not math.isnan(row["kv_share_attended"]) else "") + ")" for _, row in b.iterrows()]
+            out.append(f"Ours: RULER at {length:,} tokens, budget {budget:g}: " + ", ".join(parts) + ".")
+            if (length, budget, H2O_VS_INFINIGEN) in drops:
+                out.append(f"Ours: RULER at {length:,} tokens, budget {budget:g}: "
+                           f"{_who_loses_more(drops[(length, budget, H2O_VS_INFINIGEN)])}.")
+    return out + [line.replace("each change", "each RULER change", 1)
+                  for line in accuracy_rule(drops, "items resampled within each subtask")]
+
+
+def retention(df: pd.DataFrame, gate: float = GATE) -> list[str]:
+    """Each policy's retention against the full cache's on the same questions, conversations resampled within each
+    bucket (a conversation's questions share one context: they are not independent), over the buckets the full cache
+    passes (the validity gate; the others said to be beyond the model), per protocol."""
+    out = [f"Paper: {PAPER['retention']}"]
+    if df.empty or "full" not in set(df["policy"]):
+        return out + ["Ours: no full-cache run to compare with."]
+    gated = retention_gate(df, gate)
+    valid = passing(gated, "bucket")
+    out += beyond_model(gated, gate, "retention bucket")
+    kept = df[df["bucket"].isin(valid)]
+    if kept.empty:
+        return out + ["Ours: no bucket passes the validity gate: no verdict on retention."]
+    return out + per_protocol(_retention, kept)
+
+
+def _retention(df: pd.DataFrame) -> list[str]:
+    out = []
+    item, cluster, stratum = retention_design(df)
+    paired = set(item) <= set(df.columns)
+    d = df.assign(correct=df["correct"].astype(float), budget=df["budget"].fillna(1.0) if "budget" in df else 1.0)
+    full = d[d["policy"] == "full"]
+    if paired:
+        low, high = stats.mean_interval(full, "correct", cluster, stratum)
+        how = (f"in {full[cluster].drop_duplicates().shape[0]} conversations; 95 % interval {low:.0%}-{high:.0%}, "
+               f"conversations resampled within buckets")
+    else:
+        low, high = wilson(full["correct"].sum(), len(full))
+        how = f"95 % interval {low:.0%}-{high:.0%}, Wilson"
+    out.append(f"Ours: {len(full)} questions per policy; the full cache answers {full['correct'].mean():.0%} ({how}).")
+    drops = family(pairs_against_full(d, ()), "correct", item, cluster if paired else None, stratum)
+    budgeted = df.dropna(subset=["budget"]).groupby("policy")["budget"].nunique() if "budget" in df else pd.Series()
+    for (budget, policy), drop in drops.items():
+        if policy == H2O_VS_INFINIGEN:
+            continue
+        g = d[(d["policy"] == policy) & (d["budget"] == budget)]
+        at = f" at budget {budget:g}" if budgeted.get(policy, 0) > 1 else ""
+        used = (f"; attending {g['kv_share_attended'].median():.0%} of the KV"
+                if "kv_share_attended" in g and g["kv_share_attended"].notna().any() else "")
+        out.append(f"Ours: {policy}{role(df, policy)}{at} answers {drop.score:.0%} ({change(drop)}{used}).")
+    by_bucket = df.groupby(["bucket", "policy"])["correct"].mean().unstack()
+    for bucket, row in by_bucket.iterrows():
+        out.append(f"Ours: bucket {bucket}: " + ", ".join(f"{p} {v:.0%}" for p, v in row.items()) + ".")
+    for (budget, policy), drop in drops.items():
+        if policy == H2O_VS_INFINIGEN:
+            out.append(f"Ours: retention over all buckets and turns at budget {budget:g}: {_who_loses_more(drop)}.")
+    return out + accuracy_rule(drops, "whole conversations resampled within each bucket")

@@ -1,0 +1,94 @@
+"""The accuracy evidence the chooser weighs a lossy policy by: its paired drop against the full cache on each task the
+full cache passes (the validity gate), and, against a tolerance, one of three outcomes: within it, ruled out, or
+"cannot tell at n items" with about how many items would resolve it."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pandas as pd
+
+from kvlib.report import stats
+from kvlib.report.gate import GATE, accuracy_gate, passing
+from kvlib.report.tables import accuracy_item, accuracy_table
+
+WITHIN, RULED_OUT, CANNOT_TELL = "within the tolerance", "ruled out", "cannot tell"
+
+
+@dataclass
+class AccuracyEvidence:
+    """A lossy policy's drop against the full cache where it was read: the task whose interval decides (the largest
+    upper end), the budget read, and, against a tolerance, the outcome."""
+
+    drop: stats.Drop
+    task: str
+    where: str
+    outcome: str | None = None  # WITHIN, RULED_OUT or CANNOT_TELL, once judged against a tolerance
+
+    def text(self, tolerance: float | None = None) -> str:
+        d = self.drop
+        measured = (f"measured drop {d.drop * 100:.1f} pp on {self.task} at {self.where}, 95 % interval "
+                    f"{d.low * 100:.1f} to {d.high * 100:.1f} pp over {d.items} items")
+        if self.outcome == RULED_OUT:
+            return f"loses more than the {tolerance:g} pp allowed ({measured}: its lower end is above it)"
+        if self.outcome == CANNOT_TELL:
+            return (f"cannot tell at {d.items} items whether it stays within {tolerance:g} pp: the interval spans "
+                    f"{d.low * 100:.1f} to {d.high * 100:.1f} pp (measured drop {d.drop * 100:.1f} pp on {self.task} at "
+                    f"{self.where}); {items_to_resolve(d, tolerance)}")
+        return measured
+
+
+def items_to_resolve(drop: stats.Drop, tolerance: float) -> str:
+    """About how many items would put the interval on one side of the tolerance, if the measured drop held: an
+    interval's half-width falls as 1 / sqrt(items)."""
+    half = (drop.high - drop.low) / 2
+    distance = abs(drop.drop * 100 - tolerance) / 100
+    if distance < 1e-9:
+        return "no number of items would: the measured drop is at the tolerance"
+    return f"about {math.ceil(drop.items * (half / distance) ** 2):,} items would resolve it"
+
+
+def accuracy_evidence(accuracy: pd.DataFrame, budgets: dict[str, float | None], gate: float = GATE
+                      ) -> dict[str, list[AccuracyEvidence]]:
+    """Per lossy policy, its paired drop on each accuracy-scored task the full cache passes (the validity gate: no
+    accuracy statement from a task the model fails), at the policy's budget in the systems experiments or the nearest
+    scored budget below it. budgets: the policy's budget there (None: not a budgeted policy)."""
+    if accuracy.empty:
+        return {}
+    table = accuracy_table(accuracy)
+    table = table[table["metric"] == "accuracy"]
+    gated = accuracy_gate(accuracy, gate)
+    valid = passing(gated[gated["length"].isna()], "task")
+    rows = accuracy[accuracy["ruler_score"].isna()] if "ruler_score" in accuracy else accuracy
+    rows = rows.assign(budget=rows["budget"].fillna(1.0) if "budget" in rows else 1.0)
+    item = accuracy_item(rows)
+    out = {}
+    for policy, g in table[table["policy"] != "full"].groupby("policy"):
+        budget = budgets.get(policy)
+        scored = sorted(g["budget"].unique())
+        below = [b for b in scored if budget is None or b <= budget + 1e-9]
+        used = below[-1] if below else scored[0]
+        where = f"budget {used:g}" + ("" if budget is None or abs(used - budget) < 1e-9
+                                      else f" (the nearest scored budget {'below' if below else 'above'} {budget:g})")
+        out[policy] = [AccuracyEvidence(stats.paired_drop(rows[(rows["task"] == task) & (rows["policy"] == "full")],
+                                                          rows[(rows["task"] == task) & (rows["policy"] == policy)
+                                                               & (rows["budget"] == used)], "correct", item),
+                                        task, where)
+                       for task in g.loc[g["budget"] == used, "task"] if task in valid]
+        if not out[policy]:
+            del out[policy]
+    return out
+
+
+def judge_accuracy(evidence: list[AccuracyEvidence], tolerance: float) -> AccuracyEvidence:
+    """The outcome against a tolerance (pp): ruled out where any passing task's interval lies above it, within it
+    where every task's lies below, else cannot tell; the evidence returned is the deciding task's."""
+    for e in evidence:
+        e.outcome = (RULED_OUT if e.drop.low * 100 > tolerance else WITHIN if e.drop.high * 100 < tolerance
+                     else CANNOT_TELL)
+    for outcome in (RULED_OUT, CANNOT_TELL):
+        hits = [e for e in evidence if e.outcome == outcome]
+        if hits:
+            return max(hits, key=lambda e: e.drop.high)
+    return max(evidence, key=lambda e: e.drop.high)

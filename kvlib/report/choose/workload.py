@@ -1,0 +1,276 @@
+"""Which policy when: read a profile's results and answer, for a workload (prompt length, batch, output length), which
+policy decodes fastest and which reaches the first token soonest, among those that fit the device memory and stay
+within an accuracy drop. Every figure is a measured one, or a straight line between two measured grid points (said
+so); nothing is extrapolated past the grid: a workload beyond it gets the nearest point, and the answer says that.
+
+Evidence per question:
+- decode throughput: at batch 1, the decode-length experiment at the output length asked (one long prompt); at a
+  larger batch, the batch-scaling experiment (mixed-length prompts, its own output length) at the batch asked;
+- TTFT: the TTFT experiment, each policy at its fastest prefill mode, at the prompt length asked;
+- memory: the device peak measured at the point used (an OOM there rules the policy out);
+- accuracy: the drop against the full cache on the accuracy-scored tasks the full cache passes (the validity gate),
+  paired on the items with its 95 % interval, at the policy's budget in the systems experiments or, where that budget
+  was not scored, the nearest scored budget below it. Three outcomes against a tolerance: within it (the interval's
+  upper end below it on every task), ruled out (the interval's lower end above it on some task), or "cannot tell at
+  n items" (the interval spans the tolerance; the answer says about how many items would resolve it), which keeps
+  the policy out of the ranking without calling it lossy. Policies that keep and attend every entry (rows say
+  `lossless`) lose nothing by construction.
+- ties: the runners the timing rule cannot tell from the answer at the grid point read, with the family-wise error
+  over the candidates held by Holm (kvlib.report.stats.holm); a figure interpolated between grid points has no
+  repeats of its own and is said to be untested.
+- a runner that preallocates its KV pool from the memory it is given (vLLM) is, below the memory it was measured
+  with, "not measured at this capacity", never "does not fit": it would start with a smaller pool.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from kvlib.report import stats
+from kvlib.report.choose.evidence import CANNOT_TELL, RULED_OUT, accuracy_evidence, judge_accuracy
+from kvlib.report.gate import GATE
+from kvlib.report.tables import decode_kernels, geometric_mean, kernel_note
+
+
+@dataclass
+class Estimate:
+    """A figure read at `at` from the measured points `points` (one point: measured there; two: interpolated)."""
+
+    value: float
+    at: float
+    points: list[float]
+    axis: str = ""  # the grid axis read, e.g. "batch"
+    beyond_grid: bool = False
+
+    def how(self, unit: str) -> str:
+        what = self.axis
+        if self.beyond_grid:
+            return f"{self.value:.3g} {unit} (measured at {what} {self.points[0]:g}, the grid's nearest: not extrapolated)"
+        if len(self.points) == 1:
+            return f"{self.value:.3g} {unit} (measured at {what} {self.points[0]:g})"
+        return (f"{self.value:.3g} {unit} (interpolated between {what} {self.points[0]:g} and {self.points[1]:g})")
+
+
+def read_at(curve: pd.Series, x: float, axis: str) -> Estimate | None:
+    """curve: values indexed by a grid axis. Linear interpolation inside the grid, the nearest point outside it."""
+    curve = curve.dropna().sort_index()
+    if curve.empty:
+        return None
+    xs, ys = curve.index.to_numpy(dtype=float), curve.to_numpy(dtype=float)
+    if x in xs:
+        return Estimate(float(ys[xs == x][0]), x, [x], axis)
+    if x < xs[0] or x > xs[-1]:
+        i = 0 if x < xs[0] else -1
+        return Estimate(float(ys[i]), x, [float(xs[i])], axis, beyond_grid=True)
+    return Estimate(float(np.interp(x, xs, ys)), x, [float(xs[xs < x][-1]), float(xs[xs > x][0])], axis)
+
+
+@dataclass
+class Choice:
+    fastest_decode: str | None
+    lowest_ttft: str | None
+    decode: dict[str, Estimate] = field(default_factory=dict)
+    ttft: dict[str, Estimate] = field(default_factory=dict)
+    excluded: dict[str, str] = field(default_factory=dict)  # policy -> why it was ruled out
+    undecided: dict[str, str] = field(default_factory=dict)  # policy -> why its accuracy cannot be told yet
+    notes: list[str] = field(default_factory=list)
+    # the policies the findings' timing rule cannot tell from the answer (kvlib.report.stats), where both were measured
+    # at the grid point read: a lead inside the noise is no lead
+    decode_ties: list[str] = field(default_factory=list)
+    ttft_ties: list[str] = field(default_factory=list)
+
+    def text(self) -> str:
+        lines = []
+        if self.fastest_decode:
+            best = self.decode[self.fastest_decode]
+            lines.append(f"Highest decode throughput: {self.fastest_decode}, {best.how('tokens/s')}."
+                         f"{_ties(self.decode_ties, best)}")
+        if self.lowest_ttft:
+            best = self.ttft[self.lowest_ttft]
+            lines.append(f"Lowest TTFT: {self.lowest_ttft}, {best.how('s')}.{_ties(self.ttft_ties, best)}")
+        if not (self.fastest_decode or self.lowest_ttft):
+            lines.append("No policy qualifies.")
+        others = [f"{p} {e.value:.3g} tokens/s" for p, e in sorted(self.decode.items(), key=lambda kv: -kv[1].value)]
+        if len(others) > 1:
+            lines.append("Decode throughput of every qualifying policy: " + ", ".join(others) + ".")
+        lines += [f"Ruled out: {p}: {why}." for p, why in sorted(self.excluded.items())]
+        lines += [f"Not ranked: {p}: {why}." for p, why in sorted(self.undecided.items())]
+        return "\n".join(lines + self.notes)
+
+
+def choose(frames: dict[str, pd.DataFrame], prompt_tokens: int, batch: int, output_tokens: int,
+           max_accuracy_drop: float | None = None, device_memory_gb: float | None = None, gate: float = GATE
+           ) -> Choice:
+    """frames: the profile's results by experiment (ttft, batch_scaling, decode_length, accuracy)."""
+    choice = Choice(None, None)
+    batch_df = frames.get("batch_scaling", pd.DataFrame())
+    ttft_df = frames.get("ttft", pd.DataFrame())
+    length_df = frames.get("decode_length", pd.DataFrame())
+    # one long prompt at batch 1 with the output length varied: the evidence for a single stream
+    decode_df, axis, x = ((length_df, "output_tokens", output_tokens) if batch == 1 and not length_df.empty
+                          else (batch_df, "batch_size", batch))
+    policies = sorted(set(decode_df.get("policy", [])) | set(ttft_df.get("policy", [])))
+    budgets = {}
+    for df in (batch_df, ttft_df):
+        if "budget" in df:
+            budgets.update(df.dropna(subset=["budget"]).groupby("policy")["budget"].first().to_dict())
+    lossless = lossless_runners(decode_df) | lossless_runners(ttft_df)
+    if max_accuracy_drop is not None:
+        evidence = accuracy_evidence(frames.get("accuracy", pd.DataFrame()), budgets, gate)
+        for p in policies:
+            if p in lossless:
+                continue
+            if p not in evidence:
+                choice.excluded[p] = ("its accuracy was not measured in this profile on a task the full cache passes "
+                                      "(the validity gate)")
+                continue
+            e = judge_accuracy(evidence[p], max_accuracy_drop)
+            if e.outcome == RULED_OUT:
+                choice.excluded[p] = e.text(max_accuracy_drop)
+            elif e.outcome == CANNOT_TELL:
+                choice.undecided[p] = e.text(max_accuracy_drop)
+    for p in policies:
+        if p in choice.excluded or p in choice.undecided:
+            continue
+        decode = _read(decode_df, p, axis, x, "decode_tokens_per_s", device_memory_gb, choice)
+        if decode is not None:
+            choice.decode[p] = decode
+        ttft = _read(ttft_df, p, "prompt_tokens", prompt_tokens, "ttft_s", device_memory_gb, choice)
+        if ttft is not None:
+            choice.ttft[p] = ttft
+    for p in choice.excluded:  # ruled out by one question, out of both answers
+        choice.decode.pop(p, None)
+        choice.ttft.pop(p, None)
+    kernels = decode_kernels(decode_df) if not decode_df.empty else {}
+    note = kernel_note(kernels, choice.decode)
+    if note:  # the answer is drawn among the policies of the recorded kernel most of them ran
+        ran = pd.Series([kernels[p] for p in choice.decode if p in kernels])
+        recorded = ran[~ran.isin(["mixed", "unrecorded"])]
+        main = (recorded if len(recorded) else ran).value_counts().index[0]
+        choice.notes.append(f"{note[0].upper()}{note[1:]}; the fastest is chosen among those that ran `{main}`.")
+        for p in [p for p in choice.decode if p in kernels and kernels[p] != main]:
+            choice.decode.pop(p)
+    if choice.decode:
+        choice.fastest_decode = max(choice.decode, key=lambda p: choice.decode[p].value)
+        choice.decode_ties = _within_noise(decode_df, axis, "decode_tokens_per_s", choice.fastest_decode,
+                                           choice.decode)
+    if choice.ttft:
+        choice.lowest_ttft = min(choice.ttft, key=lambda p: choice.ttft[p].value)
+        choice.ttft_ties = _within_noise(ttft_df, "prompt_tokens", "ttft_s", choice.lowest_ttft, choice.ttft)
+    unmeasured = sorted(set(choice.decode) - set(ttft_df.get("policy", [])))
+    if unmeasured and not ttft_df.empty:
+        choice.notes.append(f"TTFT: this profile's TTFT grid does not run {', '.join(unmeasured)} (their TTFT at "
+                            f"their own prefill is in the decode-length results).")
+    choice.notes += _workload_notes(decode_df, axis, prompt_tokens, output_tokens)
+    return choice
+
+
+def _within_noise(df: pd.DataFrame, axis: str, value: str, best: str, estimates: dict[str, Estimate]) -> list[str]:
+    """The runners measured at the same grid point as the answer that the timing rule cannot tell from it there, the
+    family-wise error over the candidates held by Holm (TTFT: each runner's fastest prefill mode at that point). A
+    runner the rule could not test (too few repeats) is listed too: nothing shows it slower."""
+    point = estimates[best]
+    if len(point.points) != 1 or point.beyond_grid:
+        return []  # an interpolated figure has no repeats of its own to test (Choice.text says so)
+
+    def runs(policy):
+        g = df[(df["policy"] == policy) & (df[axis] == point.at) & ~df["oom"].astype(bool)]
+        if "prefill" in g and value == "ttft_s":
+            g = g[g["prefill"] == g.groupby("prefill")[value].apply(geometric_mean).idxmin()]
+        return stats.by_round(g.dropna(subset=[value]), value)
+
+    reference = runs(best)
+    rivals = [p for p in sorted(estimates) if p != best and len(estimates[p].points) == 1
+              and estimates[p].at == point.at]
+    tests = [stats.compare_timings(runs(p), reference) for p in rivals]
+    rejected = stats.holm([c.p_value if c.judged else math.nan for c in tests])
+    return [p for p, r in zip(rivals, rejected) if not r]
+
+
+def _ties(policies: list[str], best: Estimate) -> str:
+    if len(best.points) != 1 or best.beyond_grid:
+        return " Untested: a figure read between or beyond grid points has no repeats of its own to compare."
+    return (f" Not distinguishable from it there (Holm over the candidates): {', '.join(policies)}."
+            if policies else "")
+
+
+def lossless_runners(df: pd.DataFrame) -> set[str]:
+    return set(df.loc[df["lossless"].fillna(False).astype(bool), "policy"]) if "lossless" in df else set()
+
+
+def preallocates(g: pd.DataFrame) -> bool:
+    """A runner that sizes its KV pool from the memory it is given (vLLM: 0.9 x capacity less the weights), so its
+    device peak is that pool whatever the workload: below the memory it was measured with it would start with a
+    smaller pool, which was not measured."""
+    return bool(g.get("outside", pd.Series(False, index=g.index)).fillna(False).astype(bool).any()
+                and pd.to_numeric(g.get("device_kv_reserved_peak_bytes", pd.Series(dtype=float)),
+                                  errors="coerce").fillna(0).gt(0).any())
+
+
+def _fits(g: pd.DataFrame, device_memory_gb: float | None) -> pd.DataFrame:
+    """Points that completed and whose measured device peak fits the memory asked (no memory asked: completed)."""
+    ok = g[~g["oom"].astype(bool)]
+    if device_memory_gb is not None:
+        ok = ok[ok["device_peak_bytes"] <= device_memory_gb * 2**30]
+    return ok
+
+
+def _read(df, policy, axis, x, value, device_memory_gb, choice) -> Estimate | None:
+    """The policy's `value` at `x` on `axis`: the geometric mean of the repeats at each grid point, TTFT at the
+    fastest prefill mode of each length."""
+    if df.empty:
+        return None
+    g = df[df["policy"] == policy]
+    ok = _fits(g, device_memory_gb)
+    if preallocates(g) and len(ok) < len(g[~g["oom"].astype(bool)]):
+        peak = pd.to_numeric(g["device_peak_bytes"], errors="coerce").max() / 2**30
+        choice.excluded.setdefault(policy, f"not measured at this capacity (it preallocates its KV pool from the "
+                                           f"memory it is given: measured with a {peak:.2f} GiB device peak, above "
+                                           f"the {device_memory_gb:g} GiB asked; with less it would start with a "
+                                           f"smaller pool)")
+        return None
+    by = [axis, "prefill"] if "prefill" in ok and value == "ttft_s" else [axis]
+    curve = ok.groupby(by)[value].apply(geometric_mean)
+    curve = curve.groupby(axis).min() if len(by) > 1 else curve
+    estimate = read_at(curve, x, axis.replace("_size", "").replace("_", " "))
+    if estimate is None:
+        if not g.empty:
+            choice.excluded.setdefault(policy, "no measured point fits (out of memory, or a measured device peak "
+                                               "above the memory given)")
+        return None
+    return None if _excluded_at(g, ok, axis, estimate, policy, choice) else estimate
+
+
+def _excluded_at(g, ok, axis, estimate, policy, choice) -> bool:
+    """A grid point at or below the one asked where nothing fitted (no prefill mode, for TTFT) rules the policy out:
+    it would not fit there either (memory grows with the batch and the prompt)."""
+    failed = sorted(set(g[axis]) - set(ok[axis]))
+    beyond = [x for x in failed if x <= max(estimate.points + [estimate.at])]
+    if not beyond:
+        return False
+    choice.excluded.setdefault(policy, f"does not fit at {estimate.axis} {min(beyond):g} (out of memory, or a measured "
+                                       f"device peak above the memory given)")
+    return True
+
+
+def _workload_notes(df: pd.DataFrame, axis: str, prompt_tokens: int, output_tokens: int) -> list[str]:
+    """What the decode figures were measured on, and whether the workload asked differs from it."""
+    if df.empty:
+        return []
+    if axis == "output_tokens":
+        lo = hi = df["prompt_tokens"].iloc[0]
+        shape = f"one prompt of {lo:g} tokens at batch 1"
+        out_differs = False
+    else:
+        lo, hi, out = df["min_prompt_tokens"].min(), df["max_prompt_tokens"].max(), df["max_new_tokens"].iloc[0]
+        shape = f"mixed prompts of {lo:g}-{hi:g} tokens with {out:g} output tokens"
+        out_differs = output_tokens != out
+    notes = [f"Decode throughput: measured on {shape}."]
+    if not lo <= prompt_tokens <= hi or out_differs:
+        notes.append(f"Your workload ({prompt_tokens} prompt, {output_tokens} output tokens) differs from that: the "
+                     f"ranking is read at the measured shape, not extrapolated to yours.")
+    return notes

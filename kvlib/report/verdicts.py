@@ -1,0 +1,262 @@
+"""The verdict table that leads the book: each of the paper's five findings, confirmed, refuted or inconclusive
+from every experiment's rows. 1-3 from the systems experiments (OOM boundaries; finding 2 as a declared family of
+claims settled by Holm; booked host memory), 4 and 5 from the paired drops against the full cache where it passes the
+validity gate."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+
+from kvlib.report import stats
+from kvlib.report.accuracy_lines import H2O_VS_INFINIGEN, change, family, pairs_against_full, scored_rows
+from kvlib.report.gate import GATE, accuracy_gate, passing, retention_gate
+from kvlib.report.tables import accuracy_item, outside_label, retention_design
+
+CONFIRMED, REFUTED, INCONCLUSIVE = stats.CONFIRMED, stats.REFUTED, stats.INCONCLUSIVE
+NOT_TESTABLE = "not testable on this machine"
+
+
+NOT_RUN = "not run in this profile"  # its experiment has no results here (the confirmatory profile runs two of five)
+
+
+FINDINGS = {
+    1: "full-matrix prefill runs out of memory at ~10K tokens; fused attention rescues InfiniGen, chunked prefill "
+       "rescues H2O (tested: where full-matrix prefill runs out of the configured device memory in the grid, InfiniGen "
+       "fused and H2O chunked complete)",
+    2: "vLLM has the highest decode throughput, InfiniGen an order of magnitude below it, H2O ~3x vLLM's throughput "
+       "per GB of device memory (tested at the largest batch as one family of claims, Holm: vLLM faster than H2O and "
+       "than InfiniGen; vLLM / InfiniGen within a factor of sqrt(10) of 10x; H2O's throughput per GB within a factor of "
+       "sqrt(2) of 3x vLLM's)",
+    3: "InfiniGen's host memory grows with batch; H2O's is small (tested: InfiniGen's host peak larger at the largest "
+       "batch than at the smallest, and above H2O's there)",
+    4: "at budget 0.5 H2O and InfiniGen are near the full cache; at 0.1 H2O loses more than InfiniGen",
+    5: "retention: InfiniGen within a few pp of the full cache, H2O 17-27 pp lower (tested: InfiniGen's drop within "
+       "+-5 pp; H2O's drop inside 17-27 pp widened by 5 pp, refuted where its interval misses 17-27 pp)",
+}
+
+
+def verdict_table(frames: dict[str, pd.DataFrame], gate: float = GATE) -> pd.DataFrame:
+    """One row per finding of the paper: our verdict (confirmed, refuted, inconclusive, not testable on this machine,
+    not run in this profile) and the numbers behind it. 1-3 from the systems experiments (OOM boundaries, the timing
+    rule's comparisons, booked host memory), 4 and 5 from the paired drops against the full cache where it passes the
+    validity gate."""
+    def frame(name):
+        return frames.get(name, pd.DataFrame())
+
+    rows = [_prefill_finding(frame("ttft")), _throughput_finding(frame("batch_scaling")),
+            _host_memory_finding(frame("batch_scaling")), _accuracy_finding(frame("accuracy"), gate),
+            _retention_finding(frame("retention"), gate)]
+    return pd.DataFrame([(n, FINDINGS[n], verdict, numbers) for n, (verdict, numbers) in enumerate(rows, 1)],
+                        columns=["finding", "paper", "verdict", "numbers"])
+
+
+def verdict_markdown(table: pd.DataFrame) -> str:
+    lines = ["| # | the paper | our verdict | the numbers |", "|---|---|---|---|"]
+    lines += [f"| {r.finding} | {r.paper} | **{r.verdict}** | {r.numbers} |" for r in table.itertuples()]
+    return "\n".join(lines)
+
+
+def _combined(verdicts: list[str]) -> str:
+    """Several claims make one finding: refuted if any is, confirmed only if all are."""
+    if not verdicts:
+        return INCONCLUSIVE
+    if REFUTED in verdicts:
+        return REFUTED
+    return CONFIRMED if all(v == CONFIRMED for v in verdicts) else INCONCLUSIVE
+
+
+def _prefill_finding(df: pd.DataFrame) -> tuple[str, str]:
+    if df.empty or "prefill" not in df:
+        return NOT_RUN, "the TTFT experiment has no results"
+    oom = df["oom"].astype(bool)
+    full_oom = df[oom & (df["prefill"] == "full")]
+    if full_oom.empty:
+        longest = df.loc[df["prefill"] == "full", "prompt_tokens"].max()
+        return INCONCLUSIVE, f"full-matrix prefill completed every length of the grid (up to {longest:,} tokens)"
+    boundary = int(full_oom["prompt_tokens"].min())
+    capacity = df["device_capacity_gb"].dropna().iloc[0] if "device_capacity_gb" in df and \
+        df["device_capacity_gb"].notna().any() else None
+    parts, claims = [f"full-matrix prefill out of device memory from {boundary:,} tokens"
+                     + (f" (a configured {capacity:g} GB capacity, not an 80 GB H100)" if capacity else "")], []
+    for policy, rescue in (("infinigen", "fused"), ("h2o", "chunked")):
+        g = df[(df["policy"] == policy) & (df["prefill"] == rescue) & (df["prompt_tokens"] >= boundary)]
+        if g.empty:
+            claims.append(INCONCLUSIVE)
+            continue
+        rescued = not g["oom"].astype(bool).any()
+        claims.append(CONFIRMED if rescued else REFUTED)
+        parts.append(f"{policy} with {rescue} prefill {'completes' if rescued else 'also runs out'} at "
+                     f"{int(g['prompt_tokens'].max()):,} tokens")
+    return _combined(claims), "; ".join(parts)
+
+
+def throughput_claims(df: pd.DataFrame) -> tuple[list[stats.RangeClaim], int | None]:
+    """Finding 2 as the family of claims the verdict rests on, at the largest batch every claim's runners completed:
+    the paper's words as ranges of ratios of geometric means (kvlib.report.stats.range_claim). The device peaks are
+    booked bytes, the same every run, so a throughput-per-GB claim is a throughput claim with its range scaled."""
+    outside = outside_label(df)
+    d = df[~df["oom"].astype(bool)]
+    if outside is None or d.empty:
+        return [], None
+    big = d[d["batch_size"] == d["batch_size"].max()]
+    runs = {p: stats.by_round(g, "decode_tokens_per_s") for p, g in big.groupby("policy")}
+    device = big.groupby("policy")["device_peak_bytes"].median()
+    claims = []
+    if outside in runs:
+        for policy in ("h2o", "infinigen"):
+            if policy in runs:
+                claims.append(stats.range_claim(f"{outside} faster than {policy}", runs[outside], runs[policy], 1.0))
+        if "infinigen" in runs:
+            claims.append(stats.range_claim(f"{outside} / infinigen an order of magnitude (10x within a factor of "
+                                            f"sqrt(10))", runs[outside], runs["infinigen"], 10 / 10**0.5, 10 * 10**0.5))
+        if "h2o" in runs:
+            scale = device["h2o"] / device[outside]  # per-GB ratio = throughput ratio / scale
+            claims.append(stats.range_claim(f"h2o's throughput per GB ~3x {outside}'s (within a factor of sqrt(2))",
+                                            runs["h2o"], runs[outside], 3 / 2**0.5 * scale, 3 * 2**0.5 * scale))
+    return claims, int(big["batch_size"].iloc[0])
+
+
+def _throughput_finding(df: pd.DataFrame) -> tuple[str, str]:
+    if df.empty:
+        return NOT_RUN, "the batch-scaling experiment has no results"
+    if outside_label(df) is None:
+        return NOT_TESTABLE, "no vLLM rows (the real vLLM did not run here)"
+    claims, batch = throughput_claims(df)
+    if not claims:
+        return INCONCLUSIVE, "vLLM, H2O or InfiniGen did not run at the largest batch"
+    verdicts = stats.settle(claims)
+    n = min(min(c.n_a, c.n_b) for c in claims)
+    paired = all(c.paired for c in claims)
+    parts = [f"{c.name}: {c.ratio:.2f}x, p = {c.p_value:.3f}: {v}" for c, v in zip(claims, verdicts)]
+    rule = (f"{len(claims)} claims, family-wise error held at {stats.ALPHA:.0%} (Holm) over {n} "
+            f"{'rounds' if paired else 'repeats a side'} (the smallest p-value they can give: "
+            f"{stats.smallest_p_value(n, n, paired):.3f})")
+    return _combined(verdicts), f"decode throughput at batch {batch}: " + "; ".join(parts) + f"; {rule}"
+
+
+def _host_memory_finding(df: pd.DataFrame) -> tuple[str, str]:
+    """Booked bytes are the same every run (the ledger), so no repeats are needed to read them."""
+    if df.empty or "host_peak_bytes" not in df:
+        return NOT_RUN, "the batch-scaling experiment has no results"
+    d = df[~df["oom"].astype(bool)]
+    peaks = d.groupby(["policy", "batch_size"])["host_peak_bytes"].median()
+    if "infinigen" not in peaks or "h2o" not in peaks or peaks["infinigen"].size < 2:
+        return INCONCLUSIVE, "InfiniGen or H2O ran at fewer than two batch sizes"
+    ig, h2o = peaks["infinigen"], peaks["h2o"]
+    small, large = ig.index.min(), ig.index.max()
+    grows = ig[large] > ig[small]
+    h2o_small = large in h2o and h2o[large] < ig[large]
+    verdict = CONFIRMED if grows and h2o_small else REFUTED
+    h2o_text = f"H2O's {h2o[large] / 2**30:.3f} GiB at batch {large}" if large in h2o else "H2O not at that batch"
+    return verdict, (f"InfiniGen's host peak {ig[small] / 2**30:.3f} GiB at batch {small}, {ig[large] / 2**30:.3f} GiB "
+                     f"at batch {large}; {h2o_text} (booked bytes, the same every run)")
+
+
+def _drop_text(name: str, drop: stats.Drop) -> str:
+    return f"{name} {change(drop)} ({drop.items} items)"
+
+
+def _accuracy_units(df: pd.DataFrame, gate: float) -> dict:
+    """(label, rows, value, stratum) per scored unit the full cache passes: each multiple-choice task, and RULER per
+    length over its passing subtasks."""
+    units = {}
+    gated = accuracy_gate(df, gate)
+    rows = scored_rows(df)
+    if "correct" in rows:
+        for task in passing(gated[gated["length"].isna()], "task"):
+            units[task] = (rows[rows["task"] == task], "correct", None)
+    if "ruler_score" in df:
+        ruler_rows = df[df["ruler_score"].notna()]
+        ruler_rows = ruler_rows.assign(budget=ruler_rows["budget"].fillna(1.0) if "budget" in ruler_rows else 1.0)
+        ok = gated[gated["length"].notna() & gated["passes"].astype(bool)]
+        for length, g in ok.groupby("length"):
+            kept = ruler_rows[(ruler_rows["length"] == length) & ruler_rows["task"].isin(g["task"])]
+            if "protocol" in kept and kept["protocol"].nunique() > 1:
+                kept = kept[kept["protocol"] == "strict"]  # the paper scores every answer token under the budget
+            units[f"RULER at {int(length):,} tokens"] = (kept, "ruler_score", "task")
+    return units
+
+
+def _near_baseline(drop: stats.Drop) -> str:
+    """The paper's "near the full cache": confirmed by an equivalence, refuted only by a loss beyond the margin that
+    the drop's own rule establishes (its sign test included), so the verdict never outruns its line."""
+    if drop.verdict == stats.EQUIVALENT:
+        return CONFIRMED
+    return REFUTED if drop.verdict == stats.LOWER and drop.low > stats.EQUIVALENCE_MARGIN else INCONCLUSIVE
+
+
+def _accuracy_finding(df: pd.DataFrame, gate: float) -> tuple[str, str]:
+    if df.empty:
+        return NOT_RUN, "the accuracy experiment has no results"
+    units = _accuracy_units(df, gate)
+    if not units:
+        return NOT_TESTABLE, f"no scored task passes the validity gate ({gate:.0%} with the full cache)"
+    pairs = {}
+    for label, (rows, value, stratum) in units.items():
+        for key, pair in pairs_against_full(rows, (label,)).items():
+            if key[1] in (0.1, 0.5) and key[2] in ("h2o", "infinigen", H2O_VS_INFINIGEN):
+                pairs[key] = (pair, value, stratum)
+    if not pairs:
+        return INCONCLUSIVE, "H2O and InfiniGen did not both run at budgets 0.1 and 0.5 on a task that passes"
+    level = stats.family_level(len(pairs))
+    item = accuracy_item(df)
+    drops = {key: stats.paired_drop(*pair, value, item, None, stratum, level=level)
+             for key, (pair, value, stratum) in pairs.items()}
+    claims, parts = [], []
+    for (label, budget, who), drop in sorted(drops.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])):
+        if budget == 0.5 and who != H2O_VS_INFINIGEN:  # the paper: near the baseline
+            claims.append(_near_baseline(drop))
+            parts.append(f"{label}, budget 0.5: " + _drop_text(who, drop))
+        elif budget == 0.1 and who == H2O_VS_INFINIGEN:  # the paper: H2O loses more
+            claims.append(CONFIRMED if drop.verdict == stats.LOWER else
+                          REFUTED if drop.verdict in (stats.HIGHER, stats.EQUIVALENT) else INCONCLUSIVE)
+            parts.append(f"{label}, budget 0.1: H2O against InfiniGen {change(drop)} ({drop.items} items)")
+        elif budget == 0.1:
+            parts.append(f"{label}, budget 0.1: " + _drop_text(who, drop))
+    return _combined(claims), "; ".join(parts) + f"; {len(drops)} intervals at {level * 100:.1f} % each (Bonferroni)"
+
+
+H2O_RETENTION_DROP = (0.17, 0.27)  # the paper's H2O: 17-27 pp below the full cache
+
+
+def _in_range(drop: stats.Drop, low: float, high: float) -> str:
+    """A drop the paper gives as a range: confirmed where its interval lies inside the range widened by the
+    equivalence margin, refuted where its interval misses the range altogether, else inconclusive."""
+    margin = stats.EQUIVALENCE_MARGIN
+    if math.isnan(drop.low) or math.isnan(drop.high):
+        return INCONCLUSIVE
+    if low - margin <= drop.low and drop.high <= high + margin:
+        return CONFIRMED
+    return REFUTED if drop.high < low or drop.low > high else INCONCLUSIVE
+
+
+def _retention_finding(df: pd.DataFrame, gate: float) -> tuple[str, str]:
+    if df.empty:
+        return NOT_RUN, "the retention experiment has no results"
+    if "full" not in set(df["policy"]):
+        return NOT_TESTABLE, "the retention experiment has no full-cache results"
+    valid = passing(retention_gate(df, gate), "bucket")
+    d = df[df["bucket"].isin(valid)]
+    if d.empty:
+        return NOT_TESTABLE, f"no context-length bucket passes the validity gate ({gate:.0%} with the full cache)"
+    if "protocol" in d and d["protocol"].nunique() > 1:
+        d = d[d["protocol"] == "deployed"]  # the paper's systems answer as deployed
+    d = d.assign(correct=d["correct"].astype(float), budget=d["budget"].fillna(1.0) if "budget" in d else 1.0)
+    item, cluster, stratum = retention_design(d)
+    pairs = {key: pair for key, pair in pairs_against_full(d, ()).items()
+             if key[1] in ("h2o", "infinigen", H2O_VS_INFINIGEN)}
+    if not {k[1] for k in pairs} >= {"h2o", "infinigen"}:
+        return INCONCLUSIVE, "H2O and InfiniGen did not both run on a bucket that passes"
+    drops = family(pairs, "correct", item, cluster, stratum)
+    full_score = d.loc[d["policy"] == "full", "correct"].mean()
+    claims, parts = [], [f"buckets {', '.join(sorted(valid))}; full cache {full_score:.0%}"]
+    for (budget, who), drop in drops.items():
+        if who == "infinigen":
+            claims.append(_near_baseline(drop))
+        elif who == "h2o":
+            claims.append(_in_range(drop, *H2O_RETENTION_DROP))
+        name = "H2O against InfiniGen" if who == H2O_VS_INFINIGEN else who
+        parts.append(f"budget {budget:g}: {name} {change(drop)} ({drop.clusters} conversations)")
+    return _combined(claims), "; ".join(parts)
