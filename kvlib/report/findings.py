@@ -18,6 +18,7 @@ from kvlib.report.verdicts import (  # noqa: F401
     NOT_RUN,
     NOT_TESTABLE,
     REFUTED,
+    evidence_markdown,
     throughput_claims,
     verdict_markdown,
     verdict_table,

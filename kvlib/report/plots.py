@@ -213,3 +213,56 @@ def ruler(table: pd.DataFrame, task: str = "mean"):
     fig.suptitle(f"RULER {'mean over subtasks' if task == 'mean' else task} vs KV budget (bars: 95 % interval)")
     fig.tight_layout()
     return fig
+
+
+def overview(frames: dict[str, pd.DataFrame], gate: float | None = None):
+    """The study's trade-off in one picture: every runner at the book's reference workload (batch scaling's largest
+    batch) as a point of decode throughput (geometric mean, bars: its repeats' range) against device memory (its
+    measured peak), coloured by the accuracy it loses at its budget there: the paired drop against the full cache on
+    the task that decides it (kvlib.report.choose.evidence: the validity gate applied, the nearest scored budget
+    below), with its 95 % interval beside the name. Runners that keep and attend every entry lose nothing by
+    construction; a lossy runner with no accuracy measured is drawn hollow."""
+    from matplotlib import colormaps
+    from matplotlib.colors import Normalize
+
+    from kvlib.report.choose.evidence import accuracy_evidence
+    from kvlib.report.gate import GATE
+
+    _style()
+    batch = frames.get("batch_scaling", pd.DataFrame())
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    ok = batch[~batch["oom"].astype(bool)] if not batch.empty else batch
+    if ok.empty:
+        ax.text(0.5, 0.5, "no batch-scaling results in this profile", ha="center", transform=ax.transAxes)
+        return fig
+    big = ok[ok["batch_size"] == ok["batch_size"].max()]
+    budgets = big.dropna(subset=["budget"]).groupby("policy")["budget"].first().to_dict() if "budget" in big else {}
+    evidence = accuracy_evidence(frames.get("accuracy", pd.DataFrame()), budgets, GATE if gate is None else gate)
+    lossless = set(big.loc[big["lossless"].fillna(False).astype(bool), "policy"]) if "lossless" in big else set()
+    norm = Normalize(0, max([5.0] + [max(e.drop.drop * 100 for e in ev) for ev in evidence.values()]))
+    cmap = colormaps["viridis_r"]
+    for policy, g in big.groupby("policy"):
+        spread = decode_spread(g)
+        x = g["device_peak_bytes"].median() / GB
+        if policy in lossless:
+            drop, label = 0.0, f"{policy}: keeps every entry"
+        elif policy in evidence:
+            e = max(evidence[policy], key=lambda e: e.drop.high)
+            drop = e.drop.drop * 100
+            label = f"{policy}: {-drop:+.1f} pp ({-e.drop.high * 100:+.1f} to {-e.drop.low * 100:+.1f})"
+        else:
+            drop, label = None, f"{policy}: accuracy not measured"
+        colour = "none" if drop is None else cmap(norm(drop))
+        ax.errorbar(x, spread.centre, yerr=[[spread.centre - spread.low], [spread.high - spread.centre]], fmt="none",
+                    ecolor="grey", capsize=3, zorder=1)
+        ax.scatter(x, spread.centre, s=110, c=[colour] if drop is not None else "none",
+                   edgecolors="black", linewidths=1.2, zorder=2)
+        ax.annotate(label, (x, spread.centre), xytext=(7, 5), textcoords="offset points", fontsize="small")
+    bar = fig.colorbar(plt.cm.ScalarMappable(norm=norm, cmap=cmap), ax=ax)
+    bar.set_label("accuracy lost against the full cache (pp)")
+    ax.set(xlabel="device memory peak (GiB)", ylabel="decode throughput (tokens/s)",
+           title=f"Throughput, memory and accuracy at batch {int(big['batch_size'].iloc[0])} "
+                 f"(geometric mean; bars: range of repeats and steps)")
+    ax.margins(x=0.25)
+    fig.tight_layout()
+    return fig

@@ -210,9 +210,12 @@ def ruler_table(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def book_table(df: pd.DataFrame, index, columns: str, value: str, label: str, fmt: str = "{:.3g}",
-               aggfunc="median", scale: float = 1.0) -> pd.DataFrame:
-    """A table as the book shows it: `value` per `index` x `columns` (the median of the repeats unless told),
-    rounded by `fmt`, under a header naming it with its unit; a point that ran out of device memory reads "OOM"."""
+               aggfunc=None, scale: float = 1.0) -> pd.DataFrame:
+    """A table as the book shows it: `value` per `index` x `columns` (unless told: a timing's geometric mean over the
+    repeats, the book's one centre of a timing; any other figure's median), rounded by `fmt`, under a header naming
+    it with its unit; a point that ran out of device memory reads "OOM"."""
+    if aggfunc is None:
+        aggfunc = geometric_mean if value.endswith("_s") else "median"  # seconds and tokens per second
     oom = df["oom"].astype(bool) if "oom" in df else pd.Series(False, index=df.index)
     table = df[~oom].pivot_table(index=index, columns=columns, values=value, aggfunc=aggfunc) * scale
     table = table.map(lambda x: "" if pd.isna(x) else fmt.format(x))

@@ -52,10 +52,36 @@ def verdict_table(frames: dict[str, pd.DataFrame], gate: float = GATE) -> pd.Dat
                         columns=["finding", "paper", "verdict", "numbers"])
 
 
+CHAPTERS = {1: ("ttft", "Time to first token"), 2: ("batch_scaling", "Batch scaling"),
+            3: ("batch_scaling", "Batch scaling"), 4: ("accuracy", "Accuracy across KV budgets"),
+            5: ("retention", "Retention of an early fact")}
+
+
+def _paper_claim(paper: str) -> str:
+    """The paper's words without the parenthesis saying how we test them (the evidence section says that)."""
+    return paper.split(" (tested")[0]
+
+
 def verdict_markdown(table: pd.DataFrame) -> str:
-    lines = ["| # | the paper | our verdict | the numbers |", "|---|---|---|---|"]
-    lines += [f"| {r.finding} | {r.paper} | **{r.verdict}** | {r.numbers} |" for r in table.itertuples()]
+    """The verdict table as the findings page opens with it: the paper's claim and our verdict, one line each; the
+    numbers follow per finding (`evidence_markdown`)."""
+    lines = ["| # | the paper | our verdict |", "|---|---|---|"]
+    lines += [f"| {r.finding} | {_paper_claim(r.paper)} | **{r.verdict}** |" for r in table.itertuples()]
     return "\n".join(lines)
+
+
+def evidence_markdown(table: pd.DataFrame) -> str:
+    """Each finding's evidence: how it is tested, the numbers one to a line, and the chapter they come from."""
+    out = []
+    for r in table.itertuples():
+        chapter, title = CHAPTERS[r.finding]
+        tested = r.paper[len(_paper_claim(r.paper)):].strip(" ()")
+        out.append(f"### Finding {r.finding}: {r.verdict}\n\n*The paper:* {_paper_claim(r.paper)}."
+                   + (f" *Tested:* {tested.removeprefix('tested').strip(': ')}." if tested else "")
+                   + f" *From:* [{title}]({chapter}.ipynb).\n")
+        out += [f"- {part}" for part in r.numbers.split("; ")]
+        out.append("")
+    return "\n".join(out)
 
 
 def _combined(verdicts: list[str]) -> str:

@@ -43,6 +43,24 @@ def for_reading(path: Path) -> None:
     nbformat.write(nb, path)
 
 
+def write_overview(profile: str, validity_gate: float) -> Path:
+    """The findings page's overview figure as a PNG beside the book's sources (book/figures/overview-<profile>.png),
+    for the README and anyone who wants the study's answer in one picture; drawn from the stored results alone."""
+    import matplotlib.pyplot as plt
+
+    from kvlib.report import plots
+    from kvlib.study import results
+    from kvlib.study.profile import EXPERIMENTS
+
+    frames = {name: results.load(profile, name) for name in EXPERIMENTS}
+    out = repo_root() / "book" / "figures" / f"overview-{profile}.png"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig = plots.overview(frames, validity_gate)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def build() -> None:
     subprocess.run(["jupyter-book", "build", str(repo_root() / "book")], check=True,
                    env={**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})

@@ -35,6 +35,7 @@ def run_study(profile: str, experiments: list[str] | None = None, force: bool = 
     if notebooks:  # the chapters of the experiments run, and those that read every experiment
         for chapter in [c for c in book.CHAPTERS if c in names or c not in EXPERIMENTS]:
             book.execute(chapter, prof.name)
+        book.write_overview(prof.name, prof.validity_gate)
     if build:
         book.build()
 

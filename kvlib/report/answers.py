@@ -1,0 +1,167 @@
+"""Each chapter's opening: two or three sentences that answer the chapter's question from its results, before any
+figure or table. Every figure in them is read from the frame; a lead is a description (the highest geometric mean,
+the ratio to the next with the timing rule's interval), never a ranking claim (those are the findings' family,
+kvlib.report.verdicts). An empty frame answers that nothing was measured."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from kvlib.report import stats
+from kvlib.report.accuracy_lines import change, family, pairs_against_full, scored_rows
+from kvlib.report.gate import GATE, accuracy_gate, passing, retention_gate
+from kvlib.report.serving import sustained_rates
+from kvlib.report.tables import accuracy_item, decode_spread, geometric_mean, retention_design, ttft_spread
+
+NOTHING = "Nothing was measured for this chapter in this profile."
+
+
+def _lead(runs: dict[str, pd.DataFrame], value: str, higher: bool) -> tuple[str, str | None, stats.TimingComparison
+                                                                             | None]:
+    """The runner with the best geometric mean of `value`, the next, and the first against the next."""
+    centres = {k: geometric_mean(g[value]) for k, g in runs.items()}
+    ranked = sorted(centres, key=lambda k: centres[k], reverse=higher)
+    if len(ranked) < 2:
+        return ranked[0], None, None
+    first, second = ranked[:2]
+    return first, second, stats.compare_timings(stats.by_round(runs[first], value), stats.by_round(runs[second], value))
+
+
+def _versus(c: stats.TimingComparison | None, second: str | None, what: str) -> str:
+    if c is None:
+        return ""
+    interval = f"interval {c.low:.2f}-{c.high:.2f}x" if c.judged else "too few repeats for an interval"
+    return f", {c.ratio:.2f}x {second}'s {what} ({interval})"
+
+
+def _oom(df: pd.DataFrame, by: list[str], axis: str, at) -> str:
+    """Where each runner ran out of the device memory (at(x) names a grid value: "4,096 tokens", "batch 16")."""
+    failed = df[df["oom"].astype(bool)]
+    if failed.empty:
+        return "Every runner completed every point of the grid within the device memory."
+    walls = [f"{'/'.join(map(str, k if isinstance(k, tuple) else (k,)))} from {at(g[axis].min())}"
+             for k, g in failed.groupby(by)]
+    return "Out of device memory: " + "; ".join(walls) + "."
+
+
+def _tokens(x) -> str:
+    return f"{x:,} tokens"
+
+
+def _batch(x) -> str:
+    return f"batch {x}"
+
+
+def ttft(df: pd.DataFrame) -> str:
+    if df.empty:
+        return NOTHING
+    ok = df[~df["oom"].astype(bool)]
+    out = []
+    if not ok.empty:
+        longest = ok["prompt_tokens"].max()
+        runs = {f"{p}/{m}": g for (p, m), g in ok[ok["prompt_tokens"] == longest].groupby(["policy", "prefill"])}
+        first, second, c = _lead(runs, "ttft_s", higher=False)
+        out.append(f"At {longest:,} prompt tokens, {first} reaches the first token soonest by geometric mean "
+                   f"({ttft_spread(runs[first]).centre:.2f} s){_versus(c, second, 'time')}.")
+    out.append(_oom(df, ["policy", "prefill"], "prompt_tokens", _tokens))
+    return " ".join(out)
+
+
+def batch_scaling(df: pd.DataFrame) -> str:
+    if df.empty:
+        return NOTHING
+    ok = df[~df["oom"].astype(bool)]
+    if ok.empty:
+        return _oom(df, ["policy"], "batch_size", _batch)
+    big = ok[ok["batch_size"] == ok["batch_size"].max()]
+    runs = dict(list(big.groupby("policy")))
+    first, second, c = _lead(runs, "decode_tokens_per_s", higher=True)
+    per_gib = {p: decode_spread(g).centre / (g["device_peak_bytes"].median() / 2**30) for p, g in runs.items()}
+    dense = max(per_gib, key=per_gib.get)
+    return (f"At batch {int(big['batch_size'].iloc[0])}, {first} decodes fastest by geometric mean "
+            f"({decode_spread(runs[first]).centre:.1f} tok/s){_versus(c, second, 'throughput')}. The most throughput "
+            f"per GiB of device memory: {dense} ({per_gib[dense]:.1f} tok/s per GiB). "
+            + _oom(df, ["policy"], "batch_size", _batch))
+
+
+def decode_length(df: pd.DataFrame) -> str:
+    if df.empty:
+        return NOTHING
+    ok = df[~df["oom"].astype(bool)]
+    longest, shortest = ok["output_tokens"].max(), ok["output_tokens"].min()
+    runs = dict(list(ok[ok["output_tokens"] == longest].groupby("policy")))
+    first, second, c = _lead(runs, "decode_tokens_per_s", higher=True)
+    changes = []
+    for _, g in ok.groupby("policy"):
+        a, b = g[g["output_tokens"] == shortest], g[g["output_tokens"] == longest]
+        if not a.empty and not b.empty:
+            changes.append(geometric_mean(b["decode_tokens_per_s"]) / geometric_mean(a["decode_tokens_per_s"]) - 1)
+    span = (f" From {shortest} to {longest} output tokens the runners' throughputs change by {min(changes):+.0%} to "
+            f"{max(changes):+.0%} (geometric means)." if changes and longest != shortest else "")
+    prompt = f" after a {int(ok['prompt_tokens'].iloc[0]):,}-token prompt" if "prompt_tokens" in ok else ""
+    return (f"At {longest} output tokens{prompt}, {first} decodes fastest by geometric mean "
+            f"({decode_spread(runs[first]).centre:.1f} tok/s){_versus(c, second, 'throughput')}.{span}")
+
+
+def serving(df: pd.DataFrame) -> str:
+    if df.empty:
+        return NOTHING
+    rates = sustained_rates(df)
+    ranked = sorted(rates.items(), key=lambda kv: -(kv[1].rate or 0))
+    capacity = df["device_capacity_gb"].dropna().max() if "device_capacity_gb" in df else None
+    where = f"in {capacity:g} GiB of device memory" if pd.notna(capacity) else "with no configured device capacity"
+    return (f"The highest request rate each runner sustains within the SLO {where}, measured rates only: "
+            + "; ".join(f"{p} {s.text()}" for p, s in ranked) + ".")
+
+
+def _drops_text(drops: dict, who: tuple[str, ...]) -> str:
+    return "; ".join(f"{policy} at {budget:g} {change(d)}"
+                     for (_, budget, policy), d in sorted(drops.items(), key=lambda kv: (kv[0][1], kv[0][2]))
+                     if policy in who)
+
+
+def accuracy(df: pd.DataFrame, gate: float = GATE) -> str:
+    if df.empty:
+        return NOTHING
+    rows = scored_rows(df)
+    gated = accuracy_gate(df, gate)
+    valid = sorted(passing(gated[gated["length"].isna()], "task") & set(rows.get("task", [])))
+    if not valid:
+        return "No multiple-choice task passes the validity gate: the chapter shows the scores, and no verdict."
+    out = []
+    for task in valid:
+        t = rows[rows["task"] == task]
+        drops = family(pairs_against_full(t, (task,)), "correct", accuracy_item(t))
+        full = t.loc[t["policy"] == "full", "correct"].astype(float)
+        out.append(f"On {task} (the full cache {full.mean():.1%} over {len(full)} items), the paper's two sparse "
+                   f"methods change by: {_drops_text(drops, ('h2o', 'infinigen'))} (paired, intervals adjusted "
+                   f"together).")
+    return " ".join(out)
+
+
+def retention(df: pd.DataFrame, gate: float = GATE) -> str:
+    if df.empty or "full" not in set(df["policy"]):
+        return NOTHING
+    d = df[df["bucket"].isin(passing(retention_gate(df, gate), "bucket"))]
+    if d.empty:
+        return "No context-length bucket passes the validity gate: no verdict on retention."
+    if "protocol" in d and d["protocol"].nunique() > 1:
+        d = d[d["protocol"] == "deployed"]
+    d = d.assign(correct=d["correct"].astype(float), budget=d["budget"].fillna(1.0) if "budget" in d else 1.0)
+    item, cluster, stratum = retention_design(d)
+    drops = family(pairs_against_full(d, ("retention",)), "correct", item, cluster, stratum)
+    full = d[d["policy"] == "full"]
+    conversations = full[cluster].drop_duplicates().shape[0] if set(cluster) <= set(full.columns) else len(full)
+    return (f"As deployed, over {conversations} conversations, the full cache recalls the early fact "
+            f"{full['correct'].mean():.0%} of the time; {_drops_text(drops, ('h2o', 'infinigen'))} (conversations "
+            f"resampled within buckets, intervals adjusted together).")
+
+
+ANSWERS = {"ttft": ttft, "batch_scaling": batch_scaling, "decode_length": decode_length, "serving": serving,
+           "accuracy": accuracy, "retention": retention}
+
+
+def answer(name: str, df: pd.DataFrame, gate: float = GATE) -> str:
+    """A chapter's opening sentences, as Markdown."""
+    read = ANSWERS[name]
+    return "**In short.** " + (read(df, gate) if name in ("accuracy", "retention") else read(df))
