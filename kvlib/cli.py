@@ -304,7 +304,8 @@ def cmd_choose(args) -> int:
         if getattr(args, flag) is not None and not getattr(args, flag) > 0:
             raise UserError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
     capacity_bytes(args.device_memory_gb, "--device-memory-gb")
-    profile = load_profile(args.profile).name
+    loaded = load_profile(args.profile)
+    profile, gate = loaded.name, loaded.validity_gate
     frames = {e: results.load(profile, e) for e in ("ttft", "batch_scaling", "decode_length", "serving", "accuracy")}
     answers = {}
     if args.request_rate is not None:
@@ -312,13 +313,13 @@ def cmd_choose(args) -> int:
             raise UserError(f"no serving results for profile {profile!r} yet: `kvlib study --profile {args.profile} "
                             f"--experiments serving` computes them")
         answers["serving"] = choose_serving(frames["serving"], frames["accuracy"], args.request_rate, args.slo_ttft,
-                                            args.slo_tpot, args.max_accuracy_drop, args.device_memory_gb)
+                                            args.slo_tpot, args.max_accuracy_drop, args.device_memory_gb, gate)
     if None not in workload:
         if frames["batch_scaling"].empty and frames["ttft"].empty:
             raise UserError(f"no results for profile {profile!r} yet: `kvlib study --profile {args.profile}` computes "
                             f"them")
         answers["workload"] = choose(frames, args.prompt_tokens, args.batch, args.output_tokens,
-                                     args.max_accuracy_drop, args.device_memory_gb)
+                                     args.max_accuracy_drop, args.device_memory_gb, gate)
     if args.json:
         answer = {k: asdict(v) for k, v in answers.items()}
         print(json.dumps(answer["workload"] if list(answer) == ["workload"] else answer))

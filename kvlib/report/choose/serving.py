@@ -9,6 +9,7 @@ import pandas as pd
 
 from kvlib.report.choose.evidence import WITHIN, accuracy_evidence, judge_accuracy
 from kvlib.report.choose.workload import Estimate, lossless_runners, read_at
+from kvlib.report.gate import GATE
 
 SERVING_PERCENTILE = "p90"  # a runner meets a limit at a rate where 90 % of its requests are within it
 
@@ -54,7 +55,7 @@ class ServingChoice:
 
 def choose_serving(serving: pd.DataFrame, accuracy: pd.DataFrame, rate: float, slo_ttft_s: float | None = None,
                    slo_tpot_s: float | None = None, max_accuracy_drop: float | None = None,
-                   device_memory_gb: float | None = None) -> ServingChoice:
+                   device_memory_gb: float | None = None, gate: float = GATE) -> ServingChoice:
     """Which runners meet the SLO (their p90 TTFT and p90 TPOT within the limits given) at `rate`, read from the
     serving results by the chooser's rules: measured at the rate, or interpolated between the two measured rates
     around it; below the grid's lowest rate, its lowest rate is read (latency does not fall as the load rises) and
@@ -82,7 +83,7 @@ def choose_serving(serving: pd.DataFrame, accuracy: pd.DataFrame, rate: float, s
         d = d[d["device_capacity_gb"] == max(capacities)]
     budgets = d.dropna(subset=["budget"]).groupby("policy")["budget"].first().to_dict() if "budget" in d else {}
     lossless = lossless_runners(d)
-    evidence = accuracy_evidence(accuracy, budgets) if not accuracy.empty else {}
+    evidence = accuracy_evidence(accuracy, budgets, gate) if not accuracy.empty else {}
     for p in sorted(d["policy"].unique()):
         if p in lossless:
             choice.accuracy[p] = "keeps every entry: no accuracy lost"
