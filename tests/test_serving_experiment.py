@@ -175,8 +175,8 @@ def test_the_sentences_say_whether_compression_bought_capacity():
     assert "at least 90% of the requests" in text
     assert ("h2o against paged at 2 requests/s: peak KV 20.0 against 64.0 MiB, up to 12 against 4 requests running, "
             "0 against 3 preemptions") in text
-    assert "it sustains a higher rate than paged (at least 2 requests/s against 1 requests/s)" in text
-    assert "quest against paged" in text and "a lower rate than paged" in text
+    assert "it sustains a grid rate above paged's (at least 2 requests/s against 1 requests/s)" in text
+    assert "quest against paged" in text and "a grid rate below paged's" in text
     assert "measured once" in text
 
 

@@ -172,8 +172,8 @@ def _capacity_lines(d: pd.DataFrame, rates: dict[str, Sustained]) -> list[str]:
         hi = common[-1]
         mine, paged = top.loc[(policy, hi)], top.loc[("paged", hi)]
         a, b = rates[policy].rate or 0.0, rates["paged"].rate or 0.0
-        verdict = ("a higher rate than paged" if a > b else "the same measured rate as paged" if a == b
-                   else "a lower rate than paged")
+        verdict = ("a grid rate above paged's" if a > b else "the grid rate paged sustains" if a == b
+                   else "a grid rate below paged's")
         out.append(f"{policy} against paged at {hi:g} requests/s: peak KV {mine['kv_peak_mib']:.1f} against "
                    f"{paged['kv_peak_mib']:.1f} MiB, up to {mine['max_running']:.0f} against "
                    f"{paged['max_running']:.0f} requests running, {mine['preemptions']:.0f} against "
