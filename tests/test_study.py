@@ -275,17 +275,28 @@ def test_compute_only_runs_the_named_policies_and_no_notebook(root, monkeypatch)
     assert cli.main(["study", "--profile", "p", "--compute-only", "--policies", "vlm"]) == 2  # one clear error
 
 
-def test_repeats_run_interleaved_and_every_repeat_is_stored(root, monkeypatch):
+def test_repeats_run_in_rounds_each_in_a_seeded_random_order_recorded_in_the_rows(root, monkeypatch):
     write_profile(root, "p", {**PROFILE, "experiments": {"ttft": {**PROFILE["experiments"]["ttft"], "repeats": 3}}})
     calls = []
     monkeypatch.setattr(ttft, "run_point", lambda point: calls.append(point.key) or [{"ttft_s": 0.1}])
     frame = run_experiment("p")
     points = len(set(calls))
-    assert len(calls) == 3 * points and calls[:points] == calls[points:2 * points]  # every point once, then again
+    rounds = [calls[i * points:(i + 1) * points] for i in range(3)]
+    assert all(sorted(r) == sorted(set(calls)) for r in rounds)  # every point once a round, then again
+    assert len({tuple(r) for r in rounds}) > 1  # in another order each round (6 points: 1 in 720 alike)
+    for r, order in enumerate(rounds):  # the order each unit ran in is in its row
+        slots = frame[frame["repeat"] == r].set_index("point_hash")["round_slot"]
+        assert [key for key, _ in sorted(slots.items(), key=lambda kv: kv[1])] == order
     assert sorted(frame["repeat"].unique()) == [0, 1, 2] and len(frame) == 3 * points
     assert {"load_avg_1m", "others_cpu_share", "steal_share", "disturbed", "attempts"} <= set(frame.columns)
     assert {"machine_host", "machine_cpu", "machine_cpu_flags", "machine_gpu", "machine_ray_node"} <= set(frame.columns)
     assert frame["machine_cpu"].notna().all() and frame["machine_ray_node"].isna().all()  # no Ray here
+    # a rerun draws the same order (a resumed run computes what is missing in the order the first run would have)
+    from kvlib.study.executor import rounds as order_of
+
+    again = order_of(list(range(points)), 3, "p/ttft")
+    assert again == order_of(list(range(points)), 3, "p/ttft")
+    assert [p for p, _, _ in order_of(list(range(points)), 1, "p/ttft", shuffled=False)] == list(range(points))
 
 
 def test_a_unit_measured_under_load_is_measured_again_then_flagged(root, monkeypatch):
