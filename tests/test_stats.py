@@ -20,7 +20,7 @@ def rates(n=5, sims=600, seed=1):
     rng = np.random.default_rng(seed)
     same = [stats.compare_timings(timings(rng, n, 1.0), timings(rng, n, 1.0)).verdict for _ in range(sims)]
     slower = [stats.compare_timings(timings(rng, n, 1.2), timings(rng, n, 1.0)).verdict for _ in range(sims)]
-    return np.mean([v != stats.WITHIN_NOISE for v in same]), np.mean([v == stats.LARGER for v in slower])
+    return np.mean([v != stats.NOT_DISTINGUISHABLE for v in same]), np.mean([v == stats.LARGER for v in slower])
 
 
 def test_the_timing_rule_calls_equal_engines_different_at_most_about_five_percent_of_the_time():
@@ -44,7 +44,7 @@ def test_the_interval_of_the_ratio_excludes_one_exactly_when_the_test_rejects():
     for _ in range(30):
         a, b = timings(rng, 6, 1.0), timings(rng, 5, 1.1)
         c = stats.compare_timings(a, b)
-        assert (c.p_value <= stats.ALPHA) == (c.verdict != stats.WITHIN_NOISE)
+        assert (c.p_value <= stats.ALPHA) == (c.verdict != stats.NOT_DISTINGUISHABLE)
         assert c.low <= c.ratio <= c.high
 
 
@@ -76,7 +76,7 @@ def test_rounds_are_compared_round_by_round():
     paired = stats.compare_timings(a, b)
     assert paired.paired and paired.verdict == stats.LARGER and paired.ratio == pytest.approx(1.05)
     unpaired = stats.compare_timings(list(a), list(b))
-    assert not unpaired.paired and unpaired.verdict == stats.WITHIN_NOISE
+    assert not unpaired.paired and unpaired.verdict == stats.NOT_DISTINGUISHABLE
     frame = pd.DataFrame({"repeat": range(8), "tps": list(a)})
     assert stats.by_round(frame, "tps").index.name == "round"
     assert stats.by_round(pd.concat([frame, frame]), "tps").index.name is None  # a repeated round: two samples

@@ -29,7 +29,7 @@ def describe(name_a: str, a, name_b: str, b, what: str) -> str:
     if not c.judged:
         return f"{head} (too few repeats for an interval: {c.n_a} and {c.n_b})"
     words = f"{head} (interval {c.low:.2f}-{c.high:.2f}x"
-    if c.verdict == stats.WITHIN_NOISE:
+    if c.verdict == stats.NOT_DISTINGUISHABLE:
         words += (f"; equivalent within +-{stats.EQUIVALENCE_TIMING:.0%}" if stats.timing_equivalent(a, b)
                   else f"; not distinguishable at {min(c.n_a, c.n_b)} repeats")
     return words + ")"

@@ -35,11 +35,11 @@ from kvlib.report.stats.rule import (
     CONFIRMED,
     INCONCLUSIVE,
     LARGER,
+    NOT_DISTINGUISHABLE,
     REFUTED,
     SEED,
     SMALLER,
     TOO_FEW,
-    WITHIN_NOISE,
 )
 
 PERMUTATIONS = 4000  # random arrangements when the exact ones are more than EXACT_SPLITS
@@ -50,7 +50,7 @@ EQUIVALENCE_TIMING = 0.10  # two runners' speeds "equivalent": their ratio withi
 @dataclass(frozen=True)
 class TimingComparison:
     """A against B: the ratio of their geometric means with its interval, and the verdict (A is LARGER, SMALLER,
-    WITHIN_NOISE of B, or TOO_FEW repeats to tell). low and high are nan when there were too few repeats. paired:
+    NOT_DISTINGUISHABLE of B, or TOO_FEW repeats to tell). low and high are nan when there were too few repeats. paired:
     read round by round (the sign-flip test), else as two samples."""
 
     ratio: float
@@ -211,7 +211,7 @@ def compare_timings(a, b, alpha: float = ALPHA, permutations: int = PERMUTATIONS
     spread = test.log_a - test.log_b - centre if test.paired else np.concatenate([test.log_a - centre, test.log_b])
     reach = 4 * (np.ptp(spread) + 1.0)
     low, high = test.edge(alpha, centre - reach), test.edge(alpha, centre + reach)
-    verdict = LARGER if low > 0 else SMALLER if high < 0 else WITHIN_NOISE
+    verdict = LARGER if low > 0 else SMALLER if high < 0 else NOT_DISTINGUISHABLE
     return TimingComparison(math.exp(centre), math.exp(low), math.exp(high), n_a, n_b, test.p(0.0), verdict,
                             test.exact, test.paired)
 
