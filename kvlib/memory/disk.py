@@ -29,6 +29,7 @@ from kvlib.errors import UserError
 
 DIRECTIONS = ("disk_to_host", "host_to_device", "device_to_host", "host_to_disk")
 _OPEN: set[OffloadFolder] = set()
+PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def storage_read_bytes() -> int | None:
@@ -78,6 +79,8 @@ class DiskFile:
             self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         except OSError as e:
             raise UserError(f"cannot create an offload file in {path.parent}: {e.strerror}") from None
+        if hasattr(os, "posix_fadvise"):  # no readahead: it would cache the next layer's bytes before they are read
+            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)
         try:
             if nbytes:
                 if hasattr(os, "posix_fallocate"):
@@ -129,8 +132,12 @@ class DiskFile:
 
 
 def drop(fd: int, offset: int, nbytes: int) -> None:
+    """Drop a byte range (nbytes 0: to the end) from the page cache, whole pages: a page only partly in the range
+    would otherwise stay, and serve the next read of its other part."""
     if hasattr(os, "posix_fadvise"):
-        os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
+        start = offset - offset % PAGE
+        end = 0 if nbytes == 0 else -(-(offset + nbytes) // PAGE) * PAGE
+        os.posix_fadvise(fd, start, end - start if end else 0, os.POSIX_FADV_DONTNEED)
 
 
 class OffloadFolder:

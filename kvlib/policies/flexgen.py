@@ -42,7 +42,7 @@ def default_offload_dir() -> str:
 class FlexGenPolicy(KVPolicy):
     name = "flexgen"
     lossless = True  # uncompressed; compress_cache makes it lossy (the setting is recorded with every run)
-    supported_prefill = ("full", "fused")  # FlexGen prefills a prompt in one pass
+    # full's three: a later chunk reads what the row's earlier chunks stored (the pass loads each row's first tokens)
     host_tensors = ("host_arrays",)
 
     percent: str = ALL_ON_DEVICE
