@@ -107,8 +107,21 @@ class FlexGenPolicy(KVPolicy):
         h = self.spec.num_kv_heads
         return (rows[:, None] * h + torch.arange(h)[None, :]).reshape(-1)
 
+    def layer_arrays(self, layer: int) -> dict[str, torch.Tensor]:
+        """The layer's cache on the device; the wait for its load (what compute did not hide) timed as a fetch."""
+        if self.store.resident:
+            return self.store.layer(layer)
+        with self.timers.section("fetch"):
+            return self.store.layer(layer)
+
+    def settle(self) -> None:
+        """After a pass: its stores done, the disk flushed (timed as offloading)."""
+        if not self.store.resident:
+            with self.timers.section("offload"):
+                self.store.settle(self.folder)
+
     def attend(self, layer, query, key, value, step: Step):
-        arrays = self.store.layer(layer)
+        arrays = self.layer_arrays(layer)
         kc, vc = arrays["keys"], arrays["values"]
         t, h = step.q_len, self.spec.num_kv_heads
         if step.phase == "decode":
@@ -128,7 +141,7 @@ class FlexGenPolicy(KVPolicy):
                                  step.prefill_mode, self.scale, self.ledger, layer)
 
     def after_pass(self, step: Step):
-        self.store.settle(self.folder)
+        self.settle()
         self.lengths[step.rows] = step.start + step.q_len
         self._book()
 
@@ -143,11 +156,11 @@ class FlexGenPolicy(KVPolicy):
         h = self.spec.num_kv_heads
         self.store.begin_pass(longest)
         for layer in range(self.spec.num_layers):
-            arrays = self.store.layer(layer)
+            arrays = self.layer_arrays(layer)
             for tensor in arrays.values():
                 tensor[dst, :, :n] = tensor[src, :, :n]
             self.store.store_range(layer, list(arrays), 0, n, (dst * h, (dst + 1) * h))
-        self.store.settle(self.folder)
+        self.settle()
 
     def release(self, row):
         """The row is free for another request (its whole length stays reserved, as `full`'s)."""

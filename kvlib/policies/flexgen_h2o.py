@@ -94,7 +94,7 @@ class FlexGenH2OPolicy(FlexGenPolicy):
         self.window_start = self.seen_after - torch.tensor([recent for _, recent in limits])
 
     def attend(self, layer, query, key, value, step: Step):
-        arrays = self.store.layer(layer)
+        arrays = self.layer_arrays(layer)
         if step.phase == "prefill":
             return self._prefill(layer, arrays, query, key, value, step)
         return self._decode(layer, arrays, query, key, value, step)
@@ -182,7 +182,7 @@ class FlexGenH2OPolicy(FlexGenPolicy):
             self.region[rows] = self.region_after
             self.kept[rows] += 1 - self.over.long()
             self.seen[rows] = self.seen_after
-        self.store.settle(self.folder)
+        self.settle()
         self._book()
 
     def fork(self, src, dst):
