@@ -258,3 +258,72 @@ def test_placement_flags_are_refused_for_other_policies():
     settings = settings_from_args(args)
     assert settings == {"budget": 0.2, "percent": "100 0 50 0 100 0", "compress_cache": True, "offload_dir": "/tmp/x"}
     assert make_policy("flexgen_h2o", **settings).placement.kv == pytest.approx((0.5, 0, 0.5))
+
+
+# -- weights off the device -----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def fused(tiny):
+    """The tiny Llama as the book runs SmolLM2: Q/K/V and gate/up fused, linears prepacked, kvlib's own forward (the
+    one that streams weights)."""
+    from transformers import LlamaForCausalLM
+
+    from kvlib.models import LoadedModel
+    from kvlib.models.loading import speed_up_for_cpu
+
+    torch.manual_seed(0)
+    model = LoadedModel("tiny-fused", LlamaForCausalLM(tiny.model.config).eval(), tiny.tokenizer, tiny.spec,
+                        tiny.device)
+    speed_up_for_cpu(model)
+    assert model.kvlib_forward is not None
+    return model
+
+
+WEIGHT_PLACEMENTS = {"host": "50 50 100 0 100 0", "disk": "0 0 100 0 100 0",
+                     "three tiers, KV split too": "25 25 40 30 100 0",
+                     "all off the device": "0 50 0 50 100 0"}
+
+
+@pytest.mark.parametrize("where", sorted(WEIGHT_PLACEMENTS))
+def test_weights_off_the_device_generate_the_full_caches_tokens(fused, tmp_path, where):
+    prompts = prompts_of(40, 65, 23)
+    probe = torch.tensor([prompts[0]])
+    with torch.no_grad():
+        before = fused.model(probe).logits
+    weights = fused.weights_bytes
+    reference = Engine(fused, make_policy("full")).generate(prompts, 8, prefill_mode="full", stop_at_eos=False)
+    policy = make_policy("flexgen", percent=WEIGHT_PLACEMENTS[where], offload_dir=str(tmp_path))
+    result = Engine(fused, policy).generate(prompts, 8, prefill_mode="full", stop_at_eos=False)
+    assert tokens(result) == tokens(reference)
+    from kvlib.models.offloaded_weights import decoder_layers, layer_bytes
+
+    layers = [layer_bytes(layer) for layer in decoder_layers(fused.model)]
+    tiers = weight_tiers(layers, Placement.parse(WEIGHT_PLACEMENTS[where]).weights)
+    off = {t: sum(n for n, tier in zip(layers, tiers) if tier == t) for t in ("host", "disk")}
+    assert result.memory["disk"]["peak_components"]["weights"] == off["disk"]
+    assert result.memory["host"]["peak_components"]["weights"] == off["host"]
+    passes = len(prompts) + 8 - 1  # a prefill a prompt, then a decode step a token after the first
+    kv_read = result.stats["disk_to_host_bytes"] - passes * off["disk"]  # each pass reads every disk layer once
+    assert kv_read >= 0 and (kv_read > 0) == (Placement.parse(WEIGHT_PLACEMENTS[where]).kv[2] > 0)
+    assert fused.weights_bytes == weights  # every weight back in the model after the run
+    with torch.no_grad():
+        assert torch.equal(fused.model(probe).logits, before)
+    assert offload_folders(tmp_path) == []
+
+
+def test_a_capacity_full_runs_out_of_is_enough_with_weights_and_kv_on_disk(fused, tmp_path):
+    """The device capacity just below what `full` needs at its peak: `full` is a recorded OOM, FlexGen + H2O with its
+    layers' weights and its cache on disk completes within it."""
+    prompts = prompts_of(200, 200)
+
+    def flexgen_h2o():
+        return make_policy("flexgen_h2o", budget=0.2, percent="0 0 0 0 100 0", offload_dir=str(tmp_path))
+
+    full_peak = Engine(fused, make_policy("full")).generate(prompts, 4, prefill_mode="full").memory["device"]["peak_bytes"]
+    capacity = full_peak - 1
+    full = Engine(fused, make_policy("full"), device_capacity_bytes=capacity).generate(prompts, 4, prefill_mode="full")
+    assert full.oom is not None
+    placed = Engine(fused, flexgen_h2o(), device_capacity_bytes=capacity).generate(prompts, 4, prefill_mode="full")
+    assert placed.oom is None and all(len(o["token_ids"]) == 4 for o in placed.outputs)
+    assert placed.memory["device"]["peak_bytes"] <= capacity and placed.memory["device"]["kv_bytes"] == 0
+    disk = placed.memory["disk"]["peak_components"]
+    assert disk["weights"] > 0 and disk["kv"] > 0

@@ -95,17 +95,20 @@ class DiskFile:
             raise UserError(f"cannot allocate {nbytes} bytes in the offload folder {path.parent.parent}: "
                             f"{e.strerror}") from None
 
-    def read(self, offset: int, nbytes: int) -> np.ndarray:
+    def read(self, offset: int, nbytes: int, count: bool = True) -> np.ndarray:
         buf = np.empty(nbytes, dtype=np.uint8)
         t = time.perf_counter()
         got = os.preadv(self.fd, [memoryview(buf)], offset)
         if got != nbytes:
             raise OSError(errno.EIO, f"short read from {self.path}: {got} of {nbytes} bytes")
         drop(self.fd, offset, nbytes)
-        self.transfers.add("disk_to_host", nbytes, time.perf_counter() - t)
+        if count:
+            self.transfers.add("disk_to_host", nbytes, time.perf_counter() - t)
         return buf
 
-    def write(self, offset: int, data: np.ndarray) -> None:
+    def write(self, offset: int, data: np.ndarray, count: bool = True) -> None:
+        """count=False: a file's first contents (setting up, not moving data during the run), flushed and dropped
+        from the page cache at once."""
         data = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
         t = time.perf_counter()
         try:
@@ -116,7 +119,11 @@ class DiskFile:
             raise
         if done != data.nbytes:
             raise OSError(errno.EIO, f"short write to {self.path}: {done} of {data.nbytes} bytes")
-        self.transfers.add("host_to_disk", data.nbytes, time.perf_counter() - t)
+        if count:
+            self.transfers.add("host_to_disk", data.nbytes, time.perf_counter() - t)
+        else:
+            os.fdatasync(self.fd)
+            drop(self.fd, 0, 0)
 
     def settle(self) -> None:
         """Flush what was written to the disk and drop the file's pages from the page cache (timed as writing)."""

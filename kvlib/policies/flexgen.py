@@ -24,8 +24,9 @@ from kvlib.errors import UserError
 from kvlib.kernels.attention import prefill_attention
 from kvlib.kernels.decode import DecodeReads
 from kvlib.memory.disk import OffloadFolder, Transfers
-from kvlib.memory.placement import Placement, split_counts
+from kvlib.memory.placement import Placement, split_counts, weight_tiers
 from kvlib.memory.tiered_kv import CacheArray, TieredKV
+from kvlib.models.offloaded_weights import WeightStreamer, decoder_layers, layer_bytes
 from kvlib.paths import cache_dir
 from kvlib.policies.base import KVPolicy, Step
 from kvlib.policies.registry import register
@@ -53,9 +54,7 @@ class FlexGenPolicy(KVPolicy):
         if not isinstance(self.percent, str):  # six numbers from a params file
             self.percent = " ".join(f"{float(v):g}" for v in self.percent)
         self.placement = Placement.parse(self.percent)
-        if self.placement.weights[0] != 1:
-            raise UserError(f"policy {self.name!r}: weights off the device are not supported yet (W_DEV must be 100, "
-                            f"got percent {self.percent!r})")
+        self.weights = None
         if not isinstance(self.compress_cache, bool):
             raise UserError(f"compress_cache must be true or false, got {self.compress_cache!r}")
 
@@ -66,6 +65,21 @@ class FlexGenPolicy(KVPolicy):
 
     def cache_capacity(self, prompt_lens: list[int], max_new_tokens: int) -> int:
         return max(prompt_lens) + max_new_tokens
+
+    # -- weights ---------------------------------------------------------------------------------------------------
+    def weight_tiers(self) -> list[str]:
+        """Each decoder layer's tier (the embedding, final norm and head stay on the device)."""
+        layers = decoder_layers(self.model.model)
+        if self.placement.weights[0] == 1:
+            return ["device"] * len(layers)
+        if self.model.kvlib_forward is None:
+            raise UserError(f"policy {self.name!r} places weights off the device only in kvlib's own forward pass "
+                            f"(a Llama-family model in fp32 on a CPU); keep W_DEV at 100 for {self.model.name!r}")
+        return weight_tiers([layer_bytes(layer) for layer in layers], self.placement.weights)
+
+    def weights_off_device(self) -> int:
+        layers = decoder_layers(self.model.model)
+        return sum(layer_bytes(layer) for layer, tier in zip(layers, self.weight_tiers()) if tier != "device")
 
     # -- lifecycle ---------------------------------------------------------------------------------------------------
     def start(self, batch_size, prompt_lens, max_new_tokens):
@@ -78,9 +92,17 @@ class FlexGenPolicy(KVPolicy):
         self.folder = None
         self.store = None
         dev, _, disk = split_counts(rows * s.num_kv_heads, self.placement.kv)
-        if disk:
+        tiers = self.weight_tiers()
+        if disk or "disk" in tiers:
             self.folder = OffloadFolder(self.offload_dir or default_offload_dir(), self.transfers)
         try:
+            if any(t != "device" for t in tiers):
+                self.weights = WeightStreamer(decoder_layers(self.model.model), tiers, self.folder, self.transfers)
+                self.model.kvlib_forward.streamer = self.weights
+                # a layer computing and the next one loading: FlexGen's two weight buffers on the device
+                self.ledger.add("device", "weights", 2 * self.weights.largest_layer_bytes(), where="weights staging")
+                for tier in ("host", "disk"):
+                    self.ledger.add(tier, "weights", self.weights.bytes_on(tier))
             self.ledger.add("device", "kv_reserved", per_row * dev // s.num_kv_heads, where=f"{self.name} KV, device")
             self.store = TieredKV(arrays, s.num_layers, rows, s.num_kv_heads, capacity, self.placement.kv,
                                   self.device, self.transfers, self.folder)
@@ -183,7 +205,14 @@ class FlexGenPolicy(KVPolicy):
         try:
             if self.store is not None:
                 self.store.close()
+            if self.weights is not None:
+                self.model.kvlib_forward.streamer = None
+                self.weights.restore()
+                self.ledger.add("device", "weights", -2 * self.weights.largest_layer_bytes())
+                for tier in ("host", "disk"):
+                    self.ledger.add(tier, "weights", -self.weights.bytes_on(tier))
         finally:
+            self.weights = None
             self.store = None
             self.device_arrays = self.host_arrays = []
             if self.folder is not None:
@@ -192,7 +221,7 @@ class FlexGenPolicy(KVPolicy):
                 self.ledger.set(tier, kv=0, kv_reserved=0, **({"overhead": 0} if tier == "device" else {}))
 
     def stats(self) -> dict:
-        out = {"kv_percent": self.percent, "compress_cache": self.compress_cache}
+        out = {"percent": self.percent, "compress_cache": self.compress_cache}
         if getattr(self, "transfers", None) is not None:
             out.update(self.transfers.summary())
         return out
