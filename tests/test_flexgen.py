@@ -327,3 +327,24 @@ def test_a_capacity_full_runs_out_of_is_enough_with_weights_and_kv_on_disk(fused
     assert placed.memory["device"]["peak_bytes"] <= capacity and placed.memory["device"]["kv_bytes"] == 0
     disk = placed.memory["disk"]["peak_components"]
     assert disk["weights"] > 0 and disk["kv"] > 0
+
+
+def test_a_full_offload_folder_is_one_clear_error(tiny, tmp_path, monkeypatch):
+    import errno
+
+    def no_space(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(os, "posix_fallocate", no_space)
+    policy = make_policy("flexgen", percent=percent(0, 0), offload_dir=str(tmp_path))
+    with pytest.raises(UserError, match="offload folder .* is full"):
+        Engine(tiny, policy).generate(prompts_of(20), 2, prefill_mode="full")
+    assert offload_folders(tmp_path) == []
+
+
+def test_placement_is_a_setting_of_a_profile_and_of_eval():
+    from kvlib.cli import build_parser, settings_from_args
+
+    assert make_policy("flexgen", percent=[100, 0, 50, 50, 100, 0]).percent == "100 0 50 50 100 0"  # a params list
+    args = build_parser().parse_args(["eval", "--policy", "flexgen", "--percent", "100", "0", "0", "0", "100", "0",
+                                      "--compress-cache"])
+    assert settings_from_args(args) == {"percent": "100 0 0 0 100 0", "compress_cache": True}

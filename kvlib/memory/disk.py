@@ -52,6 +52,7 @@ class Transfers:
         self.bytes = dict.fromkeys(DIRECTIONS, 0)
         self.seconds = dict.fromkeys(DIRECTIONS, 0.0)
         self.storage_at_start = storage_read_bytes()
+        self.uncounted_reads = 0  # read outside the run proper (weights put back at its end): off the kernel's count
 
     def add(self, direction: str, nbytes: int, seconds: float) -> None:
         with self.lock:
@@ -60,12 +61,15 @@ class Transfers:
 
     def summary(self) -> dict:
         now = storage_read_bytes()
-        fetched = None if now is None or self.storage_at_start is None else now - self.storage_at_start
+        fetched = None if now is None or self.storage_at_start is None else \
+            max(0, now - self.storage_at_start - self.uncounted_reads)
         out = {}
         for d in DIRECTIONS:
             out[f"{d}_bytes"] = self.bytes[d]
             out[f"{d}_s"] = self.seconds[d]
-        out["disk_read_bytes_from_storage"] = fetched  # the kernel's count: what really came off the disk
+        # the kernel's count of what really came off the disk (whole pages: a little above the bytes asked for where
+        # reads are small), and what the page cache served (what was asked for beyond it)
+        out["disk_read_bytes_from_storage"] = fetched
         out["disk_read_bytes_page_cache"] = None if fetched is None else max(0, self.bytes["disk_to_host"] - fetched)
         return out
 
@@ -104,6 +108,8 @@ class DiskFile:
         drop(self.fd, offset, nbytes)
         if count:
             self.transfers.add("disk_to_host", nbytes, time.perf_counter() - t)
+        else:
+            self.transfers.uncounted_reads += nbytes
         return buf
 
     def write(self, offset: int, data: np.ndarray, count: bool = True) -> None:
