@@ -348,3 +348,10 @@ def test_placement_is_a_setting_of_a_profile_and_of_eval():
     args = build_parser().parse_args(["eval", "--policy", "flexgen", "--percent", "100", "0", "0", "0", "100", "0",
                                       "--compress-cache"])
     assert settings_from_args(args) == {"percent": "100 0 0 0 100 0", "compress_cache": True}
+
+
+def test_weights_off_the_device_need_kvlibs_own_forward(tiny, tmp_path):
+    assert tiny.kvlib_forward is None  # transformers' forward: no hook around a layer
+    policy = make_policy("flexgen", percent="50 50 100 0 100 0", offload_dir=str(tmp_path))
+    with pytest.raises(UserError, match="kvlib's own forward"):
+        Engine(tiny, policy).generate(prompts_of(20), 2, prefill_mode="full")

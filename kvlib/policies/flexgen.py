@@ -68,18 +68,22 @@ class FlexGenPolicy(KVPolicy):
 
     # -- weights ---------------------------------------------------------------------------------------------------
     def weight_tiers(self) -> list[str]:
-        """Each decoder layer's tier (the embedding, final norm and head stay on the device)."""
-        layers = decoder_layers(self.model.model)
+        """Each decoder layer's tier (the embedding, final norm and head stay on the device); [] where every weight
+        stays on the device."""
         if self.placement.weights[0] == 1:
-            return ["device"] * len(layers)
+            return []
         if self.model.kvlib_forward is None:
             raise UserError(f"policy {self.name!r} places weights off the device only in kvlib's own forward pass "
                             f"(a Llama-family model in fp32 on a CPU); keep W_DEV at 100 for {self.model.name!r}")
+        layers = decoder_layers(self.model.model)
         return weight_tiers([layer_bytes(layer) for layer in layers], self.placement.weights)
 
     def weights_off_device(self) -> int:
-        layers = decoder_layers(self.model.model)
-        return sum(layer_bytes(layer) for layer, tier in zip(layers, self.weight_tiers()) if tier != "device")
+        tiers = self.weight_tiers()
+        if not tiers:
+            return 0
+        return sum(layer_bytes(layer) for layer, tier in zip(decoder_layers(self.model.model), tiers)
+                   if tier != "device")
 
     # -- lifecycle ---------------------------------------------------------------------------------------------------
     def start(self, batch_size, prompt_lens, max_new_tokens):
