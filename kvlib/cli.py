@@ -22,6 +22,21 @@ def _setting_value(text: str):
     return {"true": True, "false": False, "none": None}.get(text.lower(), text)
 
 
+# the policies that place their cache across device, host and disk (FlexGen's settings)
+PLACED_POLICIES = ("flexgen", "flexgen_h2o")
+
+
+def add_placement_arguments(parser) -> None:
+    parser.add_argument("--percent", type=float, nargs=6, default=None,
+                        metavar=("W_DEV", "W_HOST", "KV_DEV", "KV_HOST", "ACT_DEV", "ACT_HOST"),
+                        help="FlexGen's placement: percent of the weights, the KV cache and the activations on the "
+                             "device and the host, the disk taking the rest (policies flexgen, flexgen_h2o)")
+    parser.add_argument("--offload-dir", default=None,
+                        help="folder for the disk tier's files (default: kvlib's cache folder, offload/)")
+    parser.add_argument("--compress-cache", action="store_true",
+                        help="keep the KV cache in 4 bits (groups of 64 along the head dim, FlexGen's format)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvlib", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -47,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     run.add_argument("--budget", type=float, default=None, help="KV budget (fraction of the prompt) for sparse policies")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any other policy setting")
+    add_placement_arguments(run)
     run.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     run.add_argument("--device-capacity-gb", type=float, default=None,
                      help="device memory capacity; exceeding it ends the run as a recorded OOM")
@@ -71,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--policy", default="full")
     ev.add_argument("--budget", type=float, default=None, help="fraction of KV entries each layer may keep")
     ev.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any other policy setting")
+    add_placement_arguments(ev)
     ev.add_argument("--tasks", nargs="+", default=["kvlib_recall"],
                     help="kvlib_recall / kvlib_pydoc_perplexity (generated offline), or lm-eval task names")
     ev.add_argument("--include-path", default=None, help="a folder of lm-eval task configs (local tasks)")
@@ -151,7 +168,16 @@ def settings_from_args(args) -> dict:
         settings[key.replace("-", "_")] = _setting_value(value)
     if args.budget is not None:
         settings["budget"] = args.budget
-    return settings
+    placement = {k: v for k, v in (("percent", args.percent), ("offload_dir", args.offload_dir),
+                                   ("compress_cache", args.compress_cache or None)) if v is not None}
+    if placement and args.policy not in PLACED_POLICIES:
+        flags = ", ".join(f"--{k.replace('_', '-')}" for k in placement)
+        raise UserError(f"{flags}: placing the KV cache across device, host and disk is supported by policies "
+                        f"{' and '.join(PLACED_POLICIES)} (FlexGen: the full cache; FlexGen + H2O), not by policy "
+                        f"{args.policy!r}")
+    if "percent" in placement:
+        placement["percent"] = " ".join(f"{v:g}" for v in placement["percent"])
+    return {**settings, **placement}
 
 
 def run_backend(args, backend):

@@ -25,6 +25,9 @@ CASES = {
     "snapkv": {"budget": 0.3, "window": 8},
     "kivi": {"bits": 2, "group_size": 8, "residual": 16},
     "quest": {"budget": 0.3, "block_size": 8},
+    # split between device and host, so the census sees both tiers (the disk tier is files: tests/test_flexgen.py)
+    "flexgen": {"percent": "100 0 40 60 100 0"},
+    "flexgen_h2o": {"budget": 0.3, "percent": "100 0 40 60 100 0"},
 }
 
 

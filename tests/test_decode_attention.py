@@ -240,6 +240,8 @@ FULL_BUDGET = {
     "quest": {"budget": 1.0, "block_size": 8},  # every block chosen, read through per-head block lists
     "infinigen": {"budget": 1.0, "alpha": 1e9},  # every token a candidate: speculation and fetch of all of them
     "kivi": {"quantize": False, "group_size": 8, "residual": 16},  # the packed layout, holding raw bytes
+    "flexgen": {"percent": "100 0 50 50 100 0"},  # half the cache staged from the host each layer
+    "flexgen_h2o": {"budget": 1.0, "percent": "100 0 50 50 100 0"},
 }
 
 

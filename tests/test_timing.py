@@ -43,7 +43,7 @@ def test_every_policy_reports_sections_that_add_up_to_its_run(tiny, name):
     names = {key.partition(".")[2] for key in m["sections_s"]}
     assert names <= {"allocate", "compute", *CACHE_OPS}, names  # sections are named by what they are
     assert m["setup_s"] > 0 and m["ttft_s"] < m["total_s"]
-    if name != "full":
+    if name not in ("full", "flexgen"):  # (flexgen's cache wholly on the device, its default, is full's)
         assert m["wall_split_s"]["cache_ops"] > 0
 
 

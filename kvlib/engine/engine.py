@@ -129,7 +129,8 @@ class Session:
         self.closed = True  # until the policy has started: nothing to finish
         self.policy.usage = KVUsage(engine.model.spec.num_layers)
         with self.timers.section("allocate"):
-            engine.ledger.add("device", "weights", engine.model.weights_bytes, where="model weights")
+            engine.ledger.add("device", "weights", engine.model.weights_bytes - self.policy.weights_off_device(),
+                              where="model weights")
             engine.ledger.add("device", "weights_packed", engine.model.packed_copy_bytes,
                               where="packed copies of weights")
             self.closed = False

@@ -44,7 +44,7 @@ class RunResult:
                                      "preemptions", "step_latencies_s")}
         row.update({f"split_{k}_s": v for k, v in m.get("wall_split_s", {}).items()})
         row.update({f"section_{k.replace('.', '_')}_s": v for k, v in (m.get("sections_s") or {}).items()})
-        for tier in ("device", "host"):
+        for tier in ("device", "host", "disk"):
             mem = self.memory.get(tier, {})
             row[f"{tier}_peak_bytes"] = mem.get("peak_bytes")
             row.update({f"{tier}_{comp}_peak_bytes": v for comp, v in mem.get("peak_components", {}).items()})

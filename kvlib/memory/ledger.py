@@ -14,7 +14,8 @@ import torch
 
 from kvlib.errors import DeviceOOM
 
-TIERS = ("device", "host")
+# disk: files of an offload folder (kvlib.memory.disk), for the policies that place KV there (flexgen)
+TIERS = ("device", "host", "disk")
 # weights_packed: copies of weights kept beside them in a faster layout (a tied LM head packed for oneDNN): what the
 # speed costs in memory, shown apart
 COMPONENTS = ("weights", "weights_packed", "activations", "kv", "kv_reserved", "overhead")

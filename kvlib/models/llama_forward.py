@@ -211,6 +211,7 @@ class LlamaForward:
         self.layers = [((layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon), layer.self_attn,
                         (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon),
                         layer.mlp) for layer in inner.layers]
+        self.streamer = None  # a decoder layer's weights brought to the device around it (offloaded_weights)
 
     @staticmethod
     def of(model: torch.nn.Module) -> LlamaForward | None:
@@ -232,8 +233,13 @@ class LlamaForward:
         x = self.embed(input_ids)
         position_embeddings = self.rotary(x, position_ids)
         delta = None
-        for norm1, attn, norm2, mlp in self.layers:
+        streamer = self.streamer
+        for i, (norm1, attn, norm2, mlp) in enumerate(self.layers):
+            if streamer is not None:
+                streamer.before(i)
             delta = attn(hidden_states=add_rms_norm(x, delta, norm1), position_embeddings=position_embeddings,
                          kv_step=step)[0]
             delta = mlp.down_proj(silu_mul(mlp.gate_up(add_rms_norm(x, delta, norm2))))
+            if streamer is not None:
+                streamer.after(i)
         return self.lm_head(add_rms_norm(x[:, -1] + delta[:, -1], None, self.norm))

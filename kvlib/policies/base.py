@@ -109,6 +109,11 @@ class KVPolicy:
         with self.ledger.transient("device", "activations", nbytes, f"{self.name} decode attention, layer {layer}"):
             return decode_attention(self.decode_kernel, query, reads, self.scale)
 
+    def weights_off_device(self) -> int:
+        """Bytes of the model's weights this policy keeps off the device (FlexGen's placement), after bind: the session
+        books the rest on the device before the policy starts, so a capacity below the whole model can still run."""
+        return 0
+
     def calibrate(self, prompt: list[int]) -> None:
         """After bind, for a policy that `calibrates`: learn from these token ids (the caller's text)."""
 

@@ -75,7 +75,7 @@ class Point:
         flat = {k: json.dumps(v, sort_keys=True) if isinstance(v, (dict, list)) else v
                 for k, v in {**self.settings, **self.values}.items()}
         return {"experiment": self.experiment, "runner": self.runner, "policy": cls.label, "outside": cls.outside,
-                "lossless": cls.lossless,
+                "lossless": cls.lossless and not self.settings.get("compress_cache"),  # (flexgen's 4-bit cache)
                 "model": self.model, "weights": self.weights, "device": self.device,
                 "device_capacity_gb": self.device_capacity_gb, **flat, "point_hash": self.key}
 

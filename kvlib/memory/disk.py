@@ -1,0 +1,194 @@
+"""The disk tier: files in an offload folder, read and written with explicit positioned I/O, every byte counted.
+
+An OffloadFolder is a private folder made inside the folder the user names (so two runs never share files), removed
+when it is closed: at the end of a run, on an exception (the policy's finish runs in the session's `finally`), on
+Ctrl-C (KeyboardInterrupt unwinds through the same `finally`), and at interpreter exit for anything still open.
+
+The OS page cache would serve re-reads from memory and present them as disk reads. It is defeated as follows: at the
+end of every forward pass (`settle`) each file is flushed to the disk (fdatasync) and its pages dropped from the cache
+(posix_fadvise DONTNEED), and every read drops the pages it brought in; so what a later pass reads comes from the disk.
+Where that cannot hold (a platform without posix_fadvise, a file system that ignores it), the kernel's own count of
+bytes this process fetched from storage (/proc/self/io `read_bytes`) is read around the run: `Transfers.summary`
+reports it beside the bytes kvlib read, and their difference as what the page cache served.
+"""
+
+from __future__ import annotations
+
+import atexit
+import errno
+import os
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from kvlib.errors import UserError
+
+DIRECTIONS = ("disk_to_host", "host_to_device", "device_to_host", "host_to_disk")
+_OPEN: set[OffloadFolder] = set()
+PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def storage_read_bytes() -> int | None:
+    """Bytes this process has caused to be fetched from storage (Linux /proc/self/io), None where unavailable."""
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                if line.startswith("read_bytes:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+class Transfers:
+    """Bytes moved and seconds spent, per direction; thread-safe (the copy thread adds to it)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.bytes = dict.fromkeys(DIRECTIONS, 0)
+        self.seconds = dict.fromkeys(DIRECTIONS, 0.0)
+        self.storage_at_start = storage_read_bytes()
+        self.uncounted_reads = 0  # read outside the run proper (weights put back at its end): off the kernel's count
+
+    def add(self, direction: str, nbytes: int, seconds: float) -> None:
+        with self.lock:
+            self.bytes[direction] += nbytes
+            self.seconds[direction] += seconds
+
+    def summary(self) -> dict:
+        now = storage_read_bytes()
+        fetched = None if now is None or self.storage_at_start is None else \
+            max(0, now - self.storage_at_start - self.uncounted_reads)
+        out = {}
+        for d in DIRECTIONS:
+            out[f"{d}_bytes"] = self.bytes[d]
+            out[f"{d}_s"] = self.seconds[d]
+        # the kernel's count of what really came off the disk (whole pages: a little above the bytes asked for where
+        # reads are small), and what the page cache served (what was asked for beyond it)
+        out["disk_read_bytes_from_storage"] = fetched
+        out["disk_read_bytes_page_cache"] = None if fetched is None else max(0, self.bytes["disk_to_host"] - fetched)
+        return out
+
+
+class DiskFile:
+    """One preallocated file of the offload folder; reads and writes at byte offsets, counted in `transfers`."""
+
+    def __init__(self, path: Path, nbytes: int, transfers: Transfers):
+        self.path, self.nbytes, self.transfers = path, nbytes, transfers
+        try:
+            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as e:
+            raise UserError(f"cannot create an offload file in {path.parent}: {e.strerror}") from None
+        if hasattr(os, "posix_fadvise"):  # no readahead: it would cache the next layer's bytes before they are read
+            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)
+        try:
+            if nbytes:
+                if hasattr(os, "posix_fallocate"):
+                    os.posix_fallocate(self.fd, 0, nbytes)  # the space is taken now: a full disk fails here
+                else:
+                    os.ftruncate(self.fd, nbytes)
+        except OSError as e:
+            os.close(self.fd)
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise UserError(f"the offload folder {path.parent.parent} is full: {nbytes / 2**20:.1f} MiB "
+                                f"could not be allocated") from None
+            raise UserError(f"cannot allocate {nbytes} bytes in the offload folder {path.parent.parent}: "
+                            f"{e.strerror}") from None
+
+    def read(self, offset: int, nbytes: int, count: bool = True) -> np.ndarray:
+        buf = np.empty(nbytes, dtype=np.uint8)
+        t = time.perf_counter()
+        got = os.preadv(self.fd, [memoryview(buf)], offset)
+        if got != nbytes:
+            raise OSError(errno.EIO, f"short read from {self.path}: {got} of {nbytes} bytes")
+        drop(self.fd, offset, nbytes)
+        if count:
+            self.transfers.add("disk_to_host", nbytes, time.perf_counter() - t)
+        else:
+            self.transfers.uncounted_reads += nbytes
+        return buf
+
+    def write(self, offset: int, data: np.ndarray, count: bool = True) -> None:
+        """count=False: a file's first contents (setting up, not moving data during the run), flushed and dropped
+        from the page cache at once."""
+        data = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
+        t = time.perf_counter()
+        try:
+            done = os.pwritev(self.fd, [memoryview(data)], offset)
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise UserError(f"the offload folder {self.path.parent.parent} is full") from None
+            raise
+        if done != data.nbytes:
+            raise OSError(errno.EIO, f"short write to {self.path}: {done} of {data.nbytes} bytes")
+        if count:
+            self.transfers.add("host_to_disk", data.nbytes, time.perf_counter() - t)
+        else:
+            os.fdatasync(self.fd)
+            drop(self.fd, 0, 0)
+
+    def settle(self) -> None:
+        """Flush what was written to the disk and drop the file's pages from the page cache (timed as writing)."""
+        t = time.perf_counter()
+        os.fdatasync(self.fd)
+        drop(self.fd, 0, 0)
+        self.transfers.add("host_to_disk", 0, time.perf_counter() - t)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def drop(fd: int, offset: int, nbytes: int) -> None:
+    """Drop a byte range (nbytes 0: to the end) from the page cache, whole pages: a page only partly in the range
+    would otherwise stay, and serve the next read of its other part."""
+    if hasattr(os, "posix_fadvise"):
+        start = offset - offset % PAGE
+        end = 0 if nbytes == 0 else -(-(offset + nbytes) // PAGE) * PAGE
+        os.posix_fadvise(fd, start, end - start if end else 0, os.POSIX_FADV_DONTNEED)
+
+
+class OffloadFolder:
+    """A private folder inside `root` for one run's files, removed on close (and at exit, whatever happened)."""
+
+    def __init__(self, root: str | Path, transfers: Transfers):
+        root = Path(root).expanduser()
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            self.path = Path(tempfile.mkdtemp(prefix=f"kvlib-offload-{os.getpid()}-", dir=root))
+        except OSError as e:
+            raise UserError(f"the offload folder {root} is not writable ({e.strerror}); give another with "
+                            f"--offload-dir") from None
+        self.transfers = transfers
+        self.files: list[DiskFile] = []
+        _OPEN.add(self)
+
+    def file(self, name: str, nbytes: int) -> DiskFile:
+        f = DiskFile(self.path / name, nbytes, self.transfers)
+        self.files.append(f)
+        return f
+
+    def settle(self) -> None:
+        for f in self.files:
+            f.settle()
+
+    def bytes_allocated(self) -> int:
+        return sum(f.nbytes for f in self.files)
+
+    def close(self) -> None:
+        for f in self.files:
+            f.close()
+        self.files = []
+        shutil.rmtree(self.path, ignore_errors=True)
+        _OPEN.discard(self)
+
+
+@atexit.register
+def _close_all() -> None:
+    for folder in list(_OPEN):
+        folder.close()

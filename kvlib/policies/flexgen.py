@@ -1,0 +1,231 @@
+"""FlexGen (Sheng et al., 2023): the full cache, placed across device, host and disk and streamed layer by layer.
+
+Every key and value is kept, as `full` keeps them (one contiguous reservation per row, the longest prompt plus
+max_new_tokens), but each layer's cache is cut along rows x heads into a device, a host and a disk segment by
+FlexGen's percentages (`percent`: W_DEV W_HOST KV_DEV KV_HOST ACT_DEV ACT_HOST, the disk taking the rest), optionally
+4-bit compressed on every tier (`compress_cache`, FlexGen's group format: kvlib.memory.quant4). A layer computes on a
+device staging buffer into which its cache was loaded while the layer before computed (kvlib.memory.tiered_kv); what
+it wrote (a prompt's tokens, a decode step's one token) goes back to the tiers after it. The disk segment lives in files
+of a private folder inside `offload_dir` (kvlib.memory.disk: counted, out of the page cache, removed at the end).
+
+Placement moves bytes, never changes them: uncompressed, every placement decodes exactly the tokens of the cache wholly
+on the device, which is `full`'s cache (tests/test_flexgen.py). This is a policy of its own, not a setting of `full`,
+because FlexGen's cache is a different mechanism (staged per layer, stored back per pass) beside the same attention;
+the attention itself is `full`'s: the same prefill attention and the one decode kernel over each row in place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvlib.errors import UserError
+from kvlib.kernels.attention import prefill_attention
+from kvlib.kernels.decode import DecodeReads
+from kvlib.memory.disk import OffloadFolder, Transfers
+from kvlib.memory.placement import Placement, split_counts, weight_tiers
+from kvlib.memory.tiered_kv import CacheArray, TieredKV
+from kvlib.models.offloaded_weights import WeightStreamer, decoder_layers, layer_bytes
+from kvlib.paths import cache_dir
+from kvlib.policies.base import KVPolicy, Step
+from kvlib.policies.registry import register
+
+ALL_ON_DEVICE = "100 0 100 0 100 0"
+
+
+def default_offload_dir() -> str:
+    return str(cache_dir() / "offload")
+
+
+@register
+@dataclass
+class FlexGenPolicy(KVPolicy):
+    name = "flexgen"
+    lossless = True  # uncompressed; compress_cache makes it lossy (the setting is recorded with every run)
+    # full's three: a later chunk reads what the row's earlier chunks stored (the pass loads each row's first tokens)
+    host_tensors = ("host_arrays",)
+
+    percent: str = ALL_ON_DEVICE
+    offload_dir: str | None = None  # None: kvlib's cache folder, offload/
+    compress_cache: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.percent, str):  # six numbers from a params file
+            self.percent = " ".join(f"{float(v):g}" for v in self.percent)
+        self.placement = Placement.parse(self.percent)
+        self.weights = None
+        if not isinstance(self.compress_cache, bool):
+            raise UserError(f"compress_cache must be true or false, got {self.compress_cache!r}")
+
+    # -- what a subclass adds to the cache -------------------------------------------------------------------------
+    def cache_arrays(self) -> list[CacheArray]:
+        s = self.spec
+        return [CacheArray(n, (s.head_dim,), s.dtype, 0.0, self.compress_cache) for n in ("keys", "values")]
+
+    def cache_capacity(self, prompt_lens: list[int], max_new_tokens: int) -> int:
+        return max(prompt_lens) + max_new_tokens
+
+    # -- weights ---------------------------------------------------------------------------------------------------
+    def weight_tiers(self) -> list[str]:
+        """Each decoder layer's tier (the embedding, final norm and head stay on the device); [] where every weight
+        stays on the device."""
+        if self.placement.weights[0] == 1:
+            return []
+        if self.model.kvlib_forward is None:
+            raise UserError(f"policy {self.name!r} places weights off the device only in kvlib's own forward pass "
+                            f"(a Llama-family model in fp32 on a CPU); keep W_DEV at 100 for {self.model.name!r}")
+        layers = decoder_layers(self.model.model)
+        return weight_tiers([layer_bytes(layer) for layer in layers], self.placement.weights)
+
+    def weights_off_device(self) -> int:
+        tiers = self.weight_tiers()
+        if not tiers:
+            return 0
+        return sum(layer_bytes(layer) for layer, tier in zip(decoder_layers(self.model.model), tiers)
+                   if tier != "device")
+
+    # -- lifecycle ---------------------------------------------------------------------------------------------------
+    def start(self, batch_size, prompt_lens, max_new_tokens):
+        s = self.spec
+        self.capacity = capacity = self.cache_capacity(prompt_lens, max_new_tokens)
+        arrays = self.cache_arrays()
+        per_row = capacity * s.num_kv_heads * s.num_layers * sum(a.record_bytes for a in arrays)
+        rows = self.row_capacity(batch_size, max(1, round(per_row * self.placement.kv[0])))
+        self.transfers = Transfers()
+        self.folder = None
+        self.store = None
+        dev, _, disk = split_counts(rows * s.num_kv_heads, self.placement.kv)
+        tiers = self.weight_tiers()
+        if disk or "disk" in tiers:
+            self.folder = OffloadFolder(self.offload_dir or default_offload_dir(), self.transfers)
+        try:
+            if any(t != "device" for t in tiers):
+                self.weights = WeightStreamer(decoder_layers(self.model.model), tiers, self.folder, self.transfers)
+                self.model.kvlib_forward.streamer = self.weights
+                # a layer computing and the next one loading: FlexGen's two weight buffers on the device
+                self.ledger.add("device", "weights", 2 * self.weights.largest_layer_bytes(), where="weights staging")
+                for tier in ("host", "disk"):
+                    self.ledger.add(tier, "weights", self.weights.bytes_on(tier))
+            self.ledger.add("device", "kv_reserved", per_row * dev // s.num_kv_heads, where=f"{self.name} KV, device")
+            self.store = TieredKV(arrays, s.num_layers, rows, s.num_kv_heads, capacity, self.placement.kv,
+                                  self.device, self.transfers, self.folder)
+            self.device_arrays, self.host_arrays = self.store.tensors("device"), self.store.tensors("host")
+            self.init_rows(rows)
+            self._book()
+        except BaseException:
+            self.finish()
+            raise
+
+    def init_rows(self, rows: int) -> None:
+        """The per-row counters, before anything is booked."""
+        self.lengths = torch.zeros(rows, dtype=torch.long)
+
+    def prepare(self, step: Step):
+        # a pass reads what its rows held before it (a prompt's first pass: nothing); decode writes one token a row
+        self.store.begin_pass(int(step.start.max()))
+        if step.phase == "decode":
+            self.slots = step.rows.to(self.device), step.start.to(self.device)
+            self.read = step.start + 1
+
+    def flats(self, rows: torch.Tensor) -> torch.Tensor:
+        """The (row x head) indices of these rows, row-major."""
+        h = self.spec.num_kv_heads
+        return (rows[:, None] * h + torch.arange(h)[None, :]).reshape(-1)
+
+    def layer_arrays(self, layer: int) -> dict[str, torch.Tensor]:
+        """The layer's cache on the device; the wait for its load (what compute did not hide) timed as a fetch."""
+        if self.store.resident:
+            return self.store.layer(layer)
+        with self.timers.section("fetch"):
+            return self.store.layer(layer)
+
+    def settle(self) -> None:
+        """After a pass: its stores done, the disk flushed (timed as offloading)."""
+        if not self.store.resident:
+            with self.timers.section("offload"):
+                self.store.settle(self.folder)
+
+    def attend(self, layer, query, key, value, step: Step):
+        arrays = self.layer_arrays(layer)
+        kc, vc = arrays["keys"], arrays["values"]
+        t, h = step.q_len, self.spec.num_kv_heads
+        if step.phase == "decode":
+            rows, pos = self.slots
+            kc[rows, :, pos] = key[:, :, 0]
+            vc[rows, :, pos] = value[:, :, 0]
+            self.store.store_points(layer, ("keys", "values"), self.flats(step.rows),
+                                    step.start.repeat_interleave(h))
+            self.usage.add(layer, step.tokens_seen, step.tokens_seen, len(step.rows))
+            return self.decode_attention(layer, query, DecodeReads(kc, vc, self.read, rows=step.rows))[0]
+        row, begin = int(step.rows[0]), int(step.start[0])
+        end = begin + t
+        kc[row, :, begin:end] = key[0]
+        vc[row, :, begin:end] = value[0]
+        self.store.store_range(layer, ("keys", "values"), begin, end, (row * h, (row + 1) * h))
+        return prefill_attention(query, kc[row:row + 1, :, :end], vc[row:row + 1, :, :end], begin,
+                                 step.prefill_mode, self.scale, self.ledger, layer)
+
+    def after_pass(self, step: Step):
+        self.settle()
+        self.lengths[step.rows] = step.start + step.q_len
+        self._book()
+
+    def fork(self, src, dst):
+        self.copy_row(src, dst, int(self.lengths[src]), int(self.lengths.max()))
+        self.lengths[dst] = self.lengths[src]
+        self._book()
+
+    def copy_row(self, src: int, dst: int, n: int, longest: int) -> None:
+        """Every array's first n slots of row src into row dst, on every layer (longest: the most slots a row holds,
+        what a load reads)."""
+        h = self.spec.num_kv_heads
+        self.store.begin_pass(longest)
+        for layer in range(self.spec.num_layers):
+            arrays = self.layer_arrays(layer)
+            for tensor in arrays.values():
+                tensor[dst, :, :n] = tensor[src, :, :n]
+            self.store.store_range(layer, list(arrays), 0, n, (dst * h, (dst + 1) * h))
+        self.settle()
+
+    def release(self, row):
+        """The row is free for another request (its whole length stays reserved, as `full`'s)."""
+        self.lengths[row] = 0
+        self._book()
+
+    def tokens_per_flat(self) -> torch.Tensor:
+        """Tokens each (row x head) holds, for booking."""
+        return self.lengths.repeat_interleave(self.spec.num_kv_heads)
+
+    def _book(self):
+        used = self.tokens_per_flat()
+        for tier in ("device", "host", "disk"):
+            kv = self.store.tier_bytes(tier, used)
+            extra = {"overhead": self.store.staging_bytes()} if tier == "device" else {}
+            self.ledger.set(tier, f"{self.name} KV, {tier}", kv=kv, kv_reserved=self.store.tier_bytes(tier) - kv,
+                            **extra)
+
+    def finish(self):
+        try:
+            if self.store is not None:
+                self.store.close()
+            if self.weights is not None:
+                self.model.kvlib_forward.streamer = None
+                self.weights.restore()
+                self.ledger.add("device", "weights", -2 * self.weights.largest_layer_bytes())
+                for tier in ("host", "disk"):
+                    self.ledger.add(tier, "weights", -self.weights.bytes_on(tier))
+        finally:
+            self.weights = None
+            self.store = None
+            self.device_arrays = self.host_arrays = []
+            if self.folder is not None:
+                self.folder.close()
+            for tier in ("device", "host", "disk"):
+                self.ledger.set(tier, kv=0, kv_reserved=0, **({"overhead": 0} if tier == "device" else {}))
+
+    def stats(self) -> dict:
+        out = {"percent": self.percent, "compress_cache": self.compress_cache}
+        if getattr(self, "transfers", None) is not None:
+            out.update(self.transfers.summary())
+        return out

@@ -1,0 +1,202 @@
+"""FlexGen + H2O (the H2O authors' FlexGen port, FMInference/H2O h2o_flexgen): H2O's eviction in FlexGen's placed,
+layer-streamed cache (kvlib.policies.flexgen).
+
+The scoring is H2O's, under the rule the paper ran (`h2o` with `budget_rule="flexgen"`): a row keeps, per KV head,
+heavy = recent = int(budget x prompt) tokens (or `budget_tokens` each), fixed during decode; after its prompt, the
+`recent` newest and the `heavy` best-scored older ones (kvlib.policies.scored_eviction.select_heavy_recent); at every
+decode step each entry's score accumulates the attention it receives, the new token takes the slot the last eviction
+freed, and once over the budget the lowest-scored entry outside the recent window is evicted. Each slot's score and
+original position are kept beside its key and value, on the same tier (as the port keeps its accumulated attention
+beside the cache), so a row's whole state streams with it.
+
+A row holds at most its kept set plus the new token (the prompt is scored from the pass's own keys and values, then
+only the kept entries are stored), which is what makes the cache small enough to place; the slots a row uses, and so
+the order attention sums them in, are `h2o`'s, so uncompressed it decodes `h2o`'s tokens (budget_rule "flexgen",
+prefill "full"; tests/test_flexgen.py) on any placement. Beyond the port, which never wired its disk path with H2O
+and refused 4-bit compression with it, the cache here may be compressed and on disk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kvlib.errors import UserError
+from kvlib.kernels.attention import causal_mask, matrix_attention, matrix_bytes
+from kvlib.kernels.decode import DecodeReads
+from kvlib.memory.tiered_kv import CacheArray
+from kvlib.policies.base import Step
+from kvlib.policies.flexgen import FlexGenPolicy
+from kvlib.policies.registry import register
+from kvlib.policies.scored_eviction import select_heavy_recent
+
+
+@register
+@dataclass
+class FlexGenH2OPolicy(FlexGenPolicy):
+    name = "flexgen_h2o"
+    label = "flexgen+h2o"
+    lossless = False
+    supported_prefill = ("full",)  # the prompt's attention probabilities score it, in one pass
+    preferred_prefill: ClassVar[str] = "full"
+
+    budget: float = 0.3  # the heavy-hitter ratio: heavy = recent = int(budget x prompt)
+    budget_tokens: int | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not 0 < self.budget <= 1:
+            raise UserError(f"budget must be in (0, 1], got {self.budget}")
+        if self.budget_tokens is not None and self.budget_tokens < 1:
+            raise UserError(f"budget_tokens must be >= 1, got {self.budget_tokens}")
+
+    def limits(self, seen: int, prompt: int) -> tuple[int, int]:
+        """(tokens kept, of which recent) per KV head: H2O's `flexgen` budget rule."""
+        part = self.budget_tokens if self.budget_tokens is not None else int(self.budget * prompt)
+        return min(2 * part, seen), min(part, seen)
+
+    def cache_arrays(self) -> list[CacheArray]:
+        return [*super().cache_arrays(), CacheArray("scores", (), torch.float32, 0.0),
+                CacheArray("positions", (), torch.long, -1)]
+
+    def cache_capacity(self, prompt_lens, max_new_tokens):
+        # the kept set at its largest, plus the new token stored before the step's eviction frees a slot
+        return max(self.limits(n + max_new_tokens, n)[0] + 1 for n in prompt_lens)
+
+    def init_rows(self, rows):
+        s = self.spec
+        self.kept = torch.zeros(rows, dtype=torch.long)  # entries a row keeps (per head, every layer)
+        self.region = torch.zeros(rows, dtype=torch.long)  # slots a row has used, a hole included
+        self.seen = torch.zeros(rows, dtype=torch.long)
+        self.prompt_of = torch.zeros(rows, dtype=torch.long)
+        self.write_slot = torch.zeros((s.num_layers, rows, s.num_kv_heads), dtype=torch.long)
+
+    # -- prefill -----------------------------------------------------------------------------------------------------
+    def prepare(self, step: Step):
+        rows = step.rows
+        if step.phase == "prefill":
+            row = int(rows[0])
+            if int(step.start[0]) != 0 or int(self.region[row]):
+                raise UserError(f"policy {self.name!r} prefills a row once (row {row} already holds tokens)")
+            if min(self.limits(step.q_len, step.q_len)[0], step.q_len) > self.capacity:
+                raise UserError(f"a prompt of {step.q_len} tokens keeps more than the rows hold ({self.capacity})")
+            self.store.begin_pass(0)
+            return
+        # decode: the pass-wide decisions of h2o's eviction (the same for every layer and head)
+        self.read_lengths = torch.maximum(self.region[rows], self.write_slot[0, rows, 0] + 1)
+        self.store.begin_pass(int(self.read_lengths.max()))
+        self.region_after = self.read_lengths.clone()
+        self.seen_after = self.seen[rows] + 1
+        limits = [self.limits(int(n), int(p)) for n, p in zip(self.seen_after, self.prompt_of[rows])]
+        self.over = (self.kept[rows] + 1) > torch.tensor([keep for keep, _ in limits])
+        self.window_start = self.seen_after - torch.tensor([recent for _, recent in limits])
+
+    def attend(self, layer, query, key, value, step: Step):
+        arrays = self.layer_arrays(layer)
+        if step.phase == "prefill":
+            return self._prefill(layer, arrays, query, key, value, step)
+        return self._decode(layer, arrays, query, key, value, step)
+
+    def _prefill(self, layer, arrays, query, key, value, step):
+        row, t, h = int(step.rows[0]), step.q_len, self.spec.num_kv_heads
+        nbytes = matrix_bytes(1, self.spec.num_attention_heads, t, t, self.spec.dtype_bytes)
+        with self.ledger.transient("device", "activations", nbytes, where=f"attention matrix, layer {layer}"):
+            out, probs = matrix_attention(query, key, value, causal_mask(t, t, self.device), self.scale)
+            with self.timers.section("eviction"):
+                scores = probs[0].sum(dim=(1, 2)).float()  # [Hkv, t]: the attention each entry received
+                keep, recent = self.limits(t, t)
+                keep = min(keep, t)
+                idx = select_heavy_recent(scores, keep - min(recent, keep), min(recent, keep))  # [Hkv, keep]
+                d = self.spec.head_dim
+                arrays["keys"][row, :, :keep] = key[0].gather(1, idx[..., None].expand(-1, -1, d))
+                arrays["values"][row, :, :keep] = value[0].gather(1, idx[..., None].expand(-1, -1, d))
+                arrays["scores"][row, :, :keep] = scores.gather(1, idx)
+                arrays["positions"][row, :, :keep] = idx
+                self.store.store_range(layer, list(arrays), 0, keep, (row * h, (row + 1) * h))
+                self.write_slot[layer, row] = keep
+        return out
+
+    # -- decode ------------------------------------------------------------------------------------------------------
+    def _decode(self, layer, arrays, query, key, value, step):
+        rows, h = step.rows, self.spec.num_kv_heads
+        dev_rows = rows.to(self.device)
+        heads = torch.arange(h, device=self.device)[None, :]
+        slot = self.write_slot[layer, rows].to(self.device)  # [B, Hkv]
+        kc, vc, scores, positions = (arrays[n] for n in ("keys", "values", "scores", "positions"))
+        kc[dev_rows[:, None], heads, slot] = key[:, :, 0]
+        vc[dev_rows[:, None], heads, slot] = value[:, :, 0]
+        scores[dev_rows[:, None], heads, slot] = 0.0
+        positions[dev_rows[:, None], heads, slot] = step.start[:, None].to(self.device).expand(-1, h)
+        out, probs = self.decode_attention(layer, query, DecodeReads(kc, vc, self.read_lengths, rows=step.rows,
+                                                                     probs=True))
+        used = int(self.read_lengths.max())
+        with self.timers.section("eviction"):
+            scores[dev_rows, :, :used] += probs[..., :used].to(scores.dtype)
+            victims = self._evict(layer, rows, scores, positions, used)
+        flats = self.flats(rows)
+        self.store.store_points(layer, ("keys", "values", "positions"), flats, slot.reshape(-1).cpu())
+        if victims is not None:
+            self.store.store_points(layer, ("positions",), *victims)
+        self._store_scores(layer, rows, used)
+        attended = int(self.kept[rows].sum()) + len(rows)
+        self.usage.add(layer, attended, step.tokens_seen, len(rows))
+        return out
+
+    def _evict(self, layer, rows, scores, positions, used):
+        """h2o's eviction, this layer's part: each over-budget (row, head) drops its lowest-scored entry outside the
+        recent window, and the next token takes its slot; the others take a fresh slot."""
+        over, under = rows[self.over], rows[~self.over]
+        self.write_slot[layer, under] = self.region_after[~self.over][:, None]
+        if len(over) == 0:
+            return None
+        dev_over = over.to(self.device)
+        pos = positions[dev_over, :, :used]  # [B', Hkv, used]
+        inside = (torch.arange(used)[None, :] < self.region_after[self.over][:, None]).to(self.device)[:, None]
+        window = self.window_start[self.over][:, None, None].to(self.device)
+        evictable = inside & (pos >= 0) & (pos < window)
+        victim = scores[dev_over, :, :used].masked_fill(~evictable, float("inf")).argmin(dim=-1)  # [B', Hkv]
+        heads = torch.arange(self.spec.num_kv_heads, device=self.device)[None, :]
+        positions[dev_over[:, None], heads, victim] = -1
+        self.write_slot[layer, over] = victim.cpu()
+        return self.flats(over), victim.reshape(-1).cpu()
+
+    def _store_scores(self, layer, rows, used):
+        """Every read slot's score changed: back to the tiers, one run of tokens for all rows where all stepped."""
+        if len(rows) == self.store.rows and bool((rows.sort().values == torch.arange(self.store.rows)).all()):
+            self.store.store_range(layer, ("scores",), 0, used)
+            return
+        h = self.spec.num_kv_heads
+        for r, n in zip(rows.tolist(), self.read_lengths.tolist()):
+            self.store.store_range(layer, ("scores",), 0, n, (r * h, (r + 1) * h))
+
+    def after_pass(self, step: Step):
+        rows = step.rows
+        if step.phase == "prefill":
+            row = int(rows[0])
+            keep = int(self.write_slot[0, row, 0])
+            self.seen[row] = self.prompt_of[row] = step.q_len
+            self.kept[row] = self.region[row] = keep
+        else:
+            self.region[rows] = self.region_after
+            self.kept[rows] += 1 - self.over.long()
+            self.seen[rows] = self.seen_after
+        self.settle()
+        self._book()
+
+    def fork(self, src, dst):
+        self.copy_row(src, dst, int(self.region[src]), int(self.region.max()))
+        for per_row in (self.kept, self.region, self.seen, self.prompt_of):
+            per_row[dst] = per_row[src]
+        self.write_slot[:, dst] = self.write_slot[:, src]
+        self._book()
+
+    def release(self, row):
+        for per_row in (self.kept, self.region, self.seen, self.prompt_of):
+            per_row[row] = 0
+        self.write_slot[:, row] = 0
+        self._book()
+
+    def tokens_per_flat(self) -> torch.Tensor:
+        return self.kept.repeat_interleave(self.spec.num_kv_heads)
