@@ -25,6 +25,7 @@ CASES = {
     "snapkv": {"budget": 0.3, "window": 8},
     "kivi": {"bits": 2, "group_size": 8, "residual": 16},
     "quest": {"budget": 0.3, "block_size": 8},
+    "duo": {"budget": 0.5, "sink": 4, "window": 16},
 }
 
 

@@ -20,6 +20,7 @@ BUDGETED = {
     "snapkv": {"budget": 0.3, "window": 8, "block_size": 4},
     "kivi": {"bits": 2, "group_size": 8, "residual": 16},
     "infinigen": {"budget": 0.3},
+    "duo": {"budget": 0.5, "sink": 4, "window": 8},
 }
 KEEPS_ALL = {
     "full": {},
@@ -30,9 +31,10 @@ KEEPS_ALL = {
     "snapkv": {"budget": 1.0, "window": 8, "block_size": 4},
     "kivi": {"quantize": False, "group_size": 8, "residual": 16},
     "infinigen": {"budget": 1.0, "alpha": 1e9},
+    "duo": {"budget": 1.0},
 }
 # the policies that reserve each row's whole length up front: they serve as many rows as the capacity holds
-RESERVE_ROWS = {"full", "kivi", "infinigen"}
+RESERVE_ROWS = {"full", "kivi", "infinigen", "duo"}
 
 
 def test_every_policy_is_named_here():
