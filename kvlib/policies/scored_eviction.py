@@ -264,6 +264,35 @@ class ScoredEvictionPolicy(BudgetedPolicy):
         layers, heads, n = scores.shape
         return pyramid_counts(layers, heads, heavy, n, self.pyramid_beta)
 
+    def compress(self, row: int, share: float) -> tuple[int, int]:
+        """Compact a row that is decoding to `share` of the entries each of its heads holds, chosen as its prompt's
+        were (`select` on the scores so far: H2O's accumulated attention, SnapKV's votes), and give the blocks past
+        them back to the pool (kvlib.engine.scheduler's `compress` schedule, which does this where vLLM would
+        preempt). From then on the row keeps what its limits allow counting from here: at budget 1.0, everything new.
+        Returns (entries a head held, entries it keeps)."""
+        if row in self.filling:
+            raise ValueError(f"row {row} is being prefilled; only a decoding row can be compressed")
+        if not 0 < share <= 1:
+            raise ValueError(f"share must be in (0, 1], got {share}")
+        if bool(self.delta[:, row].any()):
+            raise UserError(f"allocation {self.allocation!r}: a row whose heads hold different counts cannot be "
+                            "compressed again")
+        held = int(self.kept[row])
+        keep = max(1, round(share * held))
+        recent = min(self.limits(keep, keep)[1], keep)
+        with self.timers.section("eviction"):
+            slots = self.kv.slots(row, 0, int(self.region[row]))
+            pos = self.positions[:, :, slots]
+            order = pos.masked_fill(pos < 0, torch.iinfo(pos.dtype).max).argsort(dim=-1)[..., :held]  # by position
+            idx = order.gather(-1, self.select(self.scores[:, :, slots].gather(-1, order), keep - recent, recent))
+            self._move(slots[idx], slots[:keep])
+            self.kv.truncate(row, keep)
+            self.kept[row] = self.region[row] = keep
+            self.write_slot[:, row] = keep
+            self.prompt_of[row] = self.seen[row]
+            self._book()
+        return held, keep
+
     def fork(self, src, dst):
         if src in self.filling:
             raise UserError(f"row {src} is in the middle of a prefill and cannot be forked")
