@@ -156,8 +156,9 @@ class DuoAttentionPolicy(BudgetedPolicy):
         for layer in range(self.spec.num_layers):
             keys[layer][:, :len(kept)] = self.sk[layer][row][:, slots]
             values[layer][:, :len(kept)] = self.sv[layer][row][:, slots]
-        positions = torch.cat([torch.tensor(kept, dtype=torch.long), torch.arange(held_until, end)])
-        self.staging[row] = {"keys": keys, "values": values, "positions": positions, "filled": len(kept)}
+        # positions as plain ints: the buffer's bookkeeping, not storage to book (nor to leave on the host on a GPU)
+        self.staging[row] = {"keys": keys, "values": values, "kept": kept, "new": (held_until, end),
+                             "filled": len(kept)}
 
     def attend(self, layer, query, key, value, step: Step):
         if step.phase == "prefill":
@@ -234,7 +235,7 @@ class DuoAttentionPolicy(BudgetedPolicy):
         the next one takes) in their ring; the staged prompt is freed."""
         staged = self.staging.pop(row)
         seen = int(self.lengths[row])
-        positions = staged["positions"]
+        positions = torch.cat([torch.tensor(staged["kept"], dtype=torch.long), torch.arange(*staged["new"])])
         keep = ((positions < self.sink) | (positions >= seen - self.window - 1)).nonzero()[:, 0]
         slots = self.ring_slot(positions[keep]).to(self.device)
         keep = keep.to(self.device)
@@ -260,7 +261,6 @@ class DuoAttentionPolicy(BudgetedPolicy):
         seen = self.lengths
         head_tokens = self.retrieval * int(seen.sum()) + self.streaming * int(seen.clamp(max=self.ring).sum())
         staged = sum(k.nbytes + v.nbytes for st in self.staging.values() for k, v in zip(st["keys"], st["values"]))
-        staged += sum(st["positions"].nbytes for st in self.staging.values())
         kv = head_tokens * self.head_token_bytes + staged
         self.ledger.set("device", "duo cache", kv=kv, kv_reserved=self.reserved + staged - kv,
                         overhead=self.lengths.nbytes)

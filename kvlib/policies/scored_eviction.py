@@ -71,6 +71,15 @@ class ScoredEvictionPolicy(BudgetedPolicy):
         if self.pyramid_beta < 1:
             raise UserError(f"pyramid_beta must be >= 1, got {self.pyramid_beta}")
 
+    def settings(self) -> dict:
+        """Without the allocation's settings at `uniform`, where they do nothing: a study point's key hashes its
+        settings, and the uniform points' keys (their results files) stay those they had before allocations."""
+        settings = super().settings()
+        if self.allocation == "uniform":
+            for name in ("allocation", "floor_alpha", "pyramid_beta"):
+                settings.pop(name)
+        return settings
+
     # -- what a subclass decides ------------------------------------------------------------------------------------
     def limits(self, seen: int, prompt: int) -> tuple[int, int]:
         """(tokens a row keeps per KV head, of which the most recent) once it has seen `seen` tokens, `prompt` of
