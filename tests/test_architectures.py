@@ -27,7 +27,8 @@ PUBLISHED = {  # layers, hidden, heads, KV heads, head dim, intermediate
 }
 LAYERS = 2
 # InfiniGen keeps its first dense_layers dense: with one, layer 1 of two is speculated and fetched
-POLICY_SETTINGS = {"infinigen": {"dense_layers": 1, "calibration_tokens": 32}}
+POLICY_SETTINGS = {"infinigen": {"dense_layers": 1, "calibration_tokens": 32},
+                   "duo": {"sink": 2, "window": 4, "calibration_tokens": 32}}
 
 
 @pytest.fixture(scope="class", params=["llama-3.1-8b", pytest.param("llama-3.1-70b", marks=pytest.mark.slow)])

@@ -28,6 +28,7 @@ CASES = {
     # split between device and host, so the census sees both tiers (the disk tier is files: tests/test_flexgen.py)
     "flexgen": {"percent": "100 0 40 60 100 0"},
     "flexgen_h2o": {"budget": 0.3, "percent": "100 0 40 60 100 0"},
+    "duo": {"budget": 0.5, "sink": 4, "window": 16},
 }
 
 

@@ -22,6 +22,7 @@ BUDGETED = {
     "infinigen": {"budget": 0.3},
     "flexgen": {"percent": "100 0 50 50 100 0"},
     "flexgen_h2o": {"budget": 0.3, "percent": "100 0 50 50 100 0"},
+    "duo": {"budget": 0.5, "sink": 4, "window": 8},
 }
 KEEPS_ALL = {
     "full": {},
@@ -34,9 +35,10 @@ KEEPS_ALL = {
     "infinigen": {"budget": 1.0, "alpha": 1e9},
     "flexgen": {},  # on the device alone: a split cache holds more rows in the same capacity (its device share)
     "flexgen_h2o": {"budget": 1.0, "percent": "100 0 50 50 100 0"},
+    "duo": {"budget": 1.0},
 }
 # the policies that reserve each row's whole length up front: they serve as many rows as the capacity holds
-RESERVE_ROWS = {"full", "kivi", "infinigen", "flexgen", "flexgen_h2o"}
+RESERVE_ROWS = {"full", "kivi", "infinigen", "flexgen", "flexgen_h2o", "duo"}
 # the policies that score a prompt in one pass (H2O in FlexGen: the prompt's attention matrix, its kept set stored):
 # continuous batching prefills in chunks, so they serve statically only
 WHOLE_PROMPT = {"flexgen_h2o"}

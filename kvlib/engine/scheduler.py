@@ -14,7 +14,17 @@ generated, under its policy). A policy that reserves each row's whole length up 
 as many rows as the capacity affords, and a request waits for a free row (KVPolicy.row_capacity). It needs a policy
 that can release single rows.
 
-Both go through the same Session (kvlib.engine), so they are timed and booked alike; only the order of work differs.
+`compress` is `continuous` with another answer to a full pool: where vLLM preempts a request (or a waiting one waits
+for room), a running request (the least compressed so far, then the longest-running) is compacted to
+`compress_share` of its cache, chosen by
+its policy's scores (a scored-eviction policy: H2O's accumulated attention, SnapKV's votes; at budget 1.0 it holds
+everything, as `paged` does, until then), its freed blocks let the step go on or the waiting request in, and it goes
+on decoding from what it kept (a request may be compressed again, the least compressed first). Only when no running
+request can shrink any more does it preempt, as vLLM does.
+Which requests were compressed, at which step and time, and from how many entries a head to how many, is in the
+run's stats (`compressions`), so that the accuracy they lost can be told apart.
+
+All go through the same Session (kvlib.engine), so they are timed and booked alike; only the order of work differs.
 """
 
 from __future__ import annotations
@@ -33,7 +43,7 @@ from kvlib.memory.block_pool import OutOfBlocks
 if TYPE_CHECKING:  # the engine calls this loop; the loop only drives the engine it is given
     from kvlib.engine.engine import Engine
 
-SCHEDULES = ("static", "continuous")
+SCHEDULES = ("static", "continuous", "compress")
 
 
 @dataclass
@@ -70,11 +80,18 @@ class Sequence:
 
 def run(engine: Engine, sequences: list[Sequence], schedule: str = "static", prefill_mode: str = "fused",
         chunk_size: int = 512, stop_at_eos: bool = True, share_prompts: bool = False,
-        slo: dict | None = None) -> RunResult:
-    """slo: {"ttft_s": ..., "tpot_s": ...}, the limits goodput counts against (kvlib.engine.run_result.latency_metrics)."""
+        slo: dict | None = None, compress_share: float = 0.5) -> RunResult:
+    """slo: {"ttft_s": ..., "tpot_s": ...}, the limits goodput counts against (kvlib.engine.run_result.latency_metrics).
+    compress_share: under the `compress` schedule, the share of its entries a compressed request keeps."""
     if schedule not in SCHEDULES:
         raise UserError(f"unknown schedule {schedule!r}; choose from {list(SCHEDULES)}")
-    continuous = schedule == "continuous"
+    continuous = schedule in ("continuous", "compress")
+    if schedule == "compress":
+        if not hasattr(engine.policy, "compress"):
+            raise UserError(f"the compress schedule needs a policy that compacts a running request's cache by its "
+                            f"scores (h2o, snapkv); {engine.policy.name!r} cannot")
+        if not 0 < compress_share < 1:
+            raise UserError(f"compress_share must be in (0, 1), got {compress_share}")
     if continuous:
         if not engine.policy.can_release:
             raise UserError(f"continuous batching needs a policy that can release single rows; "
@@ -89,7 +106,8 @@ def run(engine: Engine, sequences: list[Sequence], schedule: str = "static", pre
         if seq.forced is not None:
             seq.max_new_tokens, eos = len(seq.forced), None
     timers = engine.timers
-    loop = _Loop(engine, sequences, continuous, prefill_mode, chunk_size, eos, share_prompts, slo or {})
+    loop = _Loop(engine, sequences, continuous, prefill_mode, chunk_size, eos, share_prompts, slo or {},
+                 compress_share if schedule == "compress" else None)
     try:
         session = engine.open([len(s.prompt) for s in sequences], max(s.max_new_tokens for s in sequences),
                               serving=continuous)
@@ -100,6 +118,8 @@ def run(engine: Engine, sequences: list[Sequence], schedule: str = "static", pre
         oom = loop.serve(session)
         memory, stats = engine.ledger.snapshot(), {**engine.policy.stats(), **engine.policy.usage.summary(),
                                                  "decode_attention": engine.policy.decode_kernel}
+        if schedule == "compress":
+            stats["compressions"] = loop.compressions
     finally:
         session.close()
     return loop.result(oom, memory, stats, setup_s)
@@ -108,11 +128,14 @@ def run(engine: Engine, sequences: list[Sequence], schedule: str = "static", pre
 class _Loop:
     """The state of one run: queues, clocks and counters."""
 
-    def __init__(self, engine, sequences, continuous, prefill_mode, chunk_size, eos, share_prompts, slo):
+    def __init__(self, engine, sequences, continuous, prefill_mode, chunk_size, eos, share_prompts, slo,
+                 compress_share=None):
         self.engine, self.seqs, self.continuous, self.slo = engine, sequences, continuous, slo
         self.mode, self.chunk_size, self.eos, self.share = prefill_mode, chunk_size, eos, share_prompts
         self.clock = TokenClock(len(sequences))  # restarted when serving starts
         self.preemptions = 0
+        self.compress_share = compress_share  # the compress schedule's; None: preempt as vLLM does
+        self.compressions: list[dict] = []
 
     def serve(self, session) -> dict | None:
         """Run until every sequence has finished; returns an OOM record if the device ran out (static schedule)."""
@@ -159,6 +182,8 @@ class _Loop:
                     if not running:
                         raise UserError(f"the block pool cannot hold request {seq.index} ({len(tokens)} tokens) even "
                                         f"alone: {exc}") from exc
+                    if self._compress_one(session, running, step, "admission"):
+                        continue  # the same chunk again, with the blocks a running request gave back
                     # never preempt running requests for a new one (they would take turns forever): wait for room
                     self._leave(session, seq, free_rows)
                     waiting.appendleft(seq)
@@ -182,6 +207,8 @@ class _Loop:
                 except (DeviceOOM, torch.OutOfMemoryError) as exc:
                     if not (self.continuous and isinstance(exc, OutOfBlocks)):
                         return oom_record(exc, "decode")
+                    if self._compress_one(session, running, step, "decode"):
+                        continue
                     if len(running) == 1:
                         raise UserError(f"the block pool cannot hold request {running[0].index} even alone: "
                                         f"{exc}") from exc
@@ -206,6 +233,23 @@ class _Loop:
             settle()
             step += 1
         return None
+
+    def _compress_one(self, session, running: list[Sequence], step: int, needed_for: str) -> bool:
+        """The compress schedule: compact a running request, the least compressed so far and, among those, the
+        longest-running (the first admitted); False where none can shrink any more (or the schedule preempts)."""
+        if self.compress_share is None:
+            return False
+        times = {}
+        for c in self.compressions:
+            times[c["request"]] = times.get(c["request"], 0) + 1
+        for seq in sorted(running, key=lambda s: times.get(s.index, 0)):  # stable: admission order among equals
+            before, after = session.policy.compress(seq.row, self.compress_share)
+            if after < before:
+                self.compressions.append({"request": seq.index, "step": step, "at_s": self.clock.now(),
+                                          "generated": len(seq.generated), "entries_before": before,
+                                          "entries_after": after, "needed_for": needed_for})
+                return True
+        return False
 
     def _leave(self, session, seq: Sequence, free_rows: deque) -> None:
         """The request gives its row back (finished, preempted, or not admitted after all); a later request with the

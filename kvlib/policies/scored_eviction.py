@@ -17,6 +17,14 @@ Decode reads each row's slots in place through its block table, with the decode 
 (kvlib.kernels.decode): the slots a row holds are always its first ones (a new token fills the hole the last eviction
 left, or the next slot), so a row's length is all the kernel needs, the same for each of its KV heads.
 
+`allocation` (kvlib.policies.allocation) splits the prompt's budget unevenly across heads (`adaptive`, Ada-KV) or
+layers (`pyramid`, PyramidKV) at the same total. A head then keeps `delta` more (or fewer) entries than the row's
+uniform count, fixed from its compaction on; the row's blocks cover its widest head, every head keeps its entries in
+its own first slots, and decode reads a length per (row, KV head) (the kernel's per-head lengths). Since every head of a
+row is over budget when the row is, decode eviction is unchanged. The blocks are the widest head's, so an uneven
+allocation holds the same entries (booked as `kv`) in more reserved slots (`kv_reserved`). A later turn of a
+conversation under an uneven allocation is refused: its prefill would attend heads of different lengths.
+
 A subclass gives `limits` (tokens kept and protected-recent for a row) and, where it scores, the hooks: the score a new
 entry starts with (`initial_scores`), the prefill attention (`prefill_attention_of`, which may score what the row holds),
 and `update_scores` with each decode step's attention probabilities (`decode_scores`: it asks the kernel for them).
@@ -33,6 +41,7 @@ from kvlib.errors import UserError
 from kvlib.kernels.attention import prefill_attention
 from kvlib.kernels.decode import DecodeReads
 from kvlib.memory.paged_kv import PagedKV, PerSlot, check_pool_settings
+from kvlib.policies.allocation import ALLOCATIONS, adaptive_counts, pyramid_counts, select_per_head
 from kvlib.policies.base import BudgetedPolicy, Step
 
 SLOT_ARRAYS = {"scores": PerSlot(torch.float32, 0.0), "positions": PerSlot(torch.long, -1)}
@@ -43,13 +52,33 @@ class ScoredEvictionPolicy(BudgetedPolicy):
     """Keep the top tokens per KV head given scores and a budget; evicted entries are freed for good."""
 
     decode_scores: ClassVar[bool] = False  # update_scores needs each decode step's attention probabilities
+    allocations: ClassVar[tuple[str, ...]] = ALLOCATIONS  # the allocations its scoring gives a meaning to
 
     block_size: int = 16
     num_blocks: int | None = None  # None: enough for the batch (or, when serving, what the device capacity leaves)
+    allocation: str = "uniform"  # how a prompt's budget is split across layers and heads (kvlib.policies.allocation)
+    floor_alpha: float = 0.2  # adaptive: the share of the uniform count every head keeps at least
+    pyramid_beta: float = 20.0  # pyramid: the last layer keeps 1/beta of the mean
 
     def __post_init__(self):
         super().__post_init__()
         check_pool_settings(self.block_size, self.num_blocks)
+        if self.allocation not in self.allocations:
+            raise UserError(f"allocation must be one of {list(self.allocations)} for policy {self.name!r}, got "
+                            f"{self.allocation!r}")
+        if not 0 <= self.floor_alpha <= 1:
+            raise UserError(f"floor_alpha must be in [0, 1], got {self.floor_alpha}")
+        if self.pyramid_beta < 1:
+            raise UserError(f"pyramid_beta must be >= 1, got {self.pyramid_beta}")
+
+    def settings(self) -> dict:
+        """Without the allocation's settings at `uniform`, where they do nothing: a study point's key hashes its
+        settings, and the uniform points' keys (their results files) stay those they had before allocations."""
+        settings = super().settings()
+        if self.allocation == "uniform":
+            for name in ("allocation", "floor_alpha", "pyramid_beta"):
+                settings.pop(name)
+        return settings
 
     # -- what a subclass decides ------------------------------------------------------------------------------------
     def limits(self, seen: int, prompt: int) -> tuple[int, int]:
@@ -128,6 +157,11 @@ class ScoredEvictionPolicy(BudgetedPolicy):
         self.seen = torch.zeros(batch_size, dtype=torch.long)  # tokens the row has processed
         self.write_slot = torch.zeros((s.num_layers, batch_size, s.num_kv_heads), dtype=torch.long)  # where next
         self.prompt_of = torch.zeros(batch_size, dtype=torch.long)  # tokens seen when the row's last prefill ended
+        # what each (layer, row, KV head) keeps beyond the row's uniform count (`kept`), set when the prompt is
+        # compacted under an allocation other than uniform; it sums to zero over a row's heads and layers, so the
+        # row's total is uniform's, and it stays fixed while decode evicts (each head evicts when the row does)
+        self.delta = torch.zeros((s.num_layers, batch_size, s.num_kv_heads), dtype=torch.long)
+        self.head_lengths: torch.Tensor | None = None  # [L, B, Hkv] a decode step's reads, where delta is used
         self.filling: dict[int, int] = {}  # a prefilling row: the entries its slots hold so far
         self.peak_blocks = 0
 
@@ -154,6 +188,9 @@ class ScoredEvictionPolicy(BudgetedPolicy):
         """A row's prefill begins: room for what it keeps (moved to its first slots, in position order) plus the
         whole new prompt."""
         kept, used = int(self.kept[row]), int(self.region[row])
+        if kept and bool(self.delta[:, row].any()):
+            raise UserError(f"allocation {self.allocation!r} compacts one prompt a row: its heads hold different "
+                            "counts, which a later turn's prefill cannot attend (use allocation 'uniform')")
         self.kv.reserve(row, max(used, kept + new_tokens))
         if kept:
             slots = self.kv.slots(row, 0, used)
@@ -208,11 +245,62 @@ class ScoredEvictionPolicy(BudgetedPolicy):
         keep = min(keep, filled)  # a conversation's row holds less than it has seen: earlier turns were evicted
         recent = min(recent, keep)
         slots = self.kv.slots(row, 0, filled)
-        idx = self.select(self.scores[:, :, slots], keep - recent, recent)  # [L, Hkv, keep]
-        self._move(slots[idx], slots[:keep])
-        self.kv.truncate(row, keep)
-        self.kept[row] = self.region[row] = keep
-        self.write_slot[:, row] = keep
+        scores = self.scores[:, :, slots]
+        if self.allocation == "uniform":
+            idx = self.select(scores, keep - recent, recent)  # [L, Hkv, keep]
+            heavy = torch.full(self.delta.shape[::2], keep - recent, dtype=torch.long)
+        else:
+            heavy = self.heavy_counts(scores[..., :filled - recent], keep - recent)
+            idx = select_per_head(scores, heavy, recent)  # [L, Hkv, widest]: each head's own count, then padding
+        width = idx.shape[-1]
+        self._move(slots[idx], slots[:width])
+        self.kv.truncate(row, width)
+        if self.allocation != "uniform":  # a narrower head's slots past its count hold nothing, to its blocks' end
+            held = self.kv.slots(row, 0, self._capacity(row))
+            beyond = torch.arange(len(held))[None, None, :] >= (heavy + recent)[..., None]
+            self.positions[:, :, held] = self.positions[:, :, held].masked_fill(beyond.to(self.device), -1)
+        self.kept[row], self.region[row] = keep, width
+        self.delta[:, row] = heavy - (keep - recent)
+        self.write_slot[:, row] = keep + self.delta[:, row]
+
+    def _capacity(self, row: int) -> int:
+        return len(self.kv.table(row).blocks) * self.block_size
+
+    def heavy_counts(self, scores: torch.Tensor, heavy: int) -> torch.Tensor:
+        """[L, Hkv] the older tokens each head keeps under the allocation (scores [L, Hkv, n] of the older ones)."""
+        if self.allocation == "adaptive":
+            return adaptive_counts(scores, heavy, self.floor_alpha).cpu()
+        layers, heads, n = scores.shape
+        return pyramid_counts(layers, heads, heavy, n, self.pyramid_beta)
+
+    def compress(self, row: int, share: float) -> tuple[int, int]:
+        """Compact a row that is decoding to `share` of the entries each of its heads holds, chosen as its prompt's
+        were (`select` on the scores so far: H2O's accumulated attention, SnapKV's votes), and give the blocks past
+        them back to the pool (kvlib.engine.scheduler's `compress` schedule, which does this where vLLM would
+        preempt). From then on the row keeps what its limits allow counting from here: at budget 1.0, everything new.
+        Returns (entries a head held, entries it keeps)."""
+        if row in self.filling:
+            raise ValueError(f"row {row} is being prefilled; only a decoding row can be compressed")
+        if not 0 < share <= 1:
+            raise ValueError(f"share must be in (0, 1], got {share}")
+        if bool(self.delta[:, row].any()):
+            raise UserError(f"allocation {self.allocation!r}: a row whose heads hold different counts cannot be "
+                            "compressed again")
+        held = int(self.kept[row])
+        keep = max(1, round(share * held))
+        recent = min(self.limits(keep, keep)[1], keep)
+        with self.timers.section("eviction"):
+            slots = self.kv.slots(row, 0, int(self.region[row]))
+            pos = self.positions[:, :, slots]
+            order = pos.masked_fill(pos < 0, torch.iinfo(pos.dtype).max).argsort(dim=-1)[..., :held]  # by position
+            idx = order.gather(-1, self.select(self.scores[:, :, slots].gather(-1, order), keep - recent, recent))
+            self._move(slots[idx], slots[:keep])
+            self.kv.truncate(row, keep)
+            self.kept[row] = self.region[row] = keep
+            self.write_slot[:, row] = keep
+            self.prompt_of[row] = self.seen[row]
+            self._book()
+        return held, keep
 
     def fork(self, src, dst):
         if src in self.filling:
@@ -225,6 +313,7 @@ class ScoredEvictionPolicy(BudgetedPolicy):
         for per_row in (self.kept, self.region, self.seen, self.prompt_of):
             per_row[dst] = per_row[src]
         self.write_slot[:, dst] = self.write_slot[:, src]
+        self.delta[:, dst] = self.delta[:, src]
         self._book()
 
     def release(self, row):
@@ -233,13 +322,18 @@ class ScoredEvictionPolicy(BudgetedPolicy):
         for per_row in (self.kept, self.region, self.seen, self.prompt_of):
             per_row[row] = 0
         self.write_slot[:, row] = 0
+        self.delta[:, row] = 0
 
     # -- decode -----------------------------------------------------------------------------------------------------
     def _prepare_decode(self, rows: torch.Tensor):
         """Room for each row's new token; its block table, and where each (layer, row, head) writes, for every layer."""
         bs = self.block_size
         for row in rows.tolist():
+            before = self._capacity(row)
             self.kv.reserve(row, max(int(self.region[row]), int(self.write_slot[:, row].max()) + 1))
+            if self.allocation != "uniform" and self._capacity(row) > before:
+                # a new block holds another row's old entries, which eviction would take for a narrower head's
+                self.positions[:, :, self.kv.slots(row, before, self._capacity(row))] = -1
         table = self.kv.table_tensor(rows.tolist())
         self.read_slots = (table[:, :, None] * bs + torch.arange(bs)).flatten(1).to(self.device)  # [B, W x bs]
         write = self.write_slot[:, rows]  # [L, B, Hkv]
@@ -248,11 +342,19 @@ class ScoredEvictionPolicy(BudgetedPolicy):
         self.table = table.to(self.device)
         # a row reads its first slots: the hole an eviction left is filled by now, else the next slot was taken
         self.lengths = torch.maximum(self.region[rows], self.write_slot[0, rows, 0] + 1)
+        # under an allocation, a head reads its own count (its first slots) and the new token
+        delta = self.delta[:, rows]
+        self.head_lengths = (self.kept[rows][None, :, None] + delta + 1) if bool(delta.any()) else None
 
     def _decode(self, layer, query, key, value, step):
         rows = step.rows
         if layer == 0:  # what every layer's heads attend this step: the kept tokens and the new one
             self.attended = int(self.kept[rows].sum()) + len(rows)
+        attended = self.attended
+        lengths = self.lengths
+        if self.head_lengths is not None:
+            lengths = self.head_lengths[layer]
+            attended += int(self.delta[layer, rows].sum()) / self.spec.num_kv_heads
         heads = torch.arange(self.spec.num_kv_heads, device=self.device)[None, :]
         slot = self.write_flat[layer]  # [B, Hkv]
         self.kv.keys[layer][heads, slot] = key[:, :, 0]
@@ -261,14 +363,14 @@ class ScoredEvictionPolicy(BudgetedPolicy):
         self.scores[layer][heads, slot] = torch.as_tensor(self.initial_scores(new_pos), dtype=self.scores.dtype,
                                                           device=self.device)
         self.positions[layer][heads, slot] = new_pos
-        q, reads = self.decode_reads(layer, query, rows, self.lengths)
+        q, reads = self.decode_reads(layer, query, rows, lengths)
         copied = 0 if reads.keys.untyped_storage().data_ptr() == self.kv.keys.untyped_storage().data_ptr() else \
             reads.keys.nbytes + reads.values.nbytes
         with self.ledger.transient("device", "activations", copied, f"{self.name} decode rows, layer {layer}"):
             out, probs = self.decode_attention(layer, q, reads)
         if probs is not None:
             self.update_scores(layer, rows, probs)
-        self.usage.add(layer, self.attended, step.tokens_seen, len(rows))
+        self.usage.add(layer, attended, step.tokens_seen, len(rows))
         return out
 
     def after_pass(self, step: Step):
@@ -281,17 +383,20 @@ class ScoredEvictionPolicy(BudgetedPolicy):
                     self._compact(row)
             else:
                 self._evict_after_decode(step.rows)
+                # the step's index tensors are the next step's to make: none is held (or booked) between passes
+                self.read_slots = self.write_flat = self.table = self.head_lengths = None
             self._book()
 
     def _evict_after_decode(self, rows: torch.Tensor):
         """Each (layer, row, head) drops its lowest-scored token outside the recent window once over budget."""
-        self.region[rows] = torch.maximum(self.region[rows], self.write_slot[0, rows, 0] + 1)
+        self.region[rows] = torch.maximum(self.region[rows], self.write_slot[:, rows].amax(dim=(0, 2)) + 1)
         self.kept[rows] += 1
         self.seen[rows] += 1
         limits = [self.limits(int(n), int(p)) for n, p in zip(self.seen[rows], self.prompt_of[rows])]
         over_mask = self.kept[rows] > torch.tensor([keep for keep, _ in limits])
         over, under = rows[over_mask], rows[~over_mask]
-        self.write_slot[:, under] = self.region[under][None, :, None]  # the budget grew: take a fresh slot
+        # the budget grew: each head takes the slot after its own (a row's heads hold kept + delta, in their first slots)
+        self.write_slot[:, under] = self.kept[under][None, :, None] + self.delta[:, under]
         if len(over) == 0:
             return
         recent = torch.tensor([r for (_, r), o in zip(limits, over_mask.tolist()) if o])
@@ -302,6 +407,11 @@ class ScoredEvictionPolicy(BudgetedPolicy):
         window_start = (self.seen[over] - recent)[:, None].to(self.device)
         evictable = inside & (pos >= 0) & (pos < window_start)
         victim = self.scores[:, :, slots].masked_fill(~evictable, float("inf")).argmin(dim=-1)  # [L, Hkv, B']
+        if self.allocation != "uniform":  # a head held to its recent window alone drops its oldest entry
+            held = inside & (pos >= 0)
+            alone = ~evictable.any(dim=-1)
+            oldest = pos.masked_fill(~held, torch.iinfo(pos.dtype).max).argmin(dim=-1)
+            victim = torch.where(alone, oldest, victim)
         flat = slots[torch.arange(len(over), device=self.device), victim]  # [L, Hkv, B']
         self.positions.scatter_(2, flat, -1)
         self.write_slot[:, over] = victim.transpose(1, 2).cpu()
@@ -310,7 +420,8 @@ class ScoredEvictionPolicy(BudgetedPolicy):
     def _book(self):
         s = self.spec
         held = int(self.kept.sum()) + sum(self.filling.values())
-        counters = sum(x.nbytes for x in (self.kept, self.region, self.seen, self.prompt_of, self.write_slot))
+        counters = sum(x.nbytes for x in (self.kept, self.region, self.seen, self.prompt_of, self.write_slot,
+                                          self.delta))
         kv, pool_kv = held * s.kv_bytes_per_token, self.kv.kv_bytes()
         self.ledger.set("device", f"{self.name} cache", kv=kv, kv_reserved=pool_kv - kv,
                         overhead=self.kv.total_bytes() - pool_kv + counters + self.extra_overhead())
@@ -322,7 +433,7 @@ class ScoredEvictionPolicy(BudgetedPolicy):
 
     def stats(self) -> dict:
         return {"block_size": self.block_size, "num_blocks": self.kv.pool.num_blocks if self.kv else None,
-                "peak_blocks_used": self.peak_blocks}
+                "peak_blocks_used": self.peak_blocks, "allocation": self.allocation}
 
     def kept_positions(self, layer: int, row: int) -> list[set[int]]:
         """Original token positions each KV head of a row keeps (for tests and the book's overlap figures)."""

@@ -58,6 +58,7 @@ def rotate(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torc
 @dataclass
 class StreamingPolicy(ScoredEvictionPolicy):
     name = "streaming"
+    allocations = ("uniform",)  # sinks and a window: no scored choice for an allocation to move between heads
 
     sink: int = 4  # attention sinks kept at the start (the official start_size)
     position_scheme: str = "original"

@@ -1,0 +1,163 @@
+"""Budgets split across layers and KV heads (kvlib.policies.allocation) on the scored-eviction mechanism: the same
+total as uniform, each head's own count read, booked and evicted."""
+
+import types
+
+import pytest
+import test_booking
+import torch
+
+from kvlib.engine import Engine
+from kvlib.engine.scheduler import Sequence, run
+from kvlib.errors import UserError
+from kvlib.policies import make_policy
+from kvlib.policies.allocation import adaptive_counts, pyramid_counts, select_per_head
+
+SETTINGS = {"h2o": {}, "snapkv": {"window": 8}}
+
+
+def prompts_of(*lengths, seed=1):
+    torch.manual_seed(seed)
+    return [torch.randint(100, 5000, (n,)).tolist() for n in lengths]
+
+
+def tokens(result):
+    return [o["token_ids"] for o in result.outputs]
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.2, 0.5])
+@pytest.mark.parametrize("heavy", [0, 1, 7, 30, 40])
+def test_adaptive_counts_sum_to_the_uniform_total_above_their_floor(heavy, alpha):
+    torch.manual_seed(heavy)
+    scores = torch.rand(3, 4, 40)
+    scores[:, 1] *= 10  # one head's scores dominate: it gets more than its uniform share
+    counts = adaptive_counts(scores, heavy, alpha)
+    assert counts.sum(dim=1).tolist() == [4 * heavy] * 3
+    assert (counts >= int(alpha * heavy)).all() and (counts <= 40).all()
+    if 0 < heavy < 40 and alpha < 1:
+        assert (counts[:, 1] > heavy).all()
+
+
+def test_adaptive_counts_are_each_heads_share_of_the_layers_top_scores():
+    scores = torch.tensor([[[9., 8., 7., 1.], [6., 0., 0., 0.]]])  # the top 4 pairs: three of head 0, one of head 1
+    assert adaptive_counts(scores, 2, 0.0).tolist() == [[3, 1]]
+    assert adaptive_counts(scores, 2, 0.5).tolist() == [[3, 1]]  # floor 1 each: head 1's best, then 8 and 7
+    assert adaptive_counts(scores, 2, 1.0).tolist() == [[2, 2]]  # all floor: uniform
+
+
+@pytest.mark.parametrize("layers, heavy, n", [(4, 10, 40), (30, 50, 60), (4, 10, 12), (5, 12, 12), (1, 9, 20)])
+def test_pyramid_counts_fall_with_depth_and_sum_to_the_uniform_total(layers, heavy, n):
+    counts = pyramid_counts(layers, 3, heavy, n, beta=20)
+    assert counts.shape == (layers, 3) and (counts == counts[:, :1]).all()
+    per_layer = counts[:, 0]
+    assert int(per_layer.sum()) == layers * heavy and (per_layer <= n).all()
+    if 2 * heavy <= n and layers > 1:  # nothing capped: the linear profile down to heavy / beta
+        assert (per_layer[:-1] >= per_layer[1:]).all() and per_layer[0] > heavy > per_layer[-1]
+        assert int(per_layer[-1]) <= heavy / 20 + 1
+
+
+def test_select_per_head_keeps_each_heads_count_then_its_window_in_position_order():
+    scores = torch.tensor([[[5., 1., 4., 3., 0., 0.], [1., 2., 3., 9., 0., 0.]]])
+    idx = select_per_head(scores, torch.tensor([[2, 0]]), 2)
+    assert idx[0, 0].tolist() == [0, 2, 4, 5]
+    assert idx[0, 1, :2].tolist() == [4, 5]
+
+
+@pytest.mark.parametrize("allocation", ["adaptive", "pyramid"])
+@pytest.mark.parametrize("name", sorted(SETTINGS))
+def test_at_budget_one_every_allocation_gives_fulls_tokens(tiny, name, allocation):
+    prompts = prompts_of(70, 120, 40)
+    full = Engine(tiny, make_policy("full")).generate(prompts, 10, prefill_mode="chunked", chunk_size=32,
+                                                      stop_at_eos=False)
+    policy = make_policy(name, budget=1.0, allocation=allocation, **SETTINGS[name])
+    result = Engine(tiny, policy).generate(prompts, 10, prefill_mode="chunked", chunk_size=32, stop_at_eos=False)
+    assert tokens(result) == tokens(full)
+
+
+def uneven_counts(policy, scores, heavy):
+    """An allocation the tiny model's near-uniform attention would not give: per layer, head 0 keeps 3 more older
+    tokens than uniform and head 1 three fewer, so the mechanism is tested on heads of different counts."""
+    shift = min(3, heavy, scores.shape[-1] - heavy)
+    out = torch.full(scores.shape[:2], heavy, dtype=torch.long)
+    out[:, 0] += shift
+    out[:, 1] -= shift
+    return out
+
+
+def uneven(policy):
+    policy.heavy_counts = types.MethodType(uneven_counts, policy)
+    return policy
+
+
+@pytest.mark.parametrize("name", sorted(SETTINGS))
+def test_heads_keep_their_own_counts_and_the_row_its_uniform_total(tiny, name):
+    prompt = prompts_of(120)[0]
+    uniform = make_policy(name, budget=0.3, **SETTINGS[name])
+    adaptive = uneven(make_policy(name, budget=0.3, allocation="adaptive", **SETTINGS[name]))
+    held = {}
+    for label, policy in (("uniform", uniform), ("adaptive", adaptive)):
+        engine = Engine(tiny, policy)
+        with engine.session([120], 8) as session:
+            token = int(session.prefill(0, prompt, "chunked", chunk_size=32).argmax())
+            for _ in range(6):
+                token = int(session.decode([0], [token])[0].argmax())
+            held[label] = ([[len(h) for h in policy.kept_positions(layer, 0)] for layer in range(4)],
+                           engine.ledger.current[("device", "kv")])
+    counts, kv = held["adaptive"]
+    uniform_counts, uniform_kv = held["uniform"]
+    assert all(c[0] == u[0] + 3 and c[1] == u[1] - 3 for c, u in zip(counts, uniform_counts)), (counts, uniform_counts)
+    assert kv == uniform_kv
+
+
+@pytest.mark.parametrize("allocation", ["adaptive", "pyramid"])
+@pytest.mark.parametrize("name", sorted(SETTINGS))
+def test_the_ledger_books_what_an_allocation_holds(tiny, name, allocation, monkeypatch):
+    monkeypatch.setitem(test_booking.CASES, name, {"budget": 0.3, "allocation": allocation, **SETTINGS[name]})
+    if allocation == "adaptive":
+        monkeypatch.setattr(type(make_policy(name)), "heavy_counts", uneven_counts)
+    test_booking.check_census(tiny, name)
+
+
+@pytest.mark.parametrize("name", sorted(SETTINGS))
+def test_continuous_batching_under_pyramid_gives_the_static_schedules_tokens(tiny, name):
+    prompts = prompts_of(40, 25, 33)
+    settings = {"budget": 0.3, "block_size": 4, "allocation": "pyramid", **SETTINGS[name]}
+    static = Engine(tiny, make_policy(name, **settings)).generate(prompts, 12, prefill_mode="chunked", chunk_size=16,
+                                                                  stop_at_eos=False)
+    served = run(Engine(tiny, make_policy(name, **settings)), [Sequence(p, 12) for p in prompts], "continuous",
+                 "chunked", chunk_size=16, stop_at_eos=False, share_prompts=True)
+    assert tokens(served) == tokens(static) and served.stats["allocation"] == "pyramid"
+
+
+def test_a_later_turn_under_an_uneven_allocation_is_refused(tiny):
+    policy = make_policy("h2o", budget=0.3, allocation="pyramid")
+    with Engine(tiny, policy).session([200], 8) as session:
+        token = int(session.prefill(0, prompts_of(120)[0], "chunked", chunk_size=32).argmax())
+        session.decode([0], [token])
+        with pytest.raises(UserError, match="later turn"):
+            session.prefill(0, prompts_of(20)[0], "chunked", chunk_size=32)
+
+
+@pytest.mark.parametrize("name, settings, message", [
+    ("h2o", {"allocation": "pyramids"}, "allocation"), ("streaming", {"allocation": "adaptive"}, "allocation"),
+    ("snapkv", {"floor_alpha": 1.5}, "floor_alpha"), ("h2o", {"pyramid_beta": 0.5}, "pyramid_beta")])
+def test_bad_allocation_settings_are_one_clear_error(name, settings, message):
+    with pytest.raises(UserError, match=message):
+        make_policy(name, **settings)
+
+
+@pytest.mark.model
+def test_on_smollm_adaptive_moves_tokens_between_heads_at_the_same_total(smollm):
+    """SmolLM2's heads attend differently: Ada-KV's counts differ from head to head, the total does not."""
+    from kvlib.models.workloads import prompt_of_length
+    prompt = prompt_of_length(smollm.tokenizer, 300)
+    kv = {}
+    for allocation in ("uniform", "adaptive"):
+        policy = make_policy("snapkv", budget=0.2, window=16, allocation=allocation)
+        engine = Engine(smollm, policy)
+        with engine.session([300], 2) as session:
+            session.prefill(0, prompt, "chunked", chunk_size=128)
+            kv[allocation] = engine.ledger.current[("device", "kv")]
+            if allocation == "adaptive":
+                assert policy.delta[:, 0].abs().sum() > 0 and (policy.delta[:, 0].sum(dim=1) == 0).all()
+    assert kv["adaptive"] == kv["uniform"]

@@ -1,0 +1,80 @@
+"""The compress schedule (kvlib.engine.scheduler): where continuous batching would preempt and recompute, a running
+request's cache is compacted by its policy's scores instead, and the run says which ones were."""
+
+import pytest
+import torch
+from test_serving_policies import capacity_for
+
+from kvlib.engine import Engine
+from kvlib.engine.scheduler import Sequence, run
+from kvlib.errors import UserError
+from kvlib.policies import make_policy
+
+
+def prompts_of(*lengths, seed=0):
+    torch.manual_seed(seed)
+    return [torch.randint(100, 5000, (n,)).tolist() for n in lengths]
+
+
+def tokens(result):
+    return [o["token_ids"] for o in result.outputs]
+
+
+def serve(tiny, schedule, name="h2o", capacity=None, **settings):
+    policy = make_policy(name, budget=1.0, block_size=4, **settings)
+    engine = Engine(tiny, policy, device_capacity_bytes=capacity)
+    return run(engine, [Sequence(p, 30) for p in prompts_of(40, 40, 36)], schedule, "chunked", chunk_size=16,
+               stop_at_eos=False)
+
+
+@pytest.mark.parametrize("name, settings", [("h2o", {}), ("snapkv", {"window": 8})])
+def test_under_a_capacity_that_preempts_it_compresses_instead_and_lists_whom(tiny, name, settings):
+    """The pool of test_serving_policies' tight capacity (about 110 tokens) makes continuous batching preempt; the
+    compress schedule serves every request in full with no preemption, and the requests it never compressed end
+    as they do with room to spare: what compression cost is theirs alone to whom it was applied."""
+    capacity = capacity_for(tiny, 110)
+    roomy = serve(tiny, "continuous", name, **settings)
+    preempting = serve(tiny, "continuous", name, capacity, **settings)
+    assert preempting.metrics["preemptions"] > 0
+    compressing = serve(tiny, "compress", name, capacity, **settings)
+    assert compressing.oom is None and compressing.metrics["preemptions"] == 0
+    assert [len(t) for t in tokens(compressing)] == [30, 30, 30]
+    compressions = compressing.stats["compressions"]
+    assert compressions
+    for c in compressions:
+        assert 0 < c["entries_after"] < c["entries_before"] and c["step"] >= 0 and c["at_s"] >= 0
+        assert c["needed_for"] in ("decode", "admission") and 0 <= c["generated"] <= 30
+    compressed = {c["request"] for c in compressions}
+    for index, (got, lossless) in enumerate(zip(tokens(compressing), tokens(roomy))):
+        if index not in compressed:
+            assert got == lossless
+    assert compressing.metrics["preemptions"] < preempting.metrics["preemptions"]
+
+
+def test_with_room_to_spare_it_is_continuous_batching(tiny):
+    compressing = serve(tiny, "compress")
+    assert compressing.stats["compressions"] == [] and tokens(compressing) == tokens(serve(tiny, "continuous"))
+
+
+def test_compress_keeps_the_share_with_the_recent_window_and_frees_blocks(tiny):
+    policy = make_policy("h2o", budget=1.0, block_size=4)
+    with Engine(tiny, policy).session([60], 8) as session:
+        token = int(session.prefill(0, prompts_of(60)[0], "chunked", chunk_size=16).argmax())
+        for _ in range(3):
+            token = int(session.decode([0], [token])[0].argmax())
+        used = policy.kv.pool.used
+        before, after = policy.compress(0, 0.25)
+        assert (before, after) == (63, 16) and policy.kv.pool.used == used - (-(-63 // 4) - 4)
+        for layer in range(tiny.spec.num_layers):
+            for kept in policy.kept_positions(layer, 0):
+                assert len(kept) == 16 and set(range(55, 63)) <= kept  # the newest 8: H2O's recent half
+        session.decode([0], [token])  # and it goes on: at budget 1.0 everything new is kept
+        assert all(len(k) == 17 for k in policy.kept_positions(0, 0))
+
+
+@pytest.mark.parametrize("name, settings, message", [("paged", {}, "compacts"), ("h2o", {"compress_share": 1.0},
+                                                                                   "compress_share")])
+def test_a_policy_that_cannot_compress_or_a_bad_share_is_one_clear_error(tiny, name, settings, message):
+    policy = make_policy(name, block_size=4)
+    with pytest.raises(UserError, match=message):
+        run(Engine(tiny, policy), [Sequence(prompts_of(20)[0], 4)], "compress", "chunked", chunk_size=16, **settings)
