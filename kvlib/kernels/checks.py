@@ -26,7 +26,7 @@ def tensor(where: str, name: str, x, dtype: torch.dtype, rank: int | tuple[int, 
            shape: tuple | None = None, contiguous: bool = True) -> torch.Tensor:
     """x, a CPU tensor of dtype, of that rank and shape (None: any size there), contiguous where asked."""
     if not isinstance(x, torch.Tensor):
-        raise ValueError(f"{where}: {name} must be a tensor, got {type(x).__name__}")
+        raise ValueError(f"{where}: {name} must be a tensor, got {type(x).__name__}")  # noqa: TRY004 (one ValueError for every misuse)
     if x.device.type != "cpu":
         raise ValueError(f"{where}: {name} must be on the CPU, got a tensor on {x.device}")
     if x.dtype != dtype:
@@ -62,7 +62,7 @@ def indices(where: str, name: str, x, shape: tuple, low: int | None = None, high
 def integer(where: str, name: str, v, low: int = -INT64_MAX - 1, high: int = INT64_MAX) -> int:
     """v as an int in [low, high] (within int64: ctypes would wrap it)."""
     if isinstance(v, bool):
-        raise ValueError(f"{where}: {name} must be an integer, got {v!r}")
+        raise ValueError(f"{where}: {name} must be an integer, got {v!r}")  # noqa: TRY004 (one ValueError for every misuse)
     try:
         v = operator.index(v)
     except TypeError:

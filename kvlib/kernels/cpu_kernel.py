@@ -24,8 +24,20 @@ from kvlib.kernels import checks
 from kvlib.kernels.library import KERNEL_ENV, Quantized, available
 from kvlib.kernels.library import library as _library
 
-__all__ = ["KERNEL_ENV", "available", "supports", "workspace_bytes", "decode", "runs_layer_ops", "add_rms_norm",
-           "rope_", "silu_mul", "quest_select", "infinigen_select", "kivi_store"]
+__all__ = [
+    "KERNEL_ENV",
+    "add_rms_norm",
+    "available",
+    "decode",
+    "infinigen_select",
+    "kivi_store",
+    "quest_select",
+    "rope_",
+    "runs_layer_ops",
+    "silu_mul",
+    "supports",
+    "workspace_bytes",
+]
 
 
 def supports(device, dtype: torch.dtype, group: int, head_dim: int) -> bool:
@@ -52,7 +64,8 @@ def _partial_floats(batch: int, kv_heads: int, group: int, head_dim: int, max_to
 REFUSED = {-1: "a shape outside its limits (query heads per KV head <= {max_group}, head dim a multiple of {lanes} "
                "up to {max_dim}, block size >= 1)",
            -2: "a length below 0 or past its table, its workspace or its probabilities",
-           -3: "a block outside the keys and values (a table entry or offset past the cache)",
+           -3: "table, row_offset or head_stride: a block outside the keys and values (a table entry or offset past the "
+               "cache)",
            -4: "no memory for its job list",
            -5: "a quantized cache it cannot read (bits, code width, groups, a row or a coded count out of range, "
                "keys coded in part of a group)"}
@@ -93,7 +106,7 @@ def decode(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, row_of
                                 ctypes.byref(coded) if coded is not None else None)
     if code:
         reason = REFUSED.get(code, f"code {code}").format(max_group=lib.max_group, lanes=lib.lanes, max_dim=lib.max_dim)
-        raise ValueError(f"the C decode kernel refused its input: {reason}")
+        raise ValueError(f"decode: the C kernel refused its input: {reason}")
     return out, summed
 
 
@@ -138,7 +151,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def _called(name: str, code: int) -> None:
     if code:
-        raise ValueError(f"the C {name} refused its input's shape")
+        raise ValueError(f"{name}: the C kernel refused its input's shape")
 
 
 # -- Quest's block selection (csrc/quest_select.c) ---------------------------------------------------------------------
@@ -169,7 +182,7 @@ def quest_select(query: torch.Tensor, key_min: torch.Tensor, key_max: torch.Tens
                             lengths.data_ptr())
     if code:
         reason = QUEST_REFUSED.get(code, f"code {code}").format(lanes=lib.lanes)
-        raise ValueError(f"Quest's C selection refused its input: {reason}")
+        raise ValueError(f"quest_select: the C kernel refused its input: {reason}")
     return out, lengths
 
 
@@ -195,7 +208,7 @@ def infinigen_select(query: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor
                                 c.cached.data_ptr(), c.cap.data_ptr(), b, kv_heads, group, r, c.scale, c.alpha,
                                 table.data_ptr(), c.width, count.data_ptr())
     if code:
-        raise ValueError(f"InfiniGen's C selection refused its input: {INFINIGEN_REFUSED.get(code, f'code {code}')}")
+        raise ValueError(f"infinigen_select: the C kernel refused its input: {INFINIGEN_REFUSED.get(code, f'code {code}')}")
     return table, count
 
 
@@ -216,4 +229,4 @@ def kivi_store(key: torch.Tensor, value: torch.Tensor, rows: torch.Tensor, begin
                           c.capacity, coded.bits, coded.group, coded.value_group)
     if code:
         reason = {-1: "a shape outside its limits", -2: "a row or a length out of range"}.get(code, f"code {code}")
-        raise ValueError(f"KIVI's C store refused its input: {reason}")
+        raise ValueError(f"kivi_store: the C kernel refused its input: {reason}")
