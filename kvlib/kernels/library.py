@@ -31,7 +31,8 @@ from kvlib.paths import cache_dir
 
 SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.[ch]"))
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-Wall", "-Wextra"]
-SANITIZER_FLAGS = ["-fsanitize=address,undefined,float-cast-overflow", "-fno-omit-frame-pointer", "-fno-sanitize-recover=undefined", "-g"]
+SANITIZER_FLAGS = ["-fsanitize=address,undefined,float-cast-overflow", "-fno-sanitize-recover=all",
+                   "-fno-omit-frame-pointer", "-g"]
 LIBS = ["-lm"]
 KERNEL_ENV = "KVLIB_CPU_KERNELS"  # "torch": never use the C kernels
 SANITIZE_ENV = "KVLIB_CPU_KERNELS_SANITIZE"  # "1": the sanitized build
