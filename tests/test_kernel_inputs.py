@@ -17,11 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from kernel_cases import BROKEN, CASES, VALID, decode_call, kivi_call  # tests/ is on sys.path, as for ray_fakes
 
 from kvlib.kernels import cpu_kernel
-
-sys.path.insert(0, str(Path(__file__).parent))
-from kernel_cases import BROKEN, CASES, VALID, kivi_call  # noqa: E402
 
 needs_kernel = pytest.mark.skipif(not cpu_kernel.available(), reason="no C compiler: the kernel is not built")
 SCRIPT = Path(__file__).parent / "kernel_cases.py"
@@ -71,7 +69,6 @@ def test_every_entry_point_has_malformed_cases():
 def test_what_is_checked_is_a_copy_the_caller_cannot_change():
     """The index tensors the C reads are the checked copies: the caller's lengths are not what the kernel reads."""
     from kvlib.kernels import checks
-    from kernel_cases import decode_call
 
     call = decode_call()
     lib = cpu_kernel._library()
