@@ -170,7 +170,7 @@ def validate_profile(name: str, raw: dict, where: str | None = None) -> Profile:
     where = where or f"params/{name}.yaml"
     problems = check_profile(raw)
     if problems:
-        raise UserError(f"{where}: {len(problems)} problem{'s' * (len(problems) > 1)}:\n  " + "\n  ".join(problems))
+        raise UserError("\n".join(f"{where}: {problem}" for problem in problems))  # one line a problem
     experiments = raw.get("experiments") or {}
     for spec in experiments.values():
         spec["policies"] = spec.get("policies", "all")

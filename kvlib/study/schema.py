@@ -1,9 +1,9 @@
 """A params profile's schema: every key of a profile checked (its name, type and range) before anything loads or runs,
 and every problem reported at once, each at its key path:
 
-    params/bad.yaml: 2 problems:
-      experiments.ttft.grid.prompt_tokens[0]: expected a positive integer, got 'abc'
-      experiments.ttft.fixed.chunk_sise: unknown key; allowed: [...]
+    params/bad.yaml: experiments.ttft.grid.prompt_tokens[0]: expected a positive integer, got 'abc'
+    params/bad.yaml: experiments.ttft.fixed.chunk_sise: unknown key 'chunk_sise': neither a workload value of ttft
+      ([...]) nor a policy setting
 
 An experiment's grid, fixed and exploratory values are its workload's (checked here, by name) or a runner's setting
 (`budget`, `budget_rule`, ...), which goes through the runner's own checks, as `kvlib run --set` does, for each policy
