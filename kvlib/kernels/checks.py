@@ -20,6 +20,7 @@ import torch
 from kvlib.kernels.quantized import BITS, RAW_BITS
 
 INT64_MAX = 2 ** 63 - 1
+FLOAT32_MAX = 3.4028234663852886e38  # (ctypes would make a larger float inf)
 
 
 def tensor(where: str, name: str, x, dtype: torch.dtype, rank: int | tuple[int, ...] | None = None,
@@ -73,13 +74,13 @@ def integer(where: str, name: str, v, low: int = -INT64_MAX - 1, high: int = INT
 
 
 def real(where: str, name: str, v, low: float = -math.inf) -> float:
-    """v as a finite float >= low."""
+    """v as a finite float >= low, within fp32 (the C takes a float)."""
     try:
         f = float(v)
     except (TypeError, ValueError):
         raise ValueError(f"{where}: {name} must be a number, got {v!r}") from None
-    if isinstance(v, bool) or not math.isfinite(f) or f < low:
-        raise ValueError(f"{where}: {name} must be a finite number >= {low}, got {v!r}")
+    if isinstance(v, bool) or not math.isfinite(f) or f < low or abs(f) > FLOAT32_MAX:
+        raise ValueError(f"{where}: {name} must be a finite fp32 number >= {low}, got {v!r}")
     return f
 
 

@@ -71,10 +71,15 @@ def _cpu(cc: list[str]) -> str:
     resolved = sorted({w.strip('"') for w in commands.split() if w.strip('"').startswith(("-m", "-target-feature",
                                                                                           "+", "--param"))})
     try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        cpuinfo = Path("/proc/cpuinfo").read_text()
     except OSError:
-        lines = [platform.processor()]
-    return "\n".join([platform.machine(), *resolved, *dict.fromkeys(l for l in lines if l.startswith(CPU_LINES))])
+        cpuinfo = platform.processor()
+    return "\n".join([platform.machine(), *resolved, cpu_lines(cpuinfo)])
+
+
+def cpu_lines(cpuinfo: str) -> str:
+    """/proc/cpuinfo's lines that say which CPU it is and what it can run, each distinct one once."""
+    return "\n".join(dict.fromkeys(line for line in cpuinfo.splitlines() if line.startswith(CPU_LINES)))
 
 
 def flags() -> list[str]:
