@@ -222,7 +222,6 @@ BROKEN = [
     ("kivi_store", "a ring on another device", put("value_ring", lambda c: meta(c["value_ring"]))),
     ("kivi_store", "a row past the cache", setitem("rows", 1, 3)),
     ("kivi_store", "a negative row", setitem("rows", 1, -1)),
-    ("kivi_store", "a row twice", setitem("rows", 1, 0)),
     ("kivi_store", "begin at the capacity", setitem("begin", 1, 16)),
     ("kivi_store", "a negative begin", setitem("begin", 1, -1)),
     ("kivi_store", "a residual not dividing the capacity", put("residual", 24)),

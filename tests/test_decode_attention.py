@@ -225,7 +225,7 @@ def test_the_kernel_refuses_coded_counts_past_the_codes(field, value):
     rng = random.Random(7)
     query, reads, _ = random_quantized_case(rng)
     setattr(reads.quantized, field, torch.full_like(reads.quantized.keys_quantized, value * 1000))
-    with pytest.raises(ValueError, match=f"quantized.{field} holds"):
+    with pytest.raises(ValueError, match="quantized cache"):
         decode_attention("c", query, reads, 1.0)
 
 

@@ -2,11 +2,14 @@
 every shape, dtype, device, layout, rank, range and relation the C reads and raises one ValueError naming the
 argument, and returns what the C is then handed.
 
-The C trusts its caller for what it cannot see (the sizes of the tensors behind its pointers) and checks the values
-it reads itself as a second line. So that what is checked is what is read, every index tensor (lengths, tables, row
-offsets, rows, counts) is copied here and the copy is what both the checks and the C read: another thread writing the
-caller's tensor while ctypes has released the GIL cannot change it between the check and the read. Python integers are
-checked to lie in int64 before ctypes (which would wrap them silently).
+The C cannot see the sizes of the tensors behind its pointers, their dtypes, devices or layouts: all of that is
+checked here, with every scalar (within int64 and fp32 before ctypes, which would wrap or round them silently). The
+values inside index tensors (lengths, table entries, row offsets, rows, counts, pages) the C checks itself before it
+reads anything, in overflow-safe arithmetic, and refuses with a code the wrapper turns into one ValueError naming
+those arguments: a check in Python as well would be a dozen more small ops a layer at decode (measured: the checks
+would cost more than the kernels they guard). So that what is checked is what is read, every index tensor is copied
+here and the copy is what the C checks and reads: another thread writing the caller's tensor while ctypes has
+released the GIL cannot change it between the check and the read.
 """
 
 from __future__ import annotations
@@ -21,43 +24,36 @@ from kvlib.kernels.quantized import BITS, RAW_BITS
 
 INT64_MAX = 2 ** 63 - 1
 FLOAT32_MAX = 3.4028234663852886e38  # (ctypes would make a larger float inf)
+ANY_RANK = frozenset(range(1, 64))
 
 
 def tensor(where: str, name: str, x, dtype: torch.dtype, rank: int | tuple[int, ...] | None = None,
            shape: tuple | None = None, contiguous: bool = True) -> torch.Tensor:
-    """x, a CPU tensor of dtype, of that rank and shape (None: any size there), contiguous where asked."""
+    """x, a CPU tensor of dtype, of that rank (a number, or the numbers allowed) and shape (None: any size there),
+    contiguous where asked. (Written for speed: the layer ops run it several times a layer at decode.)"""
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"{where}: {name} must be a tensor, got {type(x).__name__}")  # noqa: TRY004 (one ValueError for every misuse)
-    if x.device.type != "cpu":
+    if not x.is_cpu:
         raise ValueError(f"{where}: {name} must be on the CPU, got a tensor on {x.device}")
     if x.dtype != dtype:
         raise ValueError(f"{where}: {name} must be {dtype}, got {x.dtype}")
-    ranks = (rank,) if isinstance(rank, int) else rank
     if shape is not None:
-        ranks = (len(shape),)
-    if ranks is not None and x.dim() not in ranks:
+        got = x.shape
+        if len(got) != len(shape) or any(want is not None and g != want for g, want in zip(got, shape)):
+            expected = ", ".join("*" if s is None else str(s) for s in shape)
+            raise ValueError(f"{where}: {name} must have shape [{expected}], got {tuple(got)}")
+    elif rank is not None and x.dim() != rank and (isinstance(rank, int) or x.dim() not in rank):
+        ranks = (rank,) if isinstance(rank, int) else rank
         raise ValueError(f"{where}: {name} must have {' or '.join(map(str, ranks))} dimensions, got shape "
                          f"{tuple(x.shape)}")
-    if shape is not None and any(want is not None and got != want for got, want in zip(x.shape, shape)):
-        expected = ", ".join("*" if s is None else str(s) for s in shape)
-        raise ValueError(f"{where}: {name} must have shape [{expected}], got {tuple(x.shape)}")
     if contiguous and not x.is_contiguous():
         raise ValueError(f"{where}: {name} must be contiguous, got strides {x.stride()} for shape {tuple(x.shape)}")
     return x
 
 
-def indices(where: str, name: str, x, shape: tuple, low: int | None = None, high: int | None = None
-            ) -> torch.Tensor:
-    """An int64 index tensor of that shape, copied (what is checked is what the C reads), its values in
-    [low, high] where given."""
-    copy = tensor(where, name, x, torch.int64, shape=shape).clone()
-    if copy.numel() and (low is not None or high is not None):
-        lo, hi = int(copy.min()), int(copy.max())
-        if (low is not None and lo < low) or (high is not None and hi > high):
-            bad = lo if low is not None and lo < low else hi
-            raise ValueError(f"{where}: {name} holds {bad}, outside [{low if low is not None else '-inf'}, "
-                             f"{high if high is not None else 'inf'}]")
-    return copy
+def indices(where: str, name: str, x, shape: tuple) -> torch.Tensor:
+    """An int64 index tensor of that shape, contiguous, copied: the copy is what the C checks and reads."""
+    return tensor(where, name, x, torch.int64, shape=shape).clone()
 
 
 def integer(where: str, name: str, v, low: int = -INT64_MAX - 1, high: int = INT64_MAX) -> int:
@@ -112,7 +108,7 @@ def check_decode(lib, query, keys, values, row_offset, table, lengths, block_siz
     b, hq, _, d = query.shape
     if d < lib.lanes or d > lib.max_dim or d % lib.lanes:
         raise ValueError(f"{where}: query's head dim must be a multiple of {lib.lanes} up to {lib.max_dim}, got {d}")
-    lengths = indices(where, "lengths", lengths, (b, None), low=0)
+    lengths = indices(where, "lengths", lengths, (b, None))
     kv_heads = lengths.shape[1]
     if kv_heads < 1 or hq % kv_heads or not 1 <= hq // kv_heads <= lib.max_group:
         raise ValueError(f"{where}: query's {hq} heads must be a multiple (1 to {lib.max_group} times) of the "
@@ -128,23 +124,18 @@ def check_decode(lib, query, keys, values, row_offset, table, lengths, block_siz
     reach = extent(keys)
     block_size = integer(where, "block_size", block_size, 1)
     head_stride = integer(where, "head_stride", head_stride, 0)
-    row_offset = indices(where, "row_offset", row_offset, (b,), 0, reach)
+    row_offset = indices(where, "row_offset", row_offset, (b,))
     table = indices(where, "table", table, (b, kv_heads, None) if per_head_table else (b, None))
-    longest = int(lengths.max()) if lengths.numel() else 0
-    if longest > table.shape[-1] * block_size:
-        raise ValueError(f"{where}: lengths holds {longest}, past its table's {table.shape[-1]} blocks of "
-                         f"{block_size}")
+    longest = max(int(lengths.max()), 0) if lengths.numel() else 0  # (the C refuses a length past its table)
     coded = None
     if quantized is not None:
         n_rows, capacity, code_bytes = check_codes(where, quantized, kv_heads, d)
         if rows is None:
             raise ValueError(f"{where}: a quantized cache needs `rows`, each query row's cache row")
-        coded = (indices(where, "rows", rows, (b,), 0, n_rows - 1),
-                 indices(where, "quantized.keys_quantized", quantized.keys_quantized, (b,), 0, capacity),
-                 indices(where, "quantized.values_quantized", quantized.values_quantized, (b,), 0, capacity),
+        coded = (indices(where, "rows", rows, (b,)),
+                 indices(where, "quantized.keys_quantized", quantized.keys_quantized, (b,)),
+                 indices(where, "quantized.values_quantized", quantized.values_quantized, (b,)),
                  n_rows, capacity, code_bytes)
-        if b and int((coded[1] % quantized.group).max()):
-            raise ValueError(f"{where}: quantized.keys_quantized must be whole groups of {quantized.group} tokens")
     return DecodeArgs(query.contiguous(), row_offset, table, lengths, block_size, head_stride,
                       real(where, "scale", scale), reach, hq // kv_heads, longest, coded)
 
@@ -179,12 +170,15 @@ def check_codes(where: str, q, kv_heads: int, dim: int) -> tuple[int, int, int]:
 # -- the layer ops (csrc/layer_ops.c) ----------------------------------------------------------------------------------
 def check_add_rms_norm(lib, x, delta, weight, eps) -> float:
     where = "add_rms_norm"
-    tensor(where, "x", x, torch.float32, rank=tuple(range(1, 9)))
+    tensor(where, "x", x, torch.float32, rank=ANY_RANK)
     n = x.shape[-1]
     if n < lib.lanes or n % lib.lanes:
         raise ValueError(f"{where}: x's width must be a multiple of {lib.lanes}, got {n}")
+    if delta is not None and (not isinstance(delta, torch.Tensor) or delta.shape != x.shape):
+        raise ValueError(f"{where}: delta must be a tensor of x's shape {tuple(x.shape)}, got "
+                         f"{tuple(delta.shape) if isinstance(delta, torch.Tensor) else type(delta).__name__}")
     if delta is not None:
-        tensor(where, "delta", delta, torch.float32, shape=tuple(x.shape))
+        tensor(where, "delta", delta, torch.float32)
     tensor(where, "weight", weight, torch.float32, shape=(n,))
     return real(where, "eps", eps, 0.0)
 
@@ -192,7 +186,7 @@ def check_add_rms_norm(lib, x, delta, weight, eps) -> float:
 def check_rope(lib, x, heads, head_dim, cos, sin) -> tuple[int, int, torch.Tensor, torch.Tensor]:
     """(heads, head_dim, cos, sin with a row for each of x's rows: broadcast where they broadcast over x's)."""
     where = "rope_"
-    tensor(where, "x", x, torch.float32, rank=tuple(range(1, 9)))
+    tensor(where, "x", x, torch.float32, rank=ANY_RANK)
     width = x.shape[-1]
     head_dim = integer(where, "head_dim", head_dim, 1)
     heads = integer(where, "heads", heads, 0)
@@ -200,10 +194,12 @@ def check_rope(lib, x, heads, head_dim, cos, sin) -> tuple[int, int, torch.Tenso
         raise ValueError(f"{where}: head_dim must be a multiple of {2 * lib.lanes}, got {head_dim}")
     if heads * head_dim > width:
         raise ValueError(f"{where}: {heads} heads of {head_dim} exceed x's width {width}")
-    out = []
+    out, lead = [], tuple(x.shape[:-1])
     for name, c in (("cos", cos), ("sin", sin)):
         tensor(where, name, c, torch.float32, contiguous=False)
-        lead = tuple(x.shape[:-1])
+        if c.shape[:-1] == x.shape[:-1] and c.shape[-1] == head_dim:  # one row for each of x's: as it is
+            out.append(c.contiguous())
+            continue
         try:
             broadcast = torch.broadcast_shapes(tuple(c.shape), (*lead, head_dim))
         except RuntimeError:
@@ -217,7 +213,7 @@ def check_rope(lib, x, heads, head_dim, cos, sin) -> tuple[int, int, torch.Tenso
 
 def check_silu_mul(lib, gate_up) -> int:
     where = "silu_mul"
-    tensor(where, "gate_up", gate_up, torch.float32, rank=tuple(range(1, 9)))
+    tensor(where, "gate_up", gate_up, torch.float32, rank=ANY_RANK)
     n = gate_up.shape[-1] // 2
     if gate_up.shape[-1] % 2 or n < lib.lanes or n % lib.lanes:
         raise ValueError(f"{where}: gate_up's width must be twice a multiple of {lib.lanes}, got {gate_up.shape[-1]}")
@@ -247,7 +243,7 @@ def check_quest_select(lib, query, key_min, key_max, table, row_blocks, pages, s
         raise ValueError(f"{where}: query's head dim must be a multiple of {lib.lanes}, got {d}")
     tensor(where, "key_min", key_min, torch.float32, shape=(None, None, d))
     tensor(where, "key_max", key_max, torch.float32, shape=tuple(key_min.shape))
-    pool, kv_heads = key_min.shape[:2]
+    kv_heads = key_min.shape[1]
     if kv_heads < 1 or hq % kv_heads or hq == 0:
         raise ValueError(f"{where}: query's {hq} heads must be a multiple of key_min's {kv_heads} KV heads")
     block_size = integer(where, "block_size", block_size, 1, 2 ** 31 - 1)
@@ -255,19 +251,10 @@ def check_quest_select(lib, query, key_min, key_max, table, row_blocks, pages, s
     w = table.shape[1]
     if not 1 <= w <= 2 ** 31 - 1:
         raise ValueError(f"{where}: table must be 1 to 2^31 - 1 blocks wide, got {w}")
-    row_blocks = indices(where, "row_blocks", row_blocks, (b,), 1, w)
-    pages = indices(where, "pages", pages, (b,), 1)
-    seen = indices(where, "seen", seen, (b,), 1)
-    if b and bool(((seen <= (row_blocks - 1) * block_size) | (seen > row_blocks * block_size)).any()):
-        raise ValueError(f"{where}: seen must lie within each row's last block ((row_blocks - 1) x block_size < seen "
-                         f"<= row_blocks x block_size), got seen {seen.tolist()}, row_blocks {row_blocks.tolist()}")
-    read = (torch.arange(w) < row_blocks[:, None]) | (torch.arange(w) == w - 1)  # the entries the C reads
-    if b and bool(((table < 0) | (table >= pool))[read].any()):
-        raise ValueError(f"{where}: table holds a block outside the pool of {pool} (in a row's first row_blocks "
-                         f"entries or its last)")
-    picks = int(torch.minimum(pages, row_blocks).max()) if b else 1
-    width = integer(where, "width", width, max(picks, 1), 2 ** 40)
-    return QuestArgs(query.contiguous(), table, row_blocks, pages, seen, block_size, width, hq // kv_heads)
+    width = integer(where, "width", width, 1, 2 ** 40)  # (the C refuses one below a row's picks)
+    return QuestArgs(query.contiguous(), table, indices(where, "row_blocks", row_blocks, (b,)),
+                     indices(where, "pages", pages, (b,)), indices(where, "seen", seen, (b,)), block_size, width,
+                     hq // kv_heads)
 
 
 @dataclass
@@ -289,13 +276,12 @@ def check_infinigen_select(lib, query, keys, rows, cached, cap, scale, alpha, wi
         raise ValueError(f"{where}: query [B, Hkv, G, r] needs at least one head, query a head and channel, got "
                          f"{tuple(query.shape)}")
     tensor(where, "keys", keys, torch.float32, shape=(None, kv_heads, r, None))
-    n_rows, capacity = keys.shape[0], keys.shape[3]
+    capacity = keys.shape[3]
     if not 2 <= capacity <= 2 ** 31 - 1:
         raise ValueError(f"{where}: keys' capacity must be 2 to 2^31 - 1 tokens, got {capacity}")
     width = integer(where, "width", width, 2, 2 ** 40)
-    return InfinigenArgs(query.contiguous(), indices(where, "rows", rows, (b,), 0, n_rows - 1),
-                         indices(where, "cached", cached, (b,), 1, capacity - 1),
-                         indices(where, "cap", cap, (b,), 1, width - 1), real(where, "scale", scale),
+    return InfinigenArgs(query.contiguous(), indices(where, "rows", rows, (b,)), indices(where, "cached", cached, (b,)),
+                         indices(where, "cap", cap, (b,)), real(where, "scale", scale),
                          real(where, "alpha", alpha), width)
 
 
@@ -332,8 +318,4 @@ def check_kivi_store(lib, key, value, rows, begin, key_ring, value_ring, coded, 
                          f"capacity {capacity}")
     for name, x in (("key_ring", key_ring), ("value_ring", value_ring)):
         tensor(where, name, x, torch.float32, shape=(n_rows, kv_heads, residual, d))
-    rows = indices(where, "rows", rows, (b,), 0, n_rows - 1)
-    if len(rows.unique()) != b:
-        raise ValueError(f"{where}: rows must name each cache row once, got {rows.tolist()}")
-    begin = indices(where, "begin", begin, (b,), 0, capacity - 1)
-    return KiviArgs(rows, begin, strides[0], strides[1], n_rows, capacity, residual)
+    return KiviArgs(indices(where, "rows", rows, (b,)), indices(where, "begin", begin, (b,)), strides[0], strides[1], n_rows, capacity, residual)

@@ -63,12 +63,12 @@ def _partial_floats(batch: int, kv_heads: int, group: int, head_dim: int, max_to
 
 REFUSED = {-1: "a shape outside its limits (query heads per KV head <= {max_group}, head dim a multiple of {lanes} "
                "up to {max_dim}, block size >= 1)",
-           -2: "a length below 0 or past its table, its workspace or its probabilities",
+           -2: "lengths: a length below 0 or past its table, its workspace or its probabilities",
            -3: "table, row_offset or head_stride: a block outside the keys and values (a table entry or offset past the "
                "cache)",
            -4: "no memory for its job list",
-           -5: "a quantized cache it cannot read (bits, code width, groups, a row or a coded count out of range, "
-               "keys coded in part of a group)"}
+           -5: "rows, quantized.keys_quantized or quantized.values_quantized: a quantized cache it cannot read (a "
+               "row or a coded count out of range, keys coded in part of a group)"}
 
 
 def decode(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, row_offset: torch.Tensor,
@@ -157,9 +157,9 @@ def _called(name: str, code: int) -> None:
 # -- Quest's block selection (csrc/quest_select.c) ---------------------------------------------------------------------
 QUEST_REFUSED = {-1: "a shape outside its limits (head dim a multiple of {lanes}, block size >= 1, a table and a block "
                      "list at least one block wide)",
-                 -2: "a row's blocks, pages or length out of range (1 <= blocks <= table width, pages >= 1, picks "
-                     "within the block list, the length within the last block)",
-                 -3: "a table entry outside the pool",
+                 -2: "row_blocks, pages, seen or width: a row's blocks, pages or length out of range (1 <= row_blocks "
+                     "<= table width, pages >= 1, min(pages, row_blocks) <= width, seen within the last block)",
+                 -3: "table: an entry outside the pool (among a row's first row_blocks, or its last)",
                  -4: "no memory for its ranking"}
 
 
@@ -188,7 +188,8 @@ def quest_select(query: torch.Tensor, key_min: torch.Tensor, key_max: torch.Tens
 
 # -- InfiniGen's selection (csrc/infinigen_select.c) -------------------------------------------------------------------
 INFINIGEN_REFUSED = {-1: "a shape outside its limits (a table at least two wide, a cache at least two tokens long)",
-                     -2: "a row, a length or a cap out of range (1 <= cached < capacity, 1 <= cap < table width)",
+                     -2: "rows, cached or cap: a row, a length or a cap out of range (0 <= rows < cache rows, 1 <= "
+                         "cached < capacity, 1 <= cap < width)",
                      -4: "no memory for its scores"}
 
 
@@ -228,5 +229,6 @@ def kivi_store(key: torch.Tensor, value: torch.Tensor, rows: torch.Tensor, begin
                           c.begin.data_ptr(), b, *(x.data_ptr() for x in arrays), c.n_rows, kv_heads, d, c.residual,
                           c.capacity, coded.bits, coded.group, coded.value_group)
     if code:
-        reason = {-1: "a shape outside its limits", -2: "a row or a length out of range"}.get(code, f"code {code}")
+        reason = {-1: "a shape outside its limits", -2: "rows or begin: a row past the cache or a length past its "
+                  "capacity"}.get(code, f"code {code}")
         raise ValueError(f"kivi_store: the C kernel refused its input: {reason}")
