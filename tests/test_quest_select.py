@@ -121,7 +121,7 @@ def base_case() -> dict:
     (lambda c: c.update(table=c["table"].t().contiguous().t()), "table must be contiguous"),
     (lambda c: c.update(seen=c["seen"][:-1]), "seen must have shape"),
     (lambda c: c.update(query=c["query"][:, :1].contiguous()), "heads must be a multiple"),
-    (lambda c: c.update(key_min=c["key_min"][0]), "key_min must have 3 dimensions"),
+    (lambda c: c.update(key_min=c["key_min"][0]), "key_min must have shape"),
     (lambda c: c.update(query=c["query"][..., :40].contiguous(), key_min=c["key_min"][..., :40].contiguous(),
                         key_max=c["key_max"][..., :40].contiguous()), "head dim must be a multiple"),
     (lambda c: c.update(width=0), "width must be in"),
