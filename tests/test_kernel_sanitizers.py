@@ -1,5 +1,6 @@
 """The C kernels under AddressSanitizer and UndefinedBehaviorSanitizer: the randomized tests of every entry point
-(decode attention over every layout and over coded tokens, Quest's and InfiniGen's selections, KIVI's store) and the
+(decode attention over every layout and over coded tokens, Quest's and InfiniGen's selections, KIVI's store, the
+layer ops against PyTorch's) and the
 malformed inputs of tests/kernel_cases.py run in a subprocess with the ASan runtime preloaded and kvlib loading its
 sanitized build (KVLIB_CPU_KERNELS_SANITIZE=1, a cache entry of its own). Any report fails the test: ASan aborts on
 its first, UBSan is built not to recover, and the output is searched for either's report besides."""
@@ -21,7 +22,9 @@ ROOT = Path(__file__).parent.parent
 # the randomized tests of each entry point (the engine-level ones load a model: minutes under ASan, and they reach the
 # same entry points), and the malformed inputs
 SANITIZED = ["tests/test_kernel_inputs.py", "tests/test_decode_attention.py", "tests/test_quest_select.py",
-             "tests/test_infinigen_select.py", "tests/test_kivi_store.py", "tests/test_cpu_kernel.py"]
+             "tests/test_infinigen_select.py", "tests/test_kivi_store.py", "tests/test_cpu_kernel.py",
+             *(f"tests/test_llama_forward.py::{test}" for test in ("test_add_rms_norm", "test_silu_mul",
+                                                                   "test_rope_on_the_query_and_key_heads_only"))]
 NOT_UNDER_SANITIZERS = "not tiny and not every_policy and not engine and not without_a_compiler"
 # three of the eight seeds of decode's reference test (96 random cases over every layout): its float64 reference in
 # Python, not the kernel, is what the other five would spend a minute on

@@ -21,6 +21,10 @@
 A grid or fixed value named after a runner's setting (`budget`, `budget_rule`) is that runner's setting, for the
 runners that have it; every other value describes the workload. A point's settings are resolved once, here, to the
 runner's complete settings (defaults included), so a result row says exactly what ran.
+
+A profile is checked whole against its schema (kvlib.study.schema) before anything loads, runs or is written: one
+error lists every problem, each at its key path (`experiments.ttft.grid.prompt_tokens[0]: expected a positive
+integer, got 'abc'`).
 """
 
 from __future__ import annotations
