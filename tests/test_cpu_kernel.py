@@ -2,6 +2,7 @@
 same greedy tokens as PyTorch's kernels in the engine. It builds wherever there is a C compiler (CI has gcc); where it
 cannot, the engine falls back to PyTorch (tested here too)."""
 
+import subprocess
 import warnings
 
 import pytest
@@ -128,3 +129,34 @@ def test_loading_the_kernel_leaves_subnormals_alone():
     assert cpu_kernel.available()
     assert torch.tensor(1e-40, dtype=torch.float32).item() != 0.0
     assert torch.tensor(1e-40, dtype=torch.float32) * 1.0 != 0
+
+
+@needs_kernel
+def test_the_sources_compile_without_a_warning():
+    """-Wall -Wextra (in the build's flags) clean, each source on its own."""
+    from kvlib.kernels import library
+
+    assert {"-Wall", "-Wextra"} <= set(library.FLAGS)
+    for source in [p for p in library.SOURCES if p.suffix == ".c"]:
+        done = subprocess.run([*library.compiler(), "-fsyntax-only", "-Werror", *library.FLAGS, str(source)],
+                              capture_output=True, text=True, check=False)
+        assert done.returncode == 0, f"{source.name}:\n{done.stderr}"
+
+
+ARM = "processor\t: 0\nBogoMIPS\t: 50.00\nFeatures\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics\n" \
+      "CPU implementer\t: 0x41\nCPU architecture: 8\nCPU variant\t: 0x3\nCPU part\t: {part}\nCPU revision\t: 1\n"
+
+
+def test_the_build_is_keyed_by_the_compiler_and_the_cpu_on_every_architecture(monkeypatch):
+    """Two ARM machines (whose /proc/cpuinfo has no "model name" or "flags") or two compilers never share a build."""
+    from kvlib.kernels import library
+
+    neoverse, cortex = library.cpu_lines(ARM.format(part="0xd0c")), library.cpu_lines(ARM.format(part="0xd08"))
+    assert "Features" in neoverse and neoverse != cortex
+    keys = set()
+    for version, cpu in (("gcc 12", neoverse), ("gcc 13", neoverse), ("gcc 12", cortex)):
+        monkeypatch.setattr(library, "_output", lambda command, version=version: version)
+        monkeypatch.setattr(library, "cpu_lines", lambda text, cpu=cpu: cpu)
+        keys.add(library.build_key(["/usr/bin/cc"]))
+    keys.add(library.build_key(["/usr/local/bin/cc"]))  # the last one's version and CPU, another compiler path
+    assert len(keys) == 4

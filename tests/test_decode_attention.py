@@ -203,8 +203,8 @@ def test_a_row_of_length_zero_reads_nothing_and_gets_zeros():
 
 @needs_kernel
 @pytest.mark.parametrize("what, change, message", [
-    ("a group past the kernel's limit", {"group": 17}, "shape outside its limits"),
-    ("a head dim past the kernel's limit", {"dim": 272}, "shape outside its limits"),
+    ("a group past the kernel's limit", {"group": 17}, "query's 17 heads must be a multiple"),
+    ("a head dim past the kernel's limit", {"dim": 272}, "head dim must be a multiple"),
     ("a length past the row's table", {"length": 33}, "length"),
     ("a negative length", {"length": -1}, "length"),
     ("a block past the pool", {"block": 4}, "outside the keys and values"),

@@ -90,11 +90,11 @@ def test_equal_scores_go_to_the_earlier_token():
     (lambda c: c.update(cached=c["cached"].clone().fill_(c["keys"].shape[-1])), "1 <= cached < capacity"),
     (lambda c: c.update(cached=c["cached"].clone().fill_(0)), "1 <= cached < capacity"),
     (lambda c: c.update(rows=c["rows"].clone().fill_(c["keys"].shape[0])), "out of range"),
-    (lambda c: c.update(width=1), "a table at least two wide"),
-    (lambda c: c.update(cap=c["cap"].clone().fill_(c["width"])), "1 <= cap < table width"),
-    (lambda c: c.update(query=c["query"].double()), "fp32 queries"),
-    (lambda c: c.update(rows=c["rows"].int()), "int64 indices"),
-    (lambda c: c.update(keys=c["keys"][:, :, :-1].contiguous()), "mismatched shapes"),
+    (lambda c: c.update(width=1), "width must be in"),
+    (lambda c: c.update(cap=c["cap"].clone().fill_(c["width"])), "1 <= cap < width"),
+    (lambda c: c.update(query=c["query"].double()), "query must be torch.float32"),
+    (lambda c: c.update(rows=c["rows"].int()), "rows must be torch.int64"),
+    (lambda c: c.update(keys=c["keys"][:, :, :-1].contiguous()), "keys must have shape"),
 ])
 def test_the_c_selection_refuses_what_it_cannot_read(change, message):
     case = random_case(random.Random(8))

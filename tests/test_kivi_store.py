@@ -82,10 +82,10 @@ def test_the_c_store_refuses_what_it_cannot_write():
     key = torch.zeros(1, kv_heads, policy.spec.head_dim)
     policy.decode_kernel = "c"
     for rows, begin in (([n_rows], [0]), ([-1], [0]), ([0], [capacity]), ([0], [-1])):
-        with pytest.raises(ValueError, match="row or a length out of range"):
+        with pytest.raises(ValueError, match="rows or begin: a row past the cache"):
             policy._store_token(0, torch.tensor(rows), torch.tensor(begin), key, key)
-    with pytest.raises(ValueError, match="KIVI's C store takes"):
+    with pytest.raises(ValueError, match="key must be torch.float32"):
         policy._store_token(0, torch.tensor([0]), torch.tensor([0]), key.double(), key.double())
-    with pytest.raises(ValueError, match="KIVI's C store takes"):  # heads not contiguous
-        wide = torch.zeros(1, policy.spec.head_dim, kv_heads).transpose(1, 2)
+    with pytest.raises(ValueError, match="key's rows must each hold"):  # channels not contiguous
+        wide = torch.zeros(1, kv_heads, 2 * policy.spec.head_dim)[..., ::2]
         policy._store_token(0, torch.tensor([0]), torch.tensor([0]), wide, wide)

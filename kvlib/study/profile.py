@@ -21,6 +21,10 @@
 A grid or fixed value named after a runner's setting (`budget`, `budget_rule`) is that runner's setting, for the
 runners that have it; every other value describes the workload. A point's settings are resolved once, here, to the
 runner's complete settings (defaults included), so a result row says exactly what ran.
+
+A profile is checked whole against its schema (kvlib.study.schema) before anything loads, runs or is written: one
+error lists every problem, each at its key path (`experiments.ttft.grid.prompt_tokens[0]: expected a positive
+integer, got 'abc'`).
 """
 
 from __future__ import annotations
@@ -35,16 +39,14 @@ from pathlib import Path
 import yaml
 
 from kvlib.errors import UserError
-from kvlib.models import WEIGHTS
-from kvlib.models.random_weights import check_experiment
 from kvlib.report.gate import GATE
 from kvlib.settings import capacity_bytes
 from kvlib.study.runners import make_runner, runner_class, runners
+from kvlib.study.schema import EXPERIMENT_KEYS, PROFILE_KEYS, check_profile
 
 EXPERIMENTS = ("ttft", "batch_scaling", "decode_length", "serving", "accuracy", "retention")
-PROFILE_KEYS = {"model", "device_capacity_gb", "policy_settings", "experiments", "description", "device", "weights",
-                "validity_gate"}
-EXPERIMENT_KEYS = {"policies", "grid", "fixed", "model", "device_capacity_gb", "repeats", "exploratory"}
+__all__ = ["EXPERIMENTS", "EXPERIMENT_KEYS", "PROFILE_KEYS", "Point", "Profile", "load_profile", "profile_path",
+           "validate_profile"]
 
 
 @dataclass(frozen=True)
@@ -167,51 +169,20 @@ def load_profile(name_or_path: str, root: Path) -> Profile:
 
 
 def validate_profile(name: str, raw: dict, where: str | None = None) -> Profile:
+    """The profile, once every key of it passed its schema (kvlib.study.schema): one UserError listing every problem
+    otherwise, before anything loads, runs or is written."""
     where = where or f"params/{name}.yaml"
-    _no_unknown(raw, PROFILE_KEYS, where)
-    if "model" not in raw:
-        raise UserError(f"{where}: `model` is required")
-    weights = raw.get("weights", "pretrained")
-    if weights not in WEIGHTS:
-        raise UserError(f"{where}: weights must be one of {list(WEIGHTS)}, got {weights!r}")
-    settings = raw.get("policy_settings") or {}
-    _no_unknown(settings, set(runners()), f"{where}: policy_settings")
-    for runner, values in settings.items():
-        _no_unknown(values, _setting_names(runner), f"{where}: policy_settings.{runner}")
-        _checked(f"{where}: policy_settings.{runner}", make_runner, runner, **values)
+    problems = check_profile(raw)
+    if problems:
+        raise UserError("\n".join(f"{where}: {problem}" for problem in problems))  # one line a problem
     experiments = raw.get("experiments") or {}
-    for exp, spec in experiments.items():
-        here = f"{where}: experiments.{exp}"
-        if exp not in EXPERIMENTS:
-            raise UserError(f"{where}: unknown experiment {exp!r}; experiments: {list(EXPERIMENTS)}")
-        _checked(where, check_experiment, exp, weights)
-        _no_unknown(spec, EXPERIMENT_KEYS, here)
-        spec["policies"] = policies = spec.get("policies", "all")
-        if policies != "all":
-            if not isinstance(policies, list):
-                raise UserError(f"{here}.policies must be `all` or a list of policy names")
-            _no_unknown({p: None for p in policies if p != "all"}, set(runners()), f"{here}.policies")
-        for axis, values in (spec.get("grid") or {}).items():
-            if not isinstance(values, list) or not values:
-                raise UserError(f"{here}.grid.{axis} must be a non-empty list")
-        exploratory = spec.get("exploratory") or {}
-        _no_unknown(exploratory, {"policies", "fixed"}, f"{here}.exploratory")
-        _no_unknown({p: None for p in exploratory.get("policies", [])}, set(runners()), f"{here}.exploratory.policies")
-        repeats = spec.get("repeats", 1)
-        if not isinstance(repeats, int) or repeats < 1:
-            raise UserError(f"{here}.repeats must be an integer >= 1, got {repeats!r}")
-    capacity = raw.get("device_capacity_gb")
-    _checked(where, capacity_bytes, capacity)
-    gate = raw.get("validity_gate", GATE)
-    if isinstance(gate, bool) or not isinstance(gate, (int, float)) or not 0 < gate <= 1:
-        raise UserError(f"{where}: validity_gate must be a share in (0, 1], got {gate!r}")
-    for exp, spec in experiments.items():
-        if "model" in spec and not isinstance(spec["model"], str):
-            raise UserError(f"{where}: experiments.{exp}.model must be a model name, got {spec['model']!r}")
-        _checked(f"{where}: experiments.{exp}", capacity_bytes, spec.get("device_capacity_gb"))
-    profile = Profile(name, raw["model"], capacity, settings, experiments, raw.get("device"), weights, float(gate))
-    for exp in experiments:  # bad settings on a grid axis (a budget of 2) fail here, before anything runs
-        _checked(f"{where}: experiments.{exp}", profile.points, exp)
+    for spec in experiments.values():
+        spec["policies"] = spec.get("policies", "all")
+    profile = Profile(name, raw["model"], raw.get("device_capacity_gb"), raw.get("policy_settings") or {},
+                      experiments, raw.get("device"), raw.get("weights", "pretrained"),
+                      float(raw.get("validity_gate", GATE)))
+    for exp in experiments:  # what the schema cannot see alone (a setting with the profile's other settings) fails
+        _checked(f"{where}: experiments.{exp}", profile.points, exp)  # here, before anything runs
     return profile
 
 
@@ -220,11 +191,3 @@ def _checked(where: str, check, *args, **kwargs):
         return check(*args, **kwargs)
     except UserError as exc:
         raise UserError(f"{where}: {exc}") from None
-
-
-def _no_unknown(mapping, allowed: set, where: str) -> None:
-    if not isinstance(mapping, dict):
-        raise UserError(f"{where}: expected a mapping, got {mapping!r}")
-    unknown = sorted(set(mapping) - allowed)
-    if unknown:
-        raise UserError(f"{where}: unknown key {unknown[0]!r}; allowed: {sorted(allowed)}")

@@ -215,19 +215,28 @@ static inline void add_weighted(float acc[][MAX_DIM], float scores[][CHUNK], int
     }
 }
 
-/* Every element a (row, head) would read lies in [0, kv_numel): checked block by block, not token by token. */
+/* Every element a (row, head) would read lies in [0, kv_numel): checked block by block, not token by token, in
+ * arithmetic that cannot overflow (each factor bounded by kv_numel first, so a huge table entry or offset is refused,
+ * never wrapped into range). */
 static int check(const layout *l, int64_t batch, int64_t kv_numel, int64_t max_chunks, int64_t probs_width) {
+    if (l->head_stride < 0) return OUT_OF_BOUNDS;
     for (int64_t b = 0; b < batch; b++)
         for (int64_t h = 0; h < l->kv_heads; h++) {
             const int64_t n = l->lengths[b * l->kv_heads + h];
-            if (n < 0 || n > l->table_width * l->block_size || (n + CHUNK - 1) / CHUNK > max_chunks ||
+            if (n < 0 || (n > 0 && (n - 1) / l->block_size >= l->table_width) || n / CHUNK + (n % CHUNK != 0) > max_chunks ||
                 (probs_width >= 0 && n > probs_width))
                 return BAD_LENGTH;
-            const int64_t *tbl = table_of(l, b, h), base = l->row_offset[b] + h * l->head_stride;
+            if (n == 0) continue;
+            const int64_t *tbl = table_of(l, b, h), offset = l->row_offset[b];
+            int64_t base;
+            if (offset < 0 || offset > kv_numel || __builtin_mul_overflow(h, l->head_stride, &base) ||
+                (base += offset) > kv_numel)
+                return OUT_OF_BOUNDS;
             for (int64_t t = 0; t < n; t += l->block_size) {
-                const int64_t last = (t + l->block_size < n ? t + l->block_size : n) - 1;
-                if (tbl[t / l->block_size] < 0 || slot(l, tbl, base, t) < 0 || slot(l, tbl, base, last) + l->dim > kv_numel)
+                const int64_t last = (t + l->block_size < n ? t + l->block_size : n) - 1, entry = tbl[t / l->block_size];
+                if (entry < 0 || entry > kv_numel / l->block_size / l->dim || last % l->block_size > kv_numel / l->dim)
                     return OUT_OF_BOUNDS;
+                if (slot(l, tbl, base, last) + l->dim > kv_numel) return OUT_OF_BOUNDS;
             }
         }
     return OK;

@@ -8,7 +8,7 @@
  * The codes are exactly kvlib.kernels.quantized's (tested equal): zero = min, scale = (max - min) / (2^bits - 1),
  * code = round-half-even((x - zero) / scale) clamped to [0, 2^bits - 1] (a zero range codes 0 with scale 0), packed
  * lowest bits first, 8 / bits codes a byte (16 bits: two bytes, low first); RAW_BITS stores each value's own bytes
- * and no scales. Every row, length and shape is checked before anything is written. */
+ * and no scales. Every row, length and shape is checked before anything is written; a NaN value codes 0. */
 #include <math.h>
 
 #include "vectors.h"
@@ -29,9 +29,11 @@ static void range_of(const float *x, int64_t n, int64_t stride, int64_t bits, fl
     *scale = (hi - lo) / (float)((1 << bits) - 1);
 }
 
+/* A value's code, clamped to [0, 2^bits - 1]; a NaN (from a NaN or infinite value or range) codes 0, where a NaN
+ * converted to an integer would be undefined and, ORed unmasked into a byte, would corrupt its neighbours' codes. */
 static inline uint32_t code_of(float x, float scale, float zero, int64_t bits) {
     const float levels = (float)((1 << bits) - 1), c = rintf((x - zero) / (scale > 0.f ? scale : 1.f));
-    return (uint32_t)(c < 0.f ? 0.f : c > levels ? levels : c);
+    return c >= 0.f ? (uint32_t)(c > levels ? levels : c) : 0u; /* NaN fails c >= 0 */
 }
 
 /* The n values x[0], x[stride], ... as packed codes, value i with scale[i / per_scale] and zero[i / per_scale]. */

@@ -1,13 +1,16 @@
 /* The small ops of a Llama decoder layer on a CPU, each one pass over its rows. At decode a row is a few thousand
  * floats, and what these cost in PyTorch is the dispatch of the six to eight ops each is made of, not the arithmetic.
- * fp32; widths are multiples of LANES (the caller checks). Large calls (prefill) run on the OpenMP threads. */
+ * fp32; widths are multiples of LANES. Each returns 0, or -1 where it refused a shape (then nothing is written): the
+ * caller (kvlib.kernels.checks) checks what these cannot see, the tensors' sizes. Large calls (prefill) run on the
+ * OpenMP threads. */
 #include <math.h>
 
 #include "vectors.h"
 
 /* x[r] += delta[r] where delta is given; out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight (RMSNorm). */
-void add_rms_norm(float *x, const float *delta, const float *weight, float *out, int64_t rows, int64_t n,
-                  float eps) {
+int add_rms_norm(float *x, const float *delta, const float *weight, float *out, int64_t rows, int64_t n,
+                 float eps) {
+    if (rows < 0 || n < LANES || n % LANES) return -1;
 #pragma omp parallel for if (rows * n >= 1 << 16)
     for (int64_t r = 0; r < rows; r++) {
         float *xr = x + r * n, *o = out + r * n;
@@ -20,12 +23,14 @@ void add_rms_norm(float *x, const float *delta, const float *weight, float *out,
         const float inv = 1.f / sqrtf(hsum(squares) / (float)n + eps);
         for (int64_t i = 0; i < n; i += LANES) *(vf *)(o + i) = *(vf *)(xr + i) * inv * *(const vf *)(weight + i);
     }
+    return 0;
 }
 
 /* In place, Llama's RoPE on rows x heads vectors of dim (row r's head h at x + r * row_stride + h * dim):
  * x = x cos[r] + rotate_half(x) sin[r], rotate_half(x) = (-x[dim/2:], x[:dim/2]). */
-void rope(float *x, int64_t row_stride, const float *cos, const float *sin, int64_t rows, int64_t heads,
-          int64_t dim) {
+int rope(float *x, int64_t row_stride, const float *cos, const float *sin, int64_t rows, int64_t heads,
+         int64_t dim) {
+    if (rows < 0 || heads < 0 || dim < 2 * LANES || dim % (2 * LANES) || heads > row_stride / dim) return -1;
     const int64_t half = dim / 2;
 #pragma omp parallel for if (rows * heads * dim >= 1 << 16)
     for (int64_t r = 0; r < rows; r++) {
@@ -39,10 +44,12 @@ void rope(float *x, int64_t row_stride, const float *cos, const float *sin, int6
             }
         }
     }
+    return 0;
 }
 
 /* out[r] = silu(gate_up[r, :n]) * gate_up[r, n:], silu(g) = g sigmoid(g). */
-void silu_mul(const float *gate_up, float *out, int64_t rows, int64_t n) {
+int silu_mul(const float *gate_up, float *out, int64_t rows, int64_t n) {
+    if (rows < 0 || n < LANES || n % LANES) return -1;
 #pragma omp parallel for if (rows * n >= 1 << 16)
     for (int64_t r = 0; r < rows; r++) {
         const float *g = gate_up + r * 2 * n, *u = g + n;
@@ -52,4 +59,5 @@ void silu_mul(const float *gate_up, float *out, int64_t rows, int64_t n) {
             *(vf *)(out + r * n + i) = x * sigmoid * *(const vf *)(u + i);
         }
     }
+    return 0;
 }
