@@ -187,9 +187,10 @@ def test_adoption_reads_the_recorded_statistics(tiny, prompts):
     store = PrefillStore()
     assert kept(store) == kept(None)
     (record,) = store._records.values()
-    for per_layer in record.received:
-        for received in per_layer:
-            received.copy_(received.flip(-1))
+    with torch.inference_mode():  # (a record's tensors are inference tensors)
+        for per_layer in record.received:
+            for received in per_layer:
+                received.copy_(received.flip(-1))
     assert kept(store) != kept(None)
 
 

@@ -80,7 +80,8 @@ class HeavyHitterPolicy(ScoredEvictionPolicy):
         return out
 
     def prefill_arithmetic(self, mode, passes):
-        return "matrix"  # its prefill materializes the matrix whatever the mode (fused is refused)
+        # its prefill materializes the matrix whatever the mode (fused is refused)
+        return "matrix" if super().prefill_arithmetic(mode, passes) else None
 
     def prefill_statistics(self, layer, recorded, keys, scores, step):
         self._fold(scores, recorded.received(layer), step.q_len)
