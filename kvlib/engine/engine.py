@@ -4,6 +4,11 @@ A Session is a batch of cache rows open on the engine between the policy's start
 (kvlib.engine.scheduler: the paper's static schedule and continuous batching), the retention test and lm-eval's model all
 drive policies through it, so every policy is timed by the same sections and booked in the same ledger whoever drives
 it. Nothing else calls a policy's lifecycle.
+
+A prefill can be shared across policies (kvlib.engine.prefill_record): `Session.prefill(..., shared=store)` and
+`Engine.generate(..., prefill_store=store)` take a PrefillStore, and a policy that adopts a recorded dense prefill gets
+its row's state from the store's record of that prompt (recorded on a miss) instead of computing it; any other policy,
+or a row that already holds tokens, runs its own prefill. Results are bit for bit those of a policy's own prefill.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from contextlib import contextmanager
 
 import torch
 
+from kvlib.engine.prefill_record import PrefillStore, prefill_passes
 from kvlib.engine.run_result import RunResult
 from kvlib.errors import UserError
 from kvlib.memory.ledger import MemoryLedger, NoLedger
@@ -94,12 +100,14 @@ class Engine:
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, prefill_mode: str = "fused",
                  chunk_size: int = 512, stop_at_eos: bool = True, forced: list[list[int]] | None = None,
-                 share_prompts: bool = False) -> RunResult:
+                 share_prompts: bool = False, prefill_store: PrefillStore | None = None) -> RunResult:
         """The paper's schedule: prefill each prompt in turn, then decode the batch together (greedy). With `forced`,
         teacher forcing: row r is fed forced[r] instead of its own choices, and each output carries the
         log-probabilities of those tokens (`logprobs`) and whether each was the greedy choice (`greedy`), while the
         policy keeps, evicts and fetches exactly as when generating. With share_prompts, a prompt equal to an earlier
-        row's is not prefilled again: the policy forks that row (the answer choices of one question)."""
+        row's is not prefilled again: the policy forks that row (the answer choices of one question). With a
+        prefill_store, each prompt's prefill is adopted from the store's record where the policy adopts one
+        (Session.prefill), the same outputs as its own prefill."""
         from kvlib.engine.scheduler import Sequence, run
 
         if forced is not None:
@@ -109,7 +117,7 @@ class Engine:
         sequences = [Sequence(p, len(forced[i]) if forced else max_new_tokens, forced=forced[i] if forced else None)
                      for i, p in enumerate(prompts)]
         return run(self, sequences, "static", prefill_mode, chunk_size, stop_at_eos=stop_at_eos,
-                   share_prompts=share_prompts)
+                   share_prompts=share_prompts, prefill_store=prefill_store)
 
 
 class Session:
@@ -166,14 +174,49 @@ class Session:
         self.lengths[row] = start + len(tokens)
         return logits[0]
 
-    def prefill(self, row: int, tokens: list[int], mode: str, chunk_size: int = 512) -> torch.Tensor:
-        """Extend a row by a whole prompt (or the next turn of a conversation), in chunks for `chunked` prefill."""
-        size = chunk_size if mode == "chunked" else len(tokens)
+    def prefill(self, row: int, tokens: list[int], mode: str, chunk_size: int = 512,
+                shared: PrefillStore | None = None) -> torch.Tensor:
+        """Extend a row by a whole prompt (or the next turn of a conversation), in chunks for `chunked` prefill.
+        shared: a PrefillStore whose record of this prompt the policy adopts where it can (adopt), else ignored."""
+        if shared is not None:
+            logits = self.adopt(row, tokens, mode, chunk_size, shared)
+            if logits is not None:
+                return logits
         end = self.lengths[row] + len(tokens)
         logits = None
-        for begin in range(0, len(tokens), size):
-            logits = self.prefill_chunk(row, tokens[begin:begin + size], mode, end)
+        for begin, length in prefill_passes(len(tokens), mode, chunk_size):
+            logits = self.prefill_chunk(row, tokens[begin:begin + length], mode, end)
         return logits
+
+    def adopt(self, row: int, tokens: list[int], mode: str, chunk_size: int, store: PrefillStore
+              ) -> torch.Tensor | None:
+        """A fresh row's prefill taken from the store's record of this prompt (made by a recording pass on a miss):
+        the policy goes through the same passes as its own prefill (prepare, each layer's adopt_pass, after_pass),
+        storing the recorded keys, values and statistics by the code its prefill runs. Returns the logits after the
+        last token, or None, having done nothing, where the policy runs its own prefill (it adopts none in this
+        mode, it reads more of the prompt's last queries than the store keeps, or the row holds tokens already)."""
+        if self.lengths[row] or not tokens:
+            return None
+        passes = prefill_passes(len(tokens), mode, chunk_size)
+        arithmetic = self.policy.prefill_arithmetic(mode, len(passes))
+        if arithmetic is None or self.policy.prefill_queries() > store.query_window:
+            store.own += 1
+            return None
+        self.timers.phase = "prefill"
+        record = store.get(self.engine, tokens, arithmetic, passes)
+        layers = self.engine.model.spec.num_layers
+        with torch.inference_mode():
+            for index, (begin, length) in enumerate(passes):
+                step = Step(self.policy, torch.tensor([row]), torch.tensor([begin]), length, "prefill", mode,
+                            last_chunk=begin + length >= len(tokens), end=torch.tensor([len(tokens)]))
+                recorded = record.pass_of(index)
+                with self.timers.section("adopt"):
+                    self.policy.prepare(step)
+                    for layer in range(layers):
+                        self.policy.adopt_pass(layer, recorded, step)
+                    self.policy.after_pass(step)
+                self.lengths[row] = begin + length
+        return record.logits
 
     def decode(self, rows: list[int], tokens: list[int]) -> torch.Tensor:
         """Row rows[i] is fed tokens[i] after what it holds; returns logits [B, V]."""

@@ -80,9 +80,10 @@ class Sequence:
 
 def run(engine: Engine, sequences: list[Sequence], schedule: str = "static", prefill_mode: str = "fused",
         chunk_size: int = 512, stop_at_eos: bool = True, share_prompts: bool = False,
-        slo: dict | None = None, compress_share: float = 0.5) -> RunResult:
+        slo: dict | None = None, compress_share: float = 0.5, prefill_store=None) -> RunResult:
     """slo: {"ttft_s": ..., "tpot_s": ...}, the limits goodput counts against (kvlib.engine.run_result.latency_metrics).
-    compress_share: under the `compress` schedule, the share of its entries a compressed request keeps."""
+    compress_share: under the `compress` schedule, the share of its entries a compressed request keeps.
+    prefill_store (static schedule): a PrefillStore whose records the policy adopts (Session.adopt)."""
     if schedule not in SCHEDULES:
         raise UserError(f"unknown schedule {schedule!r}; choose from {list(SCHEDULES)}")
     continuous = schedule in ("continuous", "compress")
@@ -98,6 +99,9 @@ def run(engine: Engine, sequences: list[Sequence], schedule: str = "static", pre
                             f"{engine.policy.name!r} cannot")
         if prefill_mode != "chunked":
             raise UserError("continuous batching prefills in chunks: use prefill mode 'chunked'")
+        if prefill_store is not None:
+            raise ValueError("a prefill store serves the static schedule: continuous batching interleaves a prompt's "
+                             "chunks with decode steps, and an adopted prefill would take them all at once")
     for seq in sequences:
         engine.validate([seq.prompt], seq.max_new_tokens, prefill_mode, chunk_size)
     eos = engine.model.tokenizer.eos_token_id if stop_at_eos else None
@@ -107,7 +111,7 @@ def run(engine: Engine, sequences: list[Sequence], schedule: str = "static", pre
             seq.max_new_tokens, eos = len(seq.forced), None
     timers = engine.timers
     loop = _Loop(engine, sequences, continuous, prefill_mode, chunk_size, eos, share_prompts, slo or {},
-                 compress_share if schedule == "compress" else None)
+                 compress_share if schedule == "compress" else None, prefill_store)
     try:
         session = engine.open([len(s.prompt) for s in sequences], max(s.max_new_tokens for s in sequences),
                               serving=continuous)
@@ -129,8 +133,9 @@ class _Loop:
     """The state of one run: queues, clocks and counters."""
 
     def __init__(self, engine, sequences, continuous, prefill_mode, chunk_size, eos, share_prompts, slo,
-                 compress_share=None):
+                 compress_share=None, prefill_store=None):
         self.engine, self.seqs, self.continuous, self.slo = engine, sequences, continuous, slo
+        self.store = prefill_store
         self.mode, self.chunk_size, self.eos, self.share = prefill_mode, chunk_size, eos, share_prompts
         self.clock = TokenClock(len(sequences))  # restarted when serving starts
         self.preemptions = 0
@@ -175,7 +180,10 @@ class _Loop:
                 held = session.lengths[seq.row]
                 size = self.chunk_size if self.mode == "chunked" else len(tokens) - held
                 try:
-                    logits = session.prefill_chunk(seq.row, tokens[held:held + size], self.mode, len(tokens))
+                    logits = session.adopt(seq.row, tokens, self.mode, self.chunk_size, self.store) \
+                        if self.store is not None and not held else None
+                    if logits is None:  # the policy's own prefill
+                        logits = session.prefill_chunk(seq.row, tokens[held:held + size], self.mode, len(tokens))
                 except (DeviceOOM, torch.OutOfMemoryError) as exc:
                     if not (self.continuous and isinstance(exc, OutOfBlocks)):
                         return oom_record(exc, "prefill")

@@ -32,13 +32,15 @@ def split_prompt(prompt: list[int], protocol: str) -> tuple[list[int], list[int]
 
 
 def answer_rows(session, rows: list[int], prompts: list[list[int]], max_new_tokens: int, protocol: str,
-                prefill_mode: str, chunk_size: int = 512, eos: int | None = None) -> list[list[int]]:
-    """Extend each row by its prompt, then answer greedily in lockstep; returns each row's answer tokens."""
+                prefill_mode: str, chunk_size: int = 512, eos: int | None = None, prefill_store=None
+                ) -> list[list[int]]:
+    """Extend each row by its prompt, then answer greedily in lockstep; returns each row's answer tokens.
+    prefill_store: a kvlib.engine.prefill_record.PrefillStore whose records the policy adopts (Session.prefill)."""
     answers: dict[int, list[int]] = {row: [] for row in rows}
     fed: dict[int, int] = {}
     for row, prompt in zip(rows, prompts):
         head, tail = split_prompt(prompt, protocol)
-        logits = session.prefill(row, head, prefill_mode, chunk_size)
+        logits = session.prefill(row, head, prefill_mode, chunk_size, shared=prefill_store)
         if tail:
             fed[row] = tail[0]
         else:

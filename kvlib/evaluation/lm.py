@@ -7,6 +7,11 @@ token is prefilled, the policy compacts or offloads it as it would after any pro
 then predicted by a decode step that sees only what the budget lets the policy keep or fetch. (Scoring the first
 continuation token straight from the prefill would see the whole context, and a one-token answer such as BoolQ's
 "yes" would never feel the budget.) Requests that share a context share one prefill: the policy forks the row.
+
+`prefill_store` (a kvlib.engine.prefill_record.PrefillStore): every prefill, scored or generated, is adopted from the
+store's record of its prompt where the policy adopts one, so models of several policies given the same store compute
+each item's dense prefill once between them (the accuracy experiment gives every point of a model one store). Each
+item's result is the one without a store (tests/test_adopted_prefill.py).
 """
 
 from __future__ import annotations
@@ -29,9 +34,10 @@ from kvlib.policies import make_policy
 class KVLibLM(TemplateLM):
     def __init__(self, pretrained: str = "smollm2-135m", policy: str = "full", batch_size: int | str = 8,
                  device: str | None = None, max_length: int | None = None, loaded=None,
-                 calibration: list[int] | None = None, protocol: str = "deployed", **policy_settings):
+                 calibration: list[int] | None = None, protocol: str = "deployed", prefill_store=None,
+                 **policy_settings):
         """protocol: where generated answers' first token comes from (kvlib.evaluation.generation); scored
-        continuations always come from decode steps."""
+        continuations always come from decode steps. prefill_store: prefills shared with other models (above)."""
         super().__init__()
         self.protocol = check_protocol(protocol)
         kv_policy = make_policy(policy, **policy_settings)  # bad settings fail here, before the model is loaded
@@ -40,11 +46,12 @@ class KVLibLM(TemplateLM):
         self.batch_size = 8 if batch_size in (None, "auto") else int(str(batch_size).split(":")[0])
         self._max_length = max_length or self.loaded.spec.max_context
         self.engine = Engine(self.loaded, kv_policy, calibration=calibration)
+        self.prefill_store = prefill_store
         self.tokens_attended = self.tokens_seen = 0  # by decode steps, over every request so far
 
     def _generate(self, prompts, max_new_tokens, **kwargs):
         result = self.engine.generate(prompts, max_new_tokens, prefill_mode=self.engine.policy.preferred_prefill,
-                                      **kwargs)
+                                      prefill_store=self.prefill_store, **kwargs)
         self.tokens_attended += result.stats.get("kv_tokens_attended_total", 0)
         self.tokens_seen += result.stats.get("kv_tokens_seen_total", 0)
         return result
@@ -145,7 +152,7 @@ class KVLibLM(TemplateLM):
             engine.validate([prompt], max_new, mode, 512)
         with engine.session([len(p) for p in prompts], max_new) as session:
             tokens = answer_rows(session, list(range(len(prompts))), prompts, max_new, self.protocol, mode,
-                                 eos=self.eot_token_id)
+                                 eos=self.eot_token_id, prefill_store=self.prefill_store)
             usage = engine.policy.usage.summary()
         self.tokens_attended += usage.get("kv_tokens_attended_total", 0)
         self.tokens_seen += usage.get("kv_tokens_seen_total", 0)

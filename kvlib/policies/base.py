@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
@@ -19,6 +19,9 @@ from kvlib.kernels.decode import DecodeReads, decode_attention, kernel_for, work
 from kvlib.memory.ledger import MemoryLedger
 from kvlib.memory.timing import Timers
 from kvlib.models import LoadedModel
+
+if TYPE_CHECKING:  # what adopt_pass reads; the engine makes it
+    from kvlib.engine.prefill_record import RecordedPass
 
 PREFILL_MODES = ("full", "fused", "chunked")
 
@@ -84,11 +87,17 @@ class KVPolicy:
     # attributes whose tensors live in the host tier (on a CPU both tiers are host memory; the census test and the
     # ledger need to know which is which)
     host_tensors: ClassVar[tuple[str, ...]] = ()
+    # its prefill is one dense pass whose K/V (and statistics) it then stores its own way, so it can adopt a recorded
+    # one (adopt_pass; kvlib.engine.prefill_record). Declared by each class itself, never inherited: a subclass that
+    # changes what its prefill computes must not adopt by accident, and the default is to run its own prefill.
+    adopts_prefill: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         if "label" not in cls.__dict__:
             cls.label = cls.name
+        if "adopts_prefill" not in cls.__dict__:
+            cls.adopts_prefill = False
 
     def bind(self, model: LoadedModel, ledger: MemoryLedger, timers: Timers) -> None:
         """Attach to a model before a run; called once per engine."""
@@ -137,6 +146,26 @@ class KVPolicy:
         if mode not in self.supported_prefill:
             raise UserError(f"policy {self.name!r} does not support prefill mode {mode!r}; "
                             f"supported: {list(self.supported_prefill)}")
+
+    # -- adopting a recorded prefill (kvlib.engine.prefill_record) ------------------------------------------
+    def prefill_arithmetic(self, mode: str, passes: int) -> str | None:
+        """The dense computation this policy's own prefill of a fresh row does in `mode` over `passes` passes:
+        "sdpa" (fused or chunked attention) or "matrix" (the materialized matrix, its probabilities summed per KV
+        head as `received`), the record it can adopt; None where it runs its own prefill (not adopts_prefill, or a
+        prefill that is not one dense pass, e.g. one that evicts or quantizes between chunks)."""
+        if not self.adopts_prefill:
+            return None
+        return "matrix" if mode == "full" else "sdpa"
+
+    def prefill_queries(self) -> int:
+        """How many of the prompt's last queries adopt_pass reads (a record keeps a store's `query_window` of them)."""
+        return 0
+
+    def adopt_pass(self, layer: int, recorded: RecordedPass, step: Step) -> None:
+        """One layer of one pass of an adopted prefill, between the engine's prepare(step) and after_pass(step):
+        store recorded.key(layer)/value(layer) [1, Hkv, T, D] and fold its statistics exactly as attend's prefill
+        branch does with the same tensors, by the same code, without computing attention."""
+        raise NotImplementedError(f"policy {self.name!r} adopts no prefill")
 
     # -- lifecycle --------------------------------------------------------------------------------------------
     def start(self, batch_size: int, prompt_lens: list[int], max_new_tokens: int) -> None:

@@ -24,6 +24,7 @@ from kvlib.policies.registry import register
 class FullPolicy(KVPolicy):
     name = "full"
     lossless = True
+    adopts_prefill = True
 
     def start(self, batch_size, prompt_lens, max_new_tokens):
         s = self.spec
@@ -54,10 +55,17 @@ class FullPolicy(KVPolicy):
             return self.decode_attention(layer, query, DecodeReads(kc, vc, self.read, rows=step.rows))[0]
         row, begin = int(step.rows[0]), int(step.start[0])
         end = begin + t
-        kc[row, :, begin:end] = key[0]
-        vc[row, :, begin:end] = value[0]
+        self._store_prompt(layer, key, value, step)
         return prefill_attention(query, kc[row:row + 1, :, :end], vc[row:row + 1, :, :end], begin,
                                  step.prefill_mode, self.scale, self.ledger, layer)
+
+    def _store_prompt(self, layer, key, value, step: Step):
+        row, begin = int(step.rows[0]), int(step.start[0])
+        self.keys[layer][row, :, begin:begin + step.q_len] = key[0]
+        self.values[layer][row, :, begin:begin + step.q_len] = value[0]
+
+    def adopt_pass(self, layer, recorded, step: Step):
+        self._store_prompt(layer, recorded.key(layer), recorded.value(layer), step)
 
     def after_pass(self, step: Step):
         self.lengths[step.rows] = step.start + step.q_len

@@ -40,6 +40,7 @@ class HeavyHitterPolicy(ScoredEvictionPolicy):
     supported_prefill = ("full", "chunked")
     preferred_prefill = "chunked"  # with cross-chunk accumulation: full prefill's kept set without its L x L matrix
     decode_scores = True
+    adopts_prefill = True
 
     recent_ratio: float = 0.5  # share of the budget given to the recent window (the H2O paper splits it evenly)
     chunk_scoring: str = "accumulate"
@@ -75,13 +76,24 @@ class HeavyHitterPolicy(ScoredEvictionPolicy):
         with self.ledger.transient("device", "activations", nbytes, where=f"attention matrix, layer {layer}"):
             out, probs = matrix_attention(query, keys[None], values[None], causal_mask(t, end, self.device),
                                           self.scale)
-            with self.timers.section("eviction"):
-                received = probs[0].sum(dim=(1, 2))  # [Hkv, end]
-                if self.chunk_scoring == "per_chunk":
-                    scores[:, -t:] += received[:, -t:]
-                else:
-                    scores += received
+            self._fold(scores, probs[0].sum(dim=(1, 2)), t)
         return out
+
+    def prefill_arithmetic(self, mode, passes):
+        # its prefill materializes the matrix whatever the mode (fused is refused)
+        return "matrix" if super().prefill_arithmetic(mode, passes) else None
+
+    def prefill_statistics(self, layer, recorded, keys, scores, step):
+        self._fold(scores, recorded.received(layer), step.q_len)
+
+    def _fold(self, scores, received, t: int):
+        """A prefill pass's attention received [Hkv, end] (summed over its queries and each group's query heads) into
+        the row's scores [Hkv, end], under chunk_scoring."""
+        with self.timers.section("eviction"):
+            if self.chunk_scoring == "per_chunk":
+                scores[:, -t:] += received[:, -t:]
+            else:
+                scores += received
 
     def update_scores(self, layer, rows, probs):
         with self.timers.section("eviction"):

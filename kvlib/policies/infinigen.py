@@ -48,6 +48,7 @@ from kvlib.policies.registry import register
 class InfiniGenPolicy(BudgetedPolicy):
     name = "infinigen"
     calibrates = True
+    adopts_prefill = True
     host_tensors = ("host_k", "host_v")
 
     partial_ratio: float = 0.2  # share of each head's dimensions speculation uses (the official default)
@@ -166,6 +167,10 @@ class InfiniGenPolicy(BudgetedPolicy):
             self.host_v[i][r, heads, p] = value.to("cpu")
         with self.timers.section("selection"):  # (advanced indices first: [B, Hkv, T, r])
             self.partial_k[i][r, heads, :, p] = torch.matmul(key, self.skew_cut[layer])
+
+    def adopt_pass(self, layer, recorded, step: Step):
+        self._store(layer, step.rows, step.start[:, None] + torch.arange(step.q_len)[None, :], recorded.key(layer),
+                    recorded.value(layer))
 
     def attend(self, layer, query, key, value, step: Step):
         t = step.q_len

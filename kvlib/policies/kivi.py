@@ -63,6 +63,7 @@ CACHES = ("key_codes", "key_scale", "key_zero", "value_codes", "value_scale", "v
 @dataclass
 class KIVIPolicy(KVPolicy):
     name = "kivi"
+    adopts_prefill = True
 
     bits: int = 2
     group_size: int = 32  # tokens a key scale covers; channels a value scale covers (the official default)
@@ -228,6 +229,15 @@ class KIVIPolicy(KVPolicy):
                            quantized=self._coded(layer, lengths))
 
     # -- the contract ----------------------------------------------------------------------------------------------
+    def prefill_arithmetic(self, mode, passes):
+        """A later chunk attends the earlier ones dequantized, not as a dense prefill would: one pass only."""
+        return super().prefill_arithmetic(mode, passes) if passes == 1 else None
+
+    def adopt_pass(self, layer, recorded, step: Step):
+        with self.timers.section("offload"):
+            self._store_prompt(layer, int(step.rows[0]), int(step.start[0]), recorded.key(layer)[0],
+                               recorded.value(layer)[0])
+
     def attend(self, layer, query, key, value, step: Step):
         s = self.spec
         if step.phase == "prefill":

@@ -31,6 +31,7 @@ from kvlib.policies.registry import register
 class PagedPolicy(KVPolicy):
     name = "paged"
     lossless = True
+    adopts_prefill = True
 
     block_size: int = 16
     num_blocks: int | None = None  # None: enough for every row's prompt plus max_new_tokens, without sharing (or,
@@ -104,8 +105,7 @@ class PagedPolicy(KVPolicy):
     def attend(self, layer, query, key, value, step: Step):
         s = self.spec
         keys, values = self.kv.keys[layer], self.kv.values[layer]  # [Hkv, slots, D]
-        for pool, new in ((keys, key), (values, value)):
-            pool.index_copy_(1, self.slots, new.transpose(0, 1).reshape(s.num_kv_heads, -1, s.head_dim))
+        self._write(layer, key, value)
         if step.phase == "decode":
             self.usage.add(layer, step.tokens_seen, step.tokens_seen, len(step.rows))
             return self.decode_attention(layer, query, DecodeReads(keys, values, self.read, table=self.table,
@@ -121,6 +121,15 @@ class PagedPolicy(KVPolicy):
             slots = self.kv.slots(row, 0, n)
             k, v = (c.index_select(1, slots)[None] for c in (keys, values))
             return prefill_attention(query, k, v, begin, step.prefill_mode, self.scale, self.ledger, layer)
+
+    def _write(self, layer, key, value):
+        """The pass's keys/values [B, Hkv, T, D] into their slots (prepare found them)."""
+        s = self.spec
+        for pool, new in ((self.kv.keys[layer], key), (self.kv.values[layer], value)):
+            pool.index_copy_(1, self.slots, new.transpose(0, 1).reshape(s.num_kv_heads, -1, s.head_dim))
+
+    def adopt_pass(self, layer, recorded, step: Step):
+        self._write(layer, recorded.key(layer), recorded.value(layer))
 
     def after_pass(self, step: Step):
         with self.timers.section("block_management"):

@@ -50,6 +50,7 @@ from kvlib.policies.registry import register
 @dataclass
 class QuestPolicy(BudgetedPolicy):
     name = "quest"
+    adopts_prefill = True
 
     block_size: int = 16  # the official page_size
     dense_layers: int = 2
@@ -119,6 +120,9 @@ class QuestPolicy(BudgetedPolicy):
         k = key.transpose(1, 2).reshape(-1, s.num_kv_heads, s.head_dim)
         self.key_min[layer].scatter_reduce_(0, self.bound_index, k, "amin")  # (fresh blocks were reset in prepare)
         self.key_max[layer].scatter_reduce_(0, self.bound_index, k, "amax")
+
+    def adopt_pass(self, layer, recorded, step: Step):
+        self._write(layer, recorded.key(layer), recorded.value(layer))
 
     # -- attention -------------------------------------------------------------------------------------------------
     def attend(self, layer, query, key, value, step: Step):

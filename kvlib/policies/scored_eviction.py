@@ -28,6 +28,8 @@ conversation under an uneven allocation is refused: its prefill would attend hea
 A subclass gives `limits` (tokens kept and protected-recent for a row) and, where it scores, the hooks: the score a new
 entry starts with (`initial_scores`), the prefill attention (`prefill_attention_of`, which may score what the row holds),
 and `update_scores` with each decode step's attention probabilities (`decode_scores`: it asks the kernel for them).
+A subclass that declares `adopts_prefill` adopts a recorded dense prefill (kvlib.engine.prefill_record): the same
+storage runs, and `prefill_statistics` adds from the record the scores its prefill_attention_of would have added.
 """
 
 from __future__ import annotations
@@ -96,6 +98,11 @@ class ScoredEvictionPolicy(BudgetedPolicy):
         token."""
         return prefill_attention(query, keys[None], values[None], filled, step.prefill_mode, self.scale,
                                  self.ledger, layer)
+
+    def prefill_statistics(self, layer: int, recorded, keys, scores, step: Step) -> None:
+        """Adopting a recorded dense prefill (KVPolicy.adopt_pass): add to `scores` [Hkv, end] what
+        prefill_attention_of adds, from the record (recorded: kvlib.engine.prefill_record.RecordedPass) and the row's
+        keys [Hkv, end, D]. Scoring by position alone (the default initial_scores) adds nothing."""
 
     def decode_reads(self, layer: int, query, rows, lengths) -> tuple[torch.Tensor, DecodeReads]:
         """(query, what each row reads) in a decode step: the rows' first `lengths` slots, in place through their
@@ -216,7 +223,12 @@ class ScoredEvictionPolicy(BudgetedPolicy):
             return array[:, self.pass_run:self.pass_run + end]
         return array.index_select(1, self.pass_slots[:end])
 
-    def _prefill(self, layer, query, key, value, step):
+    def adopt_pass(self, layer, recorded, step: Step):
+        self._prefill(layer, None, recorded.key(layer), recorded.value(layer), step, recorded)
+
+    def _prefill(self, layer, query, key, value, step, recorded=None):
+        """Store a prefill pass's new entries, then attend over the row (prefill_attention_of, scores included); or,
+        adopting a recorded prefill (recorded given), take the scores from it (prefill_statistics) instead."""
         row, begin, t = int(step.rows[0]), int(step.start[0]), step.q_len
         filled = self.filling[row]
         end = filled + t
@@ -231,7 +243,10 @@ class ScoredEvictionPolicy(BudgetedPolicy):
         with self.ledger.transient("device", "activations", copied, f"{self.name} prefill gather, layer {layer}"):
             keys, values = (self._row_part(c[layer], end) for c in (self.kv.keys, self.kv.values))
             scores = self._row_part(self.scores[layer], end)
-            out = self.prefill_attention_of(layer, query, keys, values, scores, begin, filled, step)
+            if recorded is None:
+                out = self.prefill_attention_of(layer, query, keys, values, scores, begin, filled, step)
+            else:
+                out = self.prefill_statistics(layer, recorded, keys, scores, step)
         if self.pass_run is None:  # scores added to a copy go back to the slots
             self.scores[layer].index_copy_(1, self.pass_slots[:end], scores)
         return out

@@ -46,6 +46,7 @@ POOLINGS = ("avgpool", "maxpool")
 @dataclass
 class SnapKVPolicy(ScoredEvictionPolicy):
     name = "snapkv"
+    adopts_prefill = True
 
     window: int = 32  # observation window (the official default window_size)
     kernel_size: int = 5
@@ -92,6 +93,16 @@ class SnapKVPolicy(ScoredEvictionPolicy):
             with self.timers.section("eviction"):
                 self._vote(layer, latest, keys, scores)
         return out
+
+    def prefill_queries(self):
+        return self.window
+
+    def prefill_statistics(self, layer, recorded, keys, scores, step):
+        """The votes of the prompt's last queries, at its last pass, as prefill_attention_of casts them."""
+        if step.last_chunk:
+            w = self.window_queries[int(step.rows[0])].shape[2]
+            with self.timers.section("eviction"):
+                self._vote(layer, recorded.queries(layer)[:, -w:], keys, scores)
 
     def _vote(self, layer: int, window_q: torch.Tensor, keys: torch.Tensor, scores: torch.Tensor):
         """scores[:, :-w] = the pooled votes of the window's queries [Hq, w, D] for the entries before the window."""

@@ -59,6 +59,7 @@ def rotate(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torc
 class StreamingPolicy(ScoredEvictionPolicy):
     name = "streaming"
     allocations = ("uniform",)  # sinks and a window: no scored choice for an allocation to move between heads
+    adopts_prefill = True
 
     sink: int = 4  # attention sinks kept at the start (the official start_size)
     position_scheme: str = "original"
@@ -89,6 +90,10 @@ class StreamingPolicy(ScoredEvictionPolicy):
 
     def initial_scores(self, positions):
         return torch.where(positions < self.sink, float("inf"), positions.float())
+
+    def prefill_arithmetic(self, mode, passes):
+        """`cache` positions re-rotate what a later chunk attends: one pass only."""
+        return super().prefill_arithmetic(mode, passes) if self.position_scheme == "original" or passes == 1 else None
 
     def prefill_attention_of(self, layer, query, keys, values, scores, begin, filled, step):
         if self.inv_freq is not None and filled:

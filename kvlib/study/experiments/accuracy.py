@@ -1,5 +1,15 @@
-"""Accuracy per task and KV budget through lm-eval (paper Fig. 7): one row per item."""
+"""Accuracy per task and KV budget through lm-eval (paper Fig. 7): one row per item.
 
+Every point of a model shares one process-level PrefillStore (kvlib.engine.prefill_record): the points of a task run
+the same items, so each item's dense prefill is computed once and every policy that adopts one takes it from there
+(each item's result is the one its own prefill gives). The store holds at most `prefill_store_gb` (a fixed value of
+the experiment; a quarter of the machine's memory by default), least recently used records first out: it pays when
+it holds one task's items, as the points run one task after another.
+"""
+
+import weakref
+
+from kvlib.engine.prefill_record import PrefillStore
 from kvlib.evaluation import KVLibLM
 from kvlib.evaluation.ruler import RULER_TASKS, evaluate_ruler
 from kvlib.evaluation.tasks import evaluate, write_offline_tasks
@@ -8,13 +18,27 @@ from kvlib.study.experiments.common import model_of
 
 TIMED = False  # what it measures is a score, the same under load: never measured again
 
+_store: tuple[weakref.ref, PrefillStore] | None = None  # (the model it serves, its store)
+
+
+def prefill_store(loaded, max_gb: float | None = None) -> PrefillStore:
+    """This process's store for this model: one for every point of it, a fresh one when the model changes (the last
+    model's records are then dropped with it)."""
+    global _store
+    max_bytes = None if max_gb is None else int(max_gb * 2**30)
+    if _store is None or _store[0]() is not loaded.model or (max_bytes is not None
+                                                              and _store[1].max_bytes != max_bytes):
+        _store = (weakref.ref(loaded.model), PrefillStore(max_bytes))
+    return _store[1]
+
 
 def run_point(point) -> list[dict]:
     v = point.values
     loaded = model_of(point)
     protocol = v.get("protocol", "deployed")
     lm = KVLibLM(policy=point.runner, loaded=loaded, batch_size=v.get("batch_size", 8), protocol=protocol,
-                 calibration=calibration_prompt(loaded, v.get("calibration_source")), **point.settings)
+                 calibration=calibration_prompt(loaded, v.get("calibration_source")),
+                 prefill_store=prefill_store(loaded, v.get("prefill_store_gb")), **point.settings)
     if v["task"] in RULER_TASKS:  # lm-eval's RULER: items sized per length (kvlib.evaluation.ruler)
         rows = evaluate_ruler(lm, v["task"], loaded.tokenizer.name_or_path, **(v.get("ruler") or {}))
         return [{**row, "protocol": protocol} for row in rows]
