@@ -10,7 +10,7 @@ import yaml
 from kvlib import study
 from kvlib.errors import UserError
 from kvlib.study import executor, results
-from kvlib.study.experiments import ttft
+from kvlib.study.experiments import accuracy, ttft
 
 
 @pytest.fixture
@@ -231,7 +231,6 @@ def test_a_notebook_computes_what_is_missing_or_says_which_command_will(root, mo
 
 def test_a_budget_set_in_policy_settings_is_a_column_the_tables_read(root, monkeypatch):
     from kvlib.report.tables import accuracy_table
-    from kvlib.study.experiments import accuracy
 
     write_profile(root, "p", {**PROFILE, "experiments": {"accuracy": {"policies": ["full", "h2o"],
                                                                        "grid": {"task": ["a"]}}}})
@@ -297,6 +296,18 @@ def test_repeats_run_in_rounds_each_in_a_seeded_random_order_recorded_in_the_row
     again = order_of(list(range(points)), 3, "p/ttft")
     assert again == order_of(list(range(points)), 3, "p/ttft")
     assert [p for p, _, _ in order_of(list(range(points)), 1, "p/ttft", shuffled=False)] == list(range(points))
+
+
+def test_accuracy_points_run_task_by_task_and_by_prefill_arithmetic(root, monkeypatch):
+    """So that the prefill store holds what the next point reads (kvlib.study.experiments.accuracy.order)."""
+    spec = {"policies": ["full", "h2o", "snapkv"], "grid": {"task": ["b_task", "a_task"], "budget": [0.1]}}
+    write_profile(root, "acc", {**PROFILE, "experiments": {"accuracy": spec}})
+    calls = []
+    monkeypatch.setattr(accuracy, "run_point", lambda point: calls.append((point.values["task"], point.runner))
+                        or [{"task": point.values["task"], "correct": 1.0}])
+    run_experiment("acc", "accuracy")
+    assert calls == [("a_task", "h2o"), ("a_task", "full"), ("a_task", "snapkv"),  # h2o: full-matrix prefill
+                     ("b_task", "h2o"), ("b_task", "full"), ("b_task", "snapkv")]
 
 
 def test_a_unit_measured_under_load_is_measured_again_then_flagged(root, monkeypatch):

@@ -191,7 +191,10 @@ def run_experiment(profile: Profile, experiment: str, force: bool = False, progr
     points = selected_points(grid, policies)
     repeats = profile.repeats(experiment)
     results.write_manifest(profile.name, experiment, [p.key for p in grid], repeats)
-    timed = getattr(importlib.import_module(f"kvlib.study.experiments.{experiment}"), "TIMED", False)
+    module = importlib.import_module(f"kvlib.study.experiments.{experiment}")
+    timed = getattr(module, "TIMED", False)
+    if not timed and hasattr(module, "order"):  # an untimed experiment may run its points in the order it reads best
+        points = sorted(points, key=module.order)
     ordered = rounds(points, repeats, f"{profile.name}/{experiment}", shuffled=timed)
     slots = {(p.key, r): slot for p, r, slot in ordered}
     units = [(p, r) for p, r, _ in ordered]

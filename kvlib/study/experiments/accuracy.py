@@ -4,7 +4,8 @@ Every point of a model shares one process-level PrefillStore (kvlib.engine.prefi
 the same items, so each item's dense prefill is computed once and every policy that adopts one takes it from there
 (each item's result is the one its own prefill gives). The store holds at most `prefill_store_gb` (a fixed value of
 the experiment; a quarter of the machine's memory by default), least recently used records first out: it pays when
-it holds one task's items, as the points run one task after another.
+it holds one task's items in one arithmetic, so the points run task by task and, within a task, the policies that
+prefill alike together (`order`).
 """
 
 import weakref
@@ -15,6 +16,7 @@ from kvlib.evaluation.ruler import RULER_TASKS, evaluate_ruler
 from kvlib.evaluation.tasks import evaluate, write_offline_tasks
 from kvlib.models.workloads import calibration_prompt
 from kvlib.study.experiments.common import model_of
+from kvlib.study.runners import runner_class
 
 TIMED = False  # what it measures is a score, the same under load: never measured again
 
@@ -30,6 +32,13 @@ def prefill_store(loaded, max_gb: float | None = None) -> PrefillStore:
                                                               and _store[1].max_bytes != max_bytes):
         _store = (weakref.ref(loaded.model), PrefillStore(max_bytes))
     return _store[1]
+
+
+def order(point) -> tuple:
+    """The executor's order for this experiment's points: task by task, and within a task by the prefill mode the
+    policy scores under (a record serves the modes of one arithmetic), so that the store holds what the next point
+    reads."""
+    return point.values["task"], runner_class(point.runner).preferred_prefill
 
 
 def run_point(point) -> list[dict]:
