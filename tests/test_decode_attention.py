@@ -242,6 +242,7 @@ FULL_BUDGET = {
     "kivi": {"quantize": False, "group_size": 8, "residual": 16},  # the packed layout, holding raw bytes
     "flexgen": {"percent": "100 0 50 50 100 0"},  # half the cache staged from the host each layer
     "flexgen_h2o": {"budget": 1.0, "percent": "100 0 50 50 100 0"},
+    "duo": {"budget": 1.0},  # every head a retrieval head
 }
 
 

@@ -149,7 +149,7 @@ def test_ruler_table_scores_each_subtask_and_their_mean():
     assert table.loc[("mean", "h2o", 0.1), "items"] == 6
     low, high = table.loc[("niah_single_1", "h2o", 0.1), ["low", "high"]]
     assert low < 0.25 < high
-    assert list(findings.accuracy_table(df)["task"]) == ["kvlib_recall"]  # RULER's rows stay out of it
+    assert list(tables.accuracy_table(df)["task"]) == ["kvlib_recall"]  # RULER's rows stay out of it
     lines = findings.accuracy(df, gate=0.5)  # ruler_vt's full cache scores 50 %: the default gate would leave it out
     assert any("RULER at 512 tokens" in line and "full cache 75.0%" in line for line in lines)
     # the score is the mean of the subtasks' means; the change is read over the items pooled (stats.paired_drop)

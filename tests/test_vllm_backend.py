@@ -126,14 +126,15 @@ def test_findings_compare_with_the_real_vllm_where_it_ran():
                            "device_peak_bytes": dev * gib, "host_peak_bytes": 0, "device_kv_peak_bytes": 0.5 * gib,
                            "device_kv_reserved_peak_bytes": reserved * gib} for p, tps, dev, reserved in rows])
     lines = findings.batch_scaling(batch)
-    assert ("Ours: h2o vs vllm (real) at batch 8: 0.60x throughput, 2.40x throughput per GiB of device memory; too few "
-            "repeats to judge the throughputs (1 and 1).") in lines
-    assert sum("full vs vllm (real)" in line or "vllm (real) vs full" in line for line in lines) == 1
+    assert ("Ours: at batch 8, h2o / vllm (real) decode throughput: 0.60x (too few repeats for an interval: 1 and 1); "
+            "2.40x per GiB of device memory.") in lines
+    assert sum("full / vllm (real)" in line or "vllm (real) / full" in line for line in lines) == 1
     assert any("preallocates its KV pool (3.00 GiB) and used 0.50 GiB" in line for line in lines)
     assert not any("vllm" in line for line in findings.batch_scaling(batch[batch["policy"] != vllm]))
 
     ttft = pd.DataFrame([{"policy": p, "outside": p == vllm, "prefill": m, "prompt_tokens": n, "ttft_s": t, "oom": False}
                          for p, m, n, t in [("full", "fused", 512, 0.5), ("paged", "fused", 512, 0.4),
                                             (vllm, "chunked", 512, 0.2), ("full", "fused", 1024, 1.0)]])
-    assert any(line.startswith("Ours: at 512 tokens vllm (real) takes 0.20 s to the first token; the fastest kvlib "
-                               "policy, paged/fused, 0.40 s (2.00x vLLM's median); ") for line in findings.ttft(ttft))
+    assert any(line.startswith("Ours: at 512 tokens vllm (real) takes 0.20 s to the first token, the kvlib policy with "
+                               "the lowest, paged/fused, 0.40 s; paged/fused / vllm (real) TTFT: 2.00x")
+               for line in findings.ttft(ttft))

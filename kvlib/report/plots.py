@@ -17,8 +17,10 @@ def _style():
 
 
 def _palette(policies) -> dict:
-    """One colour per policy, the same in every panel of a figure."""
-    return dict(zip(sorted(set(policies)), sns.color_palette("colorblind")))
+    """One colour per policy, the same in every panel of a figure (colorblind-safe up to its 10 colours, then evenly
+    spaced hues: no two runners share one)."""
+    names = sorted(set(policies))
+    return dict(zip(names, sns.color_palette("colorblind" if len(names) <= 10 else "husl", len(names))))
 
 
 def ttft(df: pd.DataFrame):
