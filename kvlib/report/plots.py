@@ -24,8 +24,8 @@ def _palette(policies) -> dict:
 
 
 def ttft(df: pd.DataFrame):
-    """TTFT vs prompt length, one line per policy and prefill mode (geometric mean of the repeats, the band their range); OOM
-    points marked on the top edge."""
+    """TTFT vs prompt length, one line per policy and prefill mode (geometric mean of the repeats, the band their
+    range); OOM points marked on the top edge."""
     _style()
     fig, ax = plt.subplots(figsize=(8, 4.5))
     ok = df[~df["oom"]]
@@ -84,19 +84,22 @@ def batch_scaling(df: pd.DataFrame):
             sns.lineplot(d, x="batch_size", y=col, hue="policy", palette=_palette(d["policy"]), marker="o",
                          estimator=geometric_mean, errorbar=None, ax=ax, legend=False)
         ax.set(xlabel="batch size", ylabel=label)
-    fig.suptitle("Batch scaling (mixed-length prompts; geometric mean of repeats, bars: range of repeats and their steps)")
+    fig.suptitle("Batch scaling (mixed-length prompts; geometric mean of repeats, bars: range of repeats and their "
+                 "steps)")
     fig.tight_layout()
     return fig
 
 
 def throughput(d: pd.DataFrame, by: str, ax) -> None:
-    """Decode throughput vs `by`, one line per policy: the geometric mean over repeats, error bars spanning the repeats and
-    each repeat's interquartile range of per-step throughput (kvlib.report.tables.decode_spread, as the findings read it)."""
+    """Decode throughput vs `by`, one line per policy: the geometric mean over repeats, error bars spanning the repeats
+    and each repeat's interquartile range of per-step throughput (kvlib.report.tables.decode_spread, as the findings
+    read it)."""
     palette = _palette(d["policy"])
     for policy, g in d.groupby("policy"):
         spreads = [(x, decode_spread(point)) for x, point in g.groupby(by)]
         xs, centres = [x for x, _ in spreads], [s.centre for _, s in spreads]
-        yerr = [[s.centre - s.low for _, s in spreads], [s.high - s.centre for _, s in spreads]]
+        # max(0, .): a single repeat's geometric mean, exp(log(x)), may round a hair past x
+        yerr = [[max(0.0, s.centre - s.low) for _, s in spreads], [max(0.0, s.high - s.centre) for _, s in spreads]]
         ax.errorbar(xs, centres, yerr=yerr, marker="o", capsize=3, label=policy, color=palette[policy])
     ax.legend(fontsize="small")
 
@@ -255,8 +258,8 @@ def overview(frames: dict[str, pd.DataFrame], gate: float | None = None):
         else:
             drop, label = None, f"{policy}: accuracy not measured"
         colour = "none" if drop is None else cmap(norm(drop))
-        ax.errorbar(x, spread.centre, yerr=[[spread.centre - spread.low], [spread.high - spread.centre]], fmt="none",
-                    ecolor="grey", capsize=3, zorder=1)
+        below, above = max(0.0, spread.centre - spread.low), max(0.0, spread.high - spread.centre)
+        ax.errorbar(x, spread.centre, yerr=[[below], [above]], fmt="none", ecolor="grey", capsize=3, zorder=1)
         ax.scatter(x, spread.centre, s=110, c=[colour] if drop is not None else "none",
                    edgecolors="black", linewidths=1.2, zorder=2)
         ax.annotate(label, (x, spread.centre), xytext=(7, 5), textcoords="offset points", fontsize="small")
