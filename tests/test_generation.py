@@ -75,3 +75,19 @@ def test_conversations_in_lockstep_answer_as_each_alone(tiny, conversations, nam
     together = [{k: r[k] for k in keep} for r in retention.run_conversations(
         engine(), conversations, [2, 4], "chunked", 64, answer_tokens=5, protocol=protocol)]
     assert sorted(together, key=str) == sorted(alone, key=str) and len(alone) == 6
+
+
+@pytest.mark.parametrize("name", ["full", "h2o", "infinigen"])
+def test_protocols_in_one_pass_answer_as_each_protocol_alone(tiny, conversations, name):
+    """Retention runs both protocols over one feed of each conversation: every answer is the one its protocol's own
+    pass gives."""
+    def engine():
+        return Engine(tiny, make_policy(name, **SETTINGS[name]))
+
+    keep = ("conversation", "turn", "answer", "correct", "context_tokens", "protocol")
+    alone = [{k: r[k] for k in keep} for protocol in ("deployed", "strict")
+             for r in retention.run_conversations(engine(), conversations, [2, 4], "chunked", 64, answer_tokens=5,
+                                                  protocol=protocol)]
+    joint = [{k: r[k] for k in keep} for r in retention.run_conversations(
+        engine(), conversations, [2, 4], "chunked", 64, answer_tokens=5, protocol=["deployed", "strict"])]
+    assert sorted(joint, key=str) == sorted(alone, key=str) and len(joint) == 12

@@ -15,6 +15,7 @@ Conversations: LMSYS-Chat-1M through `datasets` (paper profile), or built offlin
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvlib.engine import Engine
@@ -152,40 +153,49 @@ def _plan(tok, conv: Conversation, query_turns: list[int], answer_tokens: int, m
 
 
 def run_conversation(engine: Engine, conv: Conversation, query_turns: list[int], prefill_mode: str,
-                     chunk_size: int = 512, answer_tokens: int | None = None, protocol: str = "deployed"
-                     ) -> list[dict]:
+                     chunk_size: int = 512, answer_tokens: int | None = None,
+                     protocol: str | Sequence[str] = "deployed") -> list[dict]:
     """One conversation alone (run_conversations with one)."""
     return run_conversations(engine, [conv], query_turns, prefill_mode, chunk_size, answer_tokens, protocol)
 
 
 def run_conversations(engine: Engine, convs: list[Conversation], query_turns: list[int], prefill_mode: str,
-                      chunk_size: int = 512, answer_tokens: int | None = None, protocol: str = "deployed"
-                      ) -> list[dict]:
-    """Conversations in lockstep on one Session: conversation c in row 2c, fed turn by turn; after a query turn each
-    conversation's question is branched into row 2c + 1 and all of them are answered together
-    (kvlib.evaluation.generation, under `protocol`). One row per question; each answer is the one the conversation
-    alone would get (tested). The KV usage in a row is its lockstep group's so far."""
-    check_protocol(protocol)
+                      chunk_size: int = 512, answer_tokens: int | None = None,
+                      protocol: str | Sequence[str] = "deployed") -> list[dict]:
+    """Conversations in lockstep on one Session: each conversation in a row of its own, fed turn by turn; after a
+    query turn each conversation's question is branched into one more row per protocol and all of them are answered
+    together, protocol by protocol (kvlib.evaluation.generation). One row per question and protocol; each answer is
+    the one the conversation alone, under that protocol alone, would get (tested).
+
+    Several protocols share one pass: the conversation's own row never sees a question, so its turns (the prefill
+    that dominates the test's time) are the same under every protocol and are computed once. The KV usage in a row
+    is its lockstep group's so far."""
+    protocols = [protocol] if isinstance(protocol, str) else list(dict.fromkeys(protocol))
+    for p in protocols:
+        check_protocol(p)
     tok = engine.model.tokenizer
     answer_tokens = answer_tokens or answer_cap(tok)
     plans = [_plan(tok, conv, query_turns, answer_tokens, engine.model.spec.max_context) for conv in convs]
+    stride = 1 + len(protocols)  # conversation c in row stride * c, its question under protocols[j] in the j + 1-th
     rows, held = [], [0] * len(plans)
-    with engine.session([plan.total for plan in plans for _ in (0, 1)], answer_tokens) as session:
+    with engine.session([plan.total for plan in plans for _ in range(stride)], answer_tokens) as session:
         for turn in range(max(len(plan.pieces) for plan in plans)):
             for c, plan in enumerate(plans):
                 if turn < len(plan.pieces):
-                    session.prefill(2 * c, plan.pieces[turn], prefill_mode, chunk_size)
+                    session.prefill(stride * c, plan.pieces[turn], prefill_mode, chunk_size)
                     held[c] += len(plan.pieces[turn])
             asking = [c for c, plan in enumerate(plans) if turn in plan.asks]
-            for c in asking:
-                session.fork(2 * c, 2 * c + 1)
-            answers = answer_rows(session, [2 * c + 1 for c in asking], [plans[c].asks[turn] for c in asking],
-                                  answer_tokens, protocol, prefill_mode, chunk_size, tok.eos_token_id)
-            usage = engine.policy.usage.summary()
-            for c, answer in zip(asking, answers):
-                conv, text = plans[c].conv, tok.decode(answer, skip_special_tokens=True)
-                rows.append({"conversation": conv.id, "bucket": bucket_label(conv.bucket), "turn": turn,
-                             "context_tokens": held[c], "fact": conv.fact.question, "expected": conv.fact.answer,
-                             "answer": text, "correct": answered(conv.fact.answer, text),
-                             "answer_tokens": answer_tokens, "protocol": protocol, **usage})
+            for j, p in enumerate(protocols):
+                for c in asking:
+                    session.fork(stride * c, stride * c + 1 + j)
+                answers = answer_rows(session, [stride * c + 1 + j for c in asking],
+                                      [plans[c].asks[turn] for c in asking], answer_tokens, p, prefill_mode,
+                                      chunk_size, tok.eos_token_id)
+                usage = engine.policy.usage.summary()
+                for c, answer in zip(asking, answers):
+                    conv, text = plans[c].conv, tok.decode(answer, skip_special_tokens=True)
+                    rows.append({"conversation": conv.id, "bucket": bucket_label(conv.bucket), "turn": turn,
+                                 "context_tokens": held[c], "fact": conv.fact.question, "expected": conv.fact.answer,
+                                 "answer": text, "correct": answered(conv.fact.answer, text),
+                                 "answer_tokens": answer_tokens, "protocol": p, **usage})
     return rows

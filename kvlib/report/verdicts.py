@@ -230,7 +230,9 @@ def _accuracy_finding(df: pd.DataFrame, gate: float) -> tuple[str, str]:
     item = accuracy_item(df)
     drops = {key: stats.paired_drop(*pair, value, item, None, stratum, level=level)
              for key, (pair, value, stratum) in pairs.items()}
-    claims, parts = [], []
+    claims = []
+    parts = [f"{label}: full cache {_full_score(rows, value):.0%}" for label, (rows, value, _) in units.items()
+             if any(key[0] == label for key in drops)]
     for (label, budget, who), drop in sorted(drops.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])):
         if budget == 0.5 and who != H2O_VS_INFINIGEN:  # the paper: near the baseline
             claims.append(_near_baseline(drop))
@@ -242,6 +244,10 @@ def _accuracy_finding(df: pd.DataFrame, gate: float) -> tuple[str, str]:
         elif budget == 0.1:
             parts.append(f"{label}, budget 0.1: " + _drop_text(who, drop))
     return _combined(claims), "; ".join(parts) + f"; {len(drops)} intervals at {level * 100:.1f} % each (Bonferroni)"
+
+
+def _full_score(rows: pd.DataFrame, value: str) -> float:
+    return rows.loc[rows["policy"] == "full", value].astype(float).mean()
 
 
 H2O_RETENTION_DROP = (0.17, 0.27)  # the paper's H2O: 17-27 pp below the full cache
@@ -276,8 +282,7 @@ def _retention_finding(df: pd.DataFrame, gate: float) -> tuple[str, str]:
     if not {k[1] for k in pairs} >= {"h2o", "infinigen"}:
         return INCONCLUSIVE, "H2O and InfiniGen did not both run on a bucket that passes"
     drops = family(pairs, "correct", item, cluster, stratum)
-    full_score = d.loc[d["policy"] == "full", "correct"].mean()
-    claims, parts = [], [f"buckets {', '.join(sorted(valid))}; full cache {full_score:.0%}"]
+    claims, parts = [], [f"buckets {', '.join(sorted(valid))}; full cache {_full_score(d, 'correct'):.0%}"]
     for (budget, who), drop in drops.items():
         if who == "infinigen":
             claims.append(_near_baseline(drop))

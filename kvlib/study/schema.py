@@ -75,6 +75,11 @@ def list_of(check: Check) -> Check:
     return checked
 
 
+def one_or_list(check: Check) -> Check:
+    """A value, or a list of them that one point runs together (retention's protocols share a pass)."""
+    return lambda v: list_of(check)(v) if isinstance(v, list) else check(v)
+
+
 def bucket(v):
     ok = isinstance(v, list) and len(v) == 2 and all(_is_int(x) and x >= 1 for x in v) and v[0] < v[1]
     return None if ok else f"expected a bucket [low, high] of token counts, low < high, got {v!r}"
@@ -121,7 +126,7 @@ WORKLOAD: dict[str, dict[str, Check]] = {
                  "prefill_store_gb": optional(positive_number)},
     "retention": {"query_turns": list_of(positive_int), "buckets": list_of(bucket), "per_bucket": positive_int,
                   "conversations": optional(source), "lockstep": positive_int, "answer_tokens": optional(positive_int),
-                  "protocol": one_of(*PROTOCOLS)},
+                  "protocol": one_or_list(one_of(*PROTOCOLS))},
 }
 REQUIRED = {"ttft": ("prompt_tokens",), "batch_scaling": ("batch_size", "min_prompt_tokens", "max_prompt_tokens",
                                                           "max_new_tokens"),
