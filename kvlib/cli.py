@@ -67,9 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--device-capacity-gb", type=float, default=None,
                      help="device memory capacity; exceeding it ends the run as a recorded OOM")
     run.add_argument("--ignore-eos", action="store_true", help="always generate max-new-tokens tokens")
-    run.add_argument("--schedule", choices=["static", "continuous"], default="static",
+    run.add_argument("--schedule", choices=["static", "continuous", "compress"], default="static",
                      help="static: prefill each prompt, then decode the batch; continuous: requests join and leave "
-                          "between decode steps (needs --policy paged)")
+                          "between decode steps (a full pool preempts a request, as vLLM does); compress: as "
+                          "continuous, but a full pool first compacts a running request's cache by its policy's "
+                          "scores (h2o, snapkv)")
+    run.add_argument("--compress-share", type=float, default=0.5,
+                     help="with --schedule compress: the share of its entries a compacted request keeps")
     run.add_argument("--arrival-interval", type=int, default=0,
                      help="with --schedule continuous: request i arrives at decode step i * this")
     run.add_argument("--request-rate", type=float, default=None,
@@ -209,8 +213,8 @@ def requests(args, prompts: list[list[int]]) -> tuple[list[list[int]], list[floa
         if args.num_requests is not None:
             raise UserError("--num-requests goes with --request-rate")
         return prompts, None
-    if args.schedule != "continuous" and args.policy != "vllm":
-        raise UserError("--request-rate serves requests as they arrive: use --schedule continuous")
+    if args.schedule == "static" and args.policy != "vllm":
+        raise UserError("--request-rate serves requests as they arrive: use --schedule continuous (or compress)")
     n = args.num_requests or len(prompts)
     return [prompts[i % len(prompts)] for i in range(n)], arrival_times(n, args.request_rate, args.burstiness)
 
@@ -234,13 +238,13 @@ def cmd_run(args) -> int:
     prompts = read_prompts(args, model.tokenizer)
     engine = Engine(model, runner, device_capacity_bytes=capacity)
     prompts, arrivals = requests(args, prompts)
-    if args.schedule == "continuous":
+    if args.schedule != "static":
         from kvlib.engine.scheduler import Sequence, run
 
         sequences = [Sequence(p, args.max_new_tokens, arrival_step=i * args.arrival_interval,
                               arrival_s=arrivals[i] if arrivals else None) for i, p in enumerate(prompts)]
-        result = run(engine, sequences, "continuous", "chunked", args.chunk_size, stop_at_eos=not args.ignore_eos,
-                     slo=slo(args))
+        result = run(engine, sequences, args.schedule, "chunked", args.chunk_size, stop_at_eos=not args.ignore_eos,
+                     slo=slo(args), compress_share=args.compress_share)
     else:
         result = engine.generate(prompts, args.max_new_tokens, prefill_mode=args.prefill,
                                  chunk_size=args.chunk_size, stop_at_eos=not args.ignore_eos)

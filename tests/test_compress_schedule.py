@@ -78,3 +78,26 @@ def test_a_policy_that_cannot_compress_or_a_bad_share_is_one_clear_error(tiny, n
     policy = make_policy(name, block_size=4)
     with pytest.raises(UserError, match=message):
         run(Engine(tiny, policy), [Sequence(prompts_of(20)[0], 4)], "compress", "chunked", chunk_size=16, **settings)
+
+
+def test_the_cli_serves_under_the_compress_schedule_and_lists_the_compressions(tmp_path):
+    """`kvlib run --schedule compress`: a device capacity whose pool holds about 110 tokens, three requests of ~70."""
+    import json
+    import subprocess
+    import sys
+
+    from kvlib.models import load_model
+
+    model = load_model("smollm2-135m")
+    room = model.weights_bytes + model.packed_copy_bytes + 110 * model.spec.kv_bytes_per_token
+    prompt = tmp_path / "p.txt"
+    prompt.write_text(" ".join(["The cache keeps what attention reads, and the pool is small."] * 3))
+    proc = subprocess.run([sys.executable, "-m", "kvlib", "run", "--policy", "h2o", "--budget", "1.0", "--set",
+                           "block_size=4", "--schedule", "compress", "--compress-share", "0.5", "--prefill", "chunked",
+                           "--chunk-size", "16", "--batch-size", "3", "--max-new-tokens", "30", "--ignore-eos",
+                           "--device-capacity-gb", f"{room / 0.9 / 2**30 + 1e-6:.9f}", "--prompt-file", str(prompt),
+                           "--json"], capture_output=True, text=True, check=False, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout)
+    assert [len(o["token_ids"]) for o in out["outputs"]] == [30, 30, 30] and out["metrics"]["preemptions"] == 0
+    assert out["policy_stats"]["compressions"]

@@ -79,7 +79,7 @@ def batch_scaling(df: pd.DataFrame):
               ("device_peak_gib", "device memory peak (GiB)"), ("host_peak_gib", "host (offload) memory peak (GiB)")]
     for ax, (col, label) in zip(axes.flat, panels):
         if col == "decode_tokens_per_s":
-            throughput(d, "batch_size", ax)
+            throughput(d, "batch_size", ax, legend=False)
         else:
             sns.lineplot(d, x="batch_size", y=col, hue="policy", palette=_palette(d["policy"]), marker="o",
                          estimator=geometric_mean, errorbar=None, ax=ax, legend=False)
@@ -87,10 +87,13 @@ def batch_scaling(df: pd.DataFrame):
     fig.suptitle("Batch scaling (mixed-length prompts; geometric mean of repeats, bars: range of repeats and their "
                  "steps)")
     fig.tight_layout()
+    # one legend beside the four panels: inside one, eleven runners covered its lines
+    fig.legend(*axes.flat[0].get_legend_handles_labels(), loc="upper left", bbox_to_anchor=(1.0, 0.93),
+               fontsize="small")
     return fig
 
 
-def throughput(d: pd.DataFrame, by: str, ax) -> None:
+def throughput(d: pd.DataFrame, by: str, ax, legend: bool = True) -> None:
     """Decode throughput vs `by`, one line per policy: the geometric mean over repeats, error bars spanning the repeats
     and each repeat's interquartile range of per-step throughput (kvlib.report.tables.decode_spread, as the findings
     read it)."""
@@ -101,7 +104,8 @@ def throughput(d: pd.DataFrame, by: str, ax) -> None:
         # max(0, .): a single repeat's geometric mean, exp(log(x)), may round a hair past x
         yerr = [[max(0.0, s.centre - s.low) for _, s in spreads], [max(0.0, s.high - s.centre) for _, s in spreads]]
         ax.errorbar(xs, centres, yerr=yerr, marker="o", capsize=3, label=policy, color=palette[policy])
-    ax.legend(fontsize="small")
+    if legend:  # beside the axes: inside, a legend of every runner covers the lines
+        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))
 
 
 def wall_split(df: pd.DataFrame, by: str, title: str = ""):
