@@ -64,7 +64,7 @@ def test_finding_5_read_over_conversations():
     assert verdict({"retention": retention_rows(h2o_keeps=0.78)}, 5)[0] == INCONCLUSIVE
     # H2O ~22 pp lower, InfiniGen alike, over 160 conversations: both of the paper's magnitudes hold
     word, numbers = verdict({"retention": retention_rows(h2o_keeps=0.78, conversations=160)}, 5)
-    assert word == CONFIRMED and "160 conversations" in numbers and "full cache 100%" in numbers
+    assert word == CONFIRMED and "160 conversations" in numbers and "full cache 100.0%" in numbers
     assert verdict({"retention": retention_rows(h2o_keeps=1.0, conversations=160)}, 5)[0] == REFUTED
     # H2O ~50 pp lower: lower, as the paper says, but far beyond its 17-27 pp
     assert verdict({"retention": retention_rows(h2o_keeps=0.5, conversations=160)}, 5)[0] == REFUTED

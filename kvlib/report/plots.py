@@ -250,15 +250,20 @@ def overview(frames: dict[str, pd.DataFrame], gate: float | None = None):
     lossless = set(big.loc[big["lossless"].fillna(False).astype(bool), "policy"]) if "lossless" in big else set()
     norm = Normalize(0, max([5.0] + [max(e.drop.drop * 100 for e in ev) for ev in evidence.values()]))
     cmap = colormaps["viridis_r"]
+    labels, tasks = [], set()
     for policy, g in big.groupby("policy"):
         spread = decode_spread(g)
         x = g["device_peak_bytes"].median() / GB
+        task = None
         if policy in lossless:
             drop, label = 0.0, f"{policy}: keeps every entry"
         elif policy in evidence:
             e = max(evidence[policy], key=lambda e: e.drop.high)
-            drop = e.drop.drop * 100
-            label = f"{policy}: {-drop:+.1f} pp ({-e.drop.high * 100:+.1f} to {-e.drop.low * 100:+.1f})"
+            drop, task = e.drop.drop * 100, e.task
+            tasks.add(task)
+            # + 0.0: no "-0.0" for a drop of nothing
+            label = (f"{policy}: {-drop + 0.0:+.1f} pp ({-e.drop.high * 100 + 0.0:+.1f} to "
+                     f"{-e.drop.low * 100 + 0.0:+.1f}) at {e.where.split(' (')[0]}")
         else:
             drop, label = None, f"{policy}: accuracy not measured"
         colour = "none" if drop is None else cmap(norm(drop))
@@ -266,12 +271,40 @@ def overview(frames: dict[str, pd.DataFrame], gate: float | None = None):
         ax.errorbar(x, spread.centre, yerr=[[below], [above]], fmt="none", ecolor="grey", capsize=3, zorder=1)
         ax.scatter(x, spread.centre, s=110, c=[colour] if drop is not None else "none",
                    edgecolors="black", linewidths=1.2, zorder=2)
-        ax.annotate(label, (x, spread.centre), xytext=(7, 5), textcoords="offset points", fontsize="small")
+        labels.append((x, spread.centre, label, task))
+    # one task decides every drop: named once, in the title
+    labels = [(x, y, text + (f" on {task}" if task and len(tasks) > 1 else "")) for x, y, text, task in labels]
+    ax.margins(x=0.12, y=0.08)
+    _place_labels(ax, labels)
     bar = fig.colorbar(plt.cm.ScalarMappable(norm=norm, cmap=cmap), ax=ax)
     bar.set_label("accuracy lost against the full cache (pp)")
     ax.set(xlabel="device memory peak (GiB)", ylabel="decode throughput (tokens/s)",
-           title=f"Throughput, memory and accuracy at batch {int(big['batch_size'].iloc[0])} "
-                 f"(geometric mean; bars: range of repeats and steps)")
-    ax.margins(x=0.25)
+           title=f"Throughput, memory and accuracy at batch {int(big['batch_size'].iloc[0])}\n"
+                 f"geometric mean; bars: range of repeats and steps\naccuracy: the paired drop"
+                 + (f" on {next(iter(tasks))}" if len(tasks) == 1 else "") + " and its 95 % interval")
     fig.tight_layout()
     return fig
+
+
+def _place_labels(ax, labels: list[tuple[float, float, str]]) -> None:
+    """Each label beside its point, on the side with room, moved up or down by whole lines just enough not to
+    cover a label placed before it (runners crowd at similar memory and throughput); a moved label keeps a thin line
+    to its point."""
+    ax.figure.canvas.draw()  # the limits the labels are placed against
+    to_pixels, line = ax.transData.transform, 12.0
+    pt = 72 / ax.figure.dpi  # placed in the drawn pixels, offset in points: the same at any saved resolution
+    right_edge = ax.get_window_extent().x1
+    placed: list[tuple[float, float, float, float]] = []
+    for x, y, text in sorted(labels, key=lambda p: -p[1]):
+        px, py = to_pixels((x, y))
+        width = 6.0 * len(text)
+        left = px + 14 + width > right_edge  # no room on the right: the label goes to the point's left
+        x0 = px - 14 - width if left else px + 14
+        for dy in [4 + line * k * sign for k in range(12) for sign in ((1,) if k == 0 else (1, -1))]:
+            box = (x0, py + dy, x0 + width, py + dy + line)
+            if not any(box[0] < b[2] and b[0] < box[2] and box[1] < b[3] and b[1] < box[3] for b in placed):
+                break
+        placed.append(box)
+        ax.annotate(text, (x, y), xytext=(pt * (-14 if left else 14), pt * dy), textcoords="offset points",
+                    fontsize="small", ha="right" if left else "left", va="bottom",
+                    arrowprops=None if dy == 4 else {"arrowstyle": "-", "color": "grey", "lw": 0.6})

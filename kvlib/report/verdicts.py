@@ -231,7 +231,7 @@ def _accuracy_finding(df: pd.DataFrame, gate: float) -> tuple[str, str]:
     drops = {key: stats.paired_drop(*pair, value, item, None, stratum, level=level)
              for key, (pair, value, stratum) in pairs.items()}
     claims = []
-    parts = [f"{label}: full cache {_full_score(rows, value):.0%}" for label, (rows, value, _) in units.items()
+    parts = [f"{label}: full cache {_full_score(rows, value):.1%}" for label, (rows, value, _) in units.items()
              if any(key[0] == label for key in drops)]
     for (label, budget, who), drop in sorted(drops.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])):
         if budget == 0.5 and who != H2O_VS_INFINIGEN:  # the paper: near the baseline
@@ -282,7 +282,7 @@ def _retention_finding(df: pd.DataFrame, gate: float) -> tuple[str, str]:
     if not {k[1] for k in pairs} >= {"h2o", "infinigen"}:
         return INCONCLUSIVE, "H2O and InfiniGen did not both run on a bucket that passes"
     drops = family(pairs, "correct", item, cluster, stratum)
-    claims, parts = [], [f"buckets {', '.join(sorted(valid))}; full cache {_full_score(d, 'correct'):.0%}"]
+    claims, parts = [], [f"buckets {', '.join(sorted(valid))}; full cache {_full_score(d, 'correct'):.1%}"]
     for (budget, who), drop in drops.items():
         if who == "infinigen":
             claims.append(_near_baseline(drop))
