@@ -180,20 +180,26 @@ def recall_by_length(df: pd.DataFrame):
 
 
 def retention(df: pd.DataFrame):
-    """Paper Fig. 8: (a) share of correct answers by context bucket, (b) by turn, the band spanning the buckets."""
+    """Paper Fig. 8: (a) share of correct answers by context bucket, (b) by turn, the band spanning the buckets; one
+    row of the two per protocol the rows ran under (two measurements, read apart)."""
     _style()
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    protocols = sorted(df["protocol"].dropna().unique()) if "protocol" in df else []
+    fig, axes = plt.subplots(max(1, len(protocols)), 2, figsize=(11, 4 * max(1, len(protocols))), squeeze=False)
     order = sorted(df["bucket"].unique(), key=lambda label: df.loc[df["bucket"] == label, "context_tokens"].min())
     palette = _palette(df["policy"])
-    sns.barplot(df, x="bucket", y="correct", hue="policy", palette=palette, order=order, errorbar=("ci", 95), seed=0,
-                ax=a)
-    a.set(xlabel="conversation length bucket (tokens)", ylabel="retention accuracy",
-          title="(a) by context length (bars: 95 % bootstrap interval)")
-    per_bucket = df.groupby(["policy", "bucket", "turn"], as_index=False)["correct"].mean()
-    sns.lineplot(per_bucket, x="turn", y="correct", hue="policy", palette=palette, marker="o", errorbar=("pi", 100),
-                 ax=b)
-    b.set(xlabel="turn at which the question is asked", ylabel="retention accuracy",
-          title="(b) by turn (band: range over buckets)")
+    for (a, b), protocol in zip(axes, protocols or [None]):
+        d = df if protocol is None else df[df["protocol"] == protocol]
+        named = f", {protocol}" if len(protocols) > 1 else ""
+        sns.barplot(d, x="bucket", y="correct", hue="policy", palette=palette, order=order, errorbar=("ci", 95),
+                    seed=0, ax=a, legend=False)
+        a.set(xlabel="conversation length bucket (tokens)", ylabel="retention accuracy",
+              title=f"(a) by context length{named} (bars: 95 % bootstrap interval)")
+        per_bucket = d.groupby(["policy", "bucket", "turn"], as_index=False)["correct"].mean()
+        sns.lineplot(per_bucket, x="turn", y="correct", hue="policy", palette=palette, marker="o",
+                     errorbar=("pi", 100), ax=b)
+        b.set(xlabel="turn at which the question is asked", ylabel="retention accuracy",
+              title=f"(b) by turn{named} (band: range over buckets)")
+        b.legend(title="policy", fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))  # inside, it hid lines
     fig.tight_layout()
     return fig
 

@@ -167,13 +167,15 @@ def accuracy_table(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def retention_table(df: pd.DataFrame) -> pd.DataFrame:
-    """Share of questions answered correctly per policy with its 95 % Wilson interval and the KV share attended."""
+    """Share of questions answered correctly per policy and protocol (two measurements, never pooled) with its 95 %
+    Wilson interval over the questions and the KV share attended."""
     rows = []
-    for policy, g in df.groupby("policy"):
+    keys = ["policy", "protocol"] if "protocol" in df else ["policy"]
+    for key, g in df.groupby(keys):
         attended = g["kv_share_attended"].median() if "kv_share_attended" in g else math.nan
-        rows.append((policy, g["correct"].mean(), *wilson(g["correct"].sum(), len(g)), len(g), attended))
-    return pd.DataFrame(rows, columns=["policy", "score", "low", "high", "items", "kv_share_attended"]).assign(
-        metric="accuracy").set_index("policy")
+        rows.append((*key, g["correct"].mean(), *wilson(g["correct"].sum(), len(g)), len(g), attended))
+    return pd.DataFrame(rows, columns=[*keys, "score", "low", "high", "items", "kv_share_attended"]).assign(
+        metric="accuracy").set_index(keys)
 
 
 
