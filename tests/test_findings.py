@@ -155,3 +155,13 @@ def test_retention_pairs_questions_and_resamples_conversations():
     assert any(line.startswith("Ours: infinigen answers 100%") and ": inconclusive" in line for line in lines)
     assert any("H2O loses more than InfiniGen" in line for line in lines)
     assert any("whole conversations resampled within each bucket" in line for line in lines)
+
+
+def test_the_retention_table_never_pools_two_protocols():
+    from kvlib.report.tables import retention_table
+
+    rows = pd.DataFrame([{"policy": "h2o", "protocol": protocol, "correct": correct}
+                         for protocol, correct in (("deployed", True), ("deployed", True), ("strict", False))])
+    table = retention_table(rows)
+    assert table.loc[("h2o", "deployed"), "score"] == 1.0 and table.loc[("h2o", "strict"), "score"] == 0.0
+    assert table.loc[("h2o", "deployed"), "items"] == 2
