@@ -20,13 +20,15 @@ def role(df: pd.DataFrame, policy: str) -> str:
     return " (exploratory)" if (df.loc[df["policy"] == policy, "role"] == "exploratory").any() else ""
 
 
-def change(drop: stats.Drop) -> str:
-    """A policy's change from its reference in pp with the interval and the verdict word: the reader sees the score
-    move, so the sign is the score's (a drop of 12 pp reads -12.0)."""
-    def pp(share: float) -> str:
-        return f"{-share * 100 + 0.0:+.1f}"  # + 0.0: no "-0.0" for an unchanged score
+def signed_pp(drop_share: float) -> str:
+    """A drop (a share of items) as the score's move in pp: the reader sees the score move, so a drop of 12 pp reads
+    -12.0."""
+    return f"{-drop_share * 100 + 0.0:+.1f}"  # + 0.0: no "-0.0" for an unchanged score
 
-    return f"{pp(drop.drop)} pp, interval {pp(drop.high)} to {pp(drop.low)}: {drop.verdict}"
+
+def change(drop: stats.Drop) -> str:
+    """A policy's change from its reference in pp with the interval and the verdict word (signed_pp)."""
+    return f"{signed_pp(drop.drop)} pp, interval {signed_pp(drop.high)} to {signed_pp(drop.low)}: {drop.verdict}"
 
 
 def accuracy_rule(drops: dict, resampled: str = "items resampled") -> list[str]:

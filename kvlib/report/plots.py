@@ -240,6 +240,7 @@ def overview(frames: dict[str, pd.DataFrame], gate: float | None = None):
     from matplotlib import colormaps
     from matplotlib.colors import Normalize
 
+    from kvlib.report.accuracy_lines import signed_pp
     from kvlib.report.choose.evidence import accuracy_evidence
     from kvlib.report.gate import GATE
 
@@ -267,9 +268,8 @@ def overview(frames: dict[str, pd.DataFrame], gate: float | None = None):
             e = max(evidence[policy], key=lambda e: e.drop.high)
             drop, task = e.drop.drop * 100, e.task
             tasks.add(task)
-            # + 0.0: no "-0.0" for a drop of nothing
-            label = (f"{policy}: {-drop + 0.0:+.1f} pp ({-e.drop.high * 100 + 0.0:+.1f} to "
-                     f"{-e.drop.low * 100 + 0.0:+.1f}) at {e.where.split(' (')[0]}")
+            label = (f"{policy}: {signed_pp(e.drop.drop)} pp ({signed_pp(e.drop.high)} to "
+                     f"{signed_pp(e.drop.low)}) at budget {e.budget:g}")
         else:
             drop, label = None, f"{policy}: accuracy not measured"
         colour = "none" if drop is None else cmap(norm(drop))

@@ -23,7 +23,8 @@ class AccuracyEvidence:
 
     drop: stats.Drop
     task: str
-    where: str
+    budget: float  # the scored budget read
+    where: str  # that budget, and how it stands to the policy's own where they differ
     outcome: str | None = None  # WITHIN, RULED_OUT or CANNOT_TELL, once judged against a tolerance
 
     def text(self, tolerance: float | None = None) -> str:
@@ -74,7 +75,7 @@ def accuracy_evidence(accuracy: pd.DataFrame, budgets: dict[str, float | None], 
         out[policy] = [AccuracyEvidence(stats.paired_drop(rows[(rows["task"] == task) & (rows["policy"] == "full")],
                                                           rows[(rows["task"] == task) & (rows["policy"] == policy)
                                                                & (rows["budget"] == used)], "correct", item),
-                                        task, where)
+                                        task, used, where)
                        for task in g.loc[g["budget"] == used, "task"] if task in valid]
         if not out[policy]:
             del out[policy]
