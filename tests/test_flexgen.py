@@ -170,6 +170,19 @@ def test_the_bytes_moved_are_what_the_placement_implies(tiny, tmp_path, kv):
         stats["disk_to_host_bytes"]
 
 
+def test_reads_of_the_process_are_not_the_tiers_when_the_tier_read_nothing(tiny, tmp_path, monkeypatch):
+    """/proc/self/io counts the whole process: a library paged in mid-run must not read as the disk tier's bytes."""
+    from kvlib.memory import disk
+    counter = iter(range(0, 10**9, 12288))
+    monkeypatch.setattr(disk, "storage_read_bytes", lambda: next(counter))
+    on_device = make_policy("flexgen", percent=percent(100, 0), offload_dir=str(tmp_path))
+    stats = Engine(tiny, on_device).generate(prompts_of(20), 3, prefill_mode="full").stats
+    assert stats["disk_to_host_bytes"] == 0 and stats["disk_read_bytes_from_storage"] == 0
+    on_disk = make_policy("flexgen", percent=percent(0, 0), offload_dir=str(tmp_path))
+    stats = Engine(tiny, on_disk).generate(prompts_of(20), 3, prefill_mode="full").stats
+    assert stats["disk_to_host_bytes"] > 0 and stats["disk_read_bytes_from_storage"] > 0
+
+
 # -- the offload folder ---------------------------------------------------------------------------------------------
 def test_the_offload_files_are_removed_after_an_exception(tiny, tmp_path):
     policy = make_policy("flexgen", percent=percent(0, 0), offload_dir=str(tmp_path))

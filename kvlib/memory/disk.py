@@ -9,7 +9,8 @@ end of every forward pass (`settle`) each file is flushed to the disk (fdatasync
 (posix_fadvise DONTNEED), and every read drops the pages it brought in; so what a later pass reads comes from the disk.
 Where that cannot hold (a platform without posix_fadvise, a file system that ignores it), the kernel's own count of
 bytes this process fetched from storage (/proc/self/io `read_bytes`) is read around the run: `Transfers.summary`
-reports it beside the bytes kvlib read, and their difference as what the page cache served.
+reports it beside the bytes kvlib read, and their difference as what the page cache served. That count is the whole
+process's, so it bounds what the tier fetched from above; where the tier read nothing it is reported as 0.
 """
 
 from __future__ import annotations
@@ -63,6 +64,10 @@ class Transfers:
         now = storage_read_bytes()
         fetched = None if now is None or self.storage_at_start is None else \
             max(0, now - self.storage_at_start - self.uncounted_reads)
+        if not self.bytes["disk_to_host"]:
+            # the kernel counts the whole process: with no tier read, what it fetched (a library paged in lazily, a
+            # file of another module) is not the tier's
+            fetched = 0 if fetched is not None else None
         out = {}
         for d in DIRECTIONS:
             out[f"{d}_bytes"] = self.bytes[d]
