@@ -135,6 +135,23 @@ def test_prompts_without_a_tokenizer_are_seeded_random_ids():
         prompt_of_length(tokenizer, 20, source={"kind": "pydoc"})
 
 
+def test_a_batch_of_mixed_lengths_tokenizes_the_docs_once():
+    """The CPython docs' token ids do not depend on the length asked: tokenized once a tokenizer, not once a prompt."""
+    from kvlib.models import workloads
+
+    calls = []
+
+    class Counting:
+        def __call__(self, text, add_special_tokens=False):
+            calls.append(len(text))
+            return {"input_ids": [ord(c) for c in text[:5000]]}
+
+    tokenizer = Counting()
+    batch = mixed_length_prompts(tokenizer, 8, 16, 256)
+    assert len(calls) == 1 and [len(p) for p in batch] == [len(p) for p in mixed_length_prompts(tokenizer, 8, 16, 256)]
+    assert prompt_of_length(tokenizer, 40, offset=3) == [ord(c) for c in workloads._pydoc_text()[3:43]]
+
+
 def test_gpt_oss_is_refused_naming_what_the_policies_lack():
     with pytest.raises(UserError, match=r"sliding-window attention \(128 tokens\).*attention sinks"):
         load_model("gpt-oss-20b", device="cpu", weights="random", num_layers=2)
