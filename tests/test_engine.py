@@ -96,6 +96,21 @@ def test_every_policy_records_an_oom_instead_of_crashing(tiny, name):
     assert roomy.generate(prompts, 4, prefill_mode=mode).oom is None
 
 
+@pytest.mark.parametrize("name", available())
+def test_every_run_records_its_policys_mechanism_in_the_posters_words(tiny, name):
+    """kvlib.report.systems tabulates these from the rows: each is said, and what a lossless policy says of itself
+    agrees with it (every entry kept and read, nothing evicted, at the model's bits unless it quantizes)."""
+    policy = make_policy(name)
+    stats = Engine(tiny, policy).generate([list(range(100, 140))], 3, prefill_mode=policy.preferred_prefill).stats
+    assert all(isinstance(stats[k], str) and stats[k] for k in ("keeps", "reads", "evicts", "granularity"))
+    assert stats["kv_bits"] in (2, 4, 8, 16, 32)
+    if policy.lossless:
+        assert (stats["keeps"], stats["reads"], stats["evicts"], stats["kv_bits"]) == \
+            ("every entry", "all it keeps", "nothing", 8 * tiny.spec.dtype_bytes)
+    if name == "kivi":
+        assert stats["kv_bits"] == policy.bits
+
+
 def test_teacher_forcing_scores_continuations_like_one_full_forward(tiny):
     torch.manual_seed(3)
     prompts = [torch.randint(100, 5000, (n,)).tolist() for n in (12, 7)]

@@ -136,6 +136,7 @@ def test_compressed_cache_holds_4bit_records_on_every_tier_and_stays_close(tiny,
     for kv in [(100, 0), (0, 0)]:
         policy = make_policy("flexgen", percent=percent(*kv), compress_cache=True, offload_dir=str(tmp_path))
         result = Engine(tiny, policy).generate(prompts, 8, prefill_mode="full", stop_at_eos=False)
+        assert result.stats["kv_bits"] == 4
         s = tiny.spec
         held = s.num_layers * 2 * policy.capacity * 3 * s.num_kv_heads * quant4.record_bytes(s.head_dim)
         tier = "device" if kv == (100, 0) else "disk"
@@ -163,6 +164,7 @@ def test_the_bytes_moved_are_what_the_placement_implies(tiny, tmp_path, kv):
     disk_w = sum(flats_written[dev + host:]) * record
     stats = result.stats
     assert stats["disk_to_host_bytes"] == read_tokens * disk * record
+    assert stats["disk_to_host_bytes_in_decode"] == stats["disk_to_host_bytes"]  # a prompt's pass reads nothing back
     assert stats["host_to_device_bytes"] == read_tokens * (host + disk) * record
     assert stats["device_to_host_bytes"] == host_w + disk_w
     assert stats["host_to_disk_bytes"] == disk_w
@@ -317,6 +319,8 @@ def test_weights_off_the_device_generate_the_full_caches_tokens(fused, tmp_path,
     passes = len(prompts) + 8 - 1  # a prefill a prompt, then a decode step a token after the first
     kv_read = result.stats["disk_to_host_bytes"] - passes * off["disk"]  # each pass reads every disk layer once
     assert kv_read >= 0 and (kv_read > 0) == (Placement.parse(WEIGHT_PLACEMENTS[where]).kv[2] > 0)
+    # the decode steps' reads apart: every disk layer once a step, and all of the cache's (a prompt's pass reads none)
+    assert result.stats["disk_to_host_bytes_in_decode"] == (8 - 1) * off["disk"] + kv_read
     assert fused.weights_bytes == weights  # every weight back in the model after the run
     with torch.no_grad():
         assert torch.equal(fused.model(probe).logits, before)

@@ -227,6 +227,9 @@ def test_a_notebook_computes_what_is_missing_or_says_which_command_will(root, mo
     assert len(study.load("p", "ttft")) == 6  # opened interactively: computed through the same executor
     assert "computing them now" in capsys.readouterr().out
     assert len(study.load("p", "ttft", compute_missing=False)) == 6 and capsys.readouterr().out == ""
+    # an experiment the profile has no grid for (the findings page reads every one): nothing to compute, said so
+    assert study.load("p", "offload").empty
+    assert "the profile has no offload experiment" in capsys.readouterr().out
 
 
 def test_a_budget_set_in_policy_settings_is_a_column_the_tables_read(root, monkeypatch):

@@ -144,7 +144,11 @@ class VLLMBackend:
         stats = {"block_size": self.block_size, "num_blocks": blocks,
                  "peak_blocks_used": round(peak_usage * blocks) if read_memory else None,
                  "prefix_hit_rate": hits / sum(map(len, prompts)), "preemptions": sum(preempted.values())
-                 if read_memory else None, "vllm_version": vllm.__version__}
+                 if read_memory else None, "vllm_version": vllm.__version__,
+                 # the mechanism in the poster's words, as kvlib's policies record theirs (KVPolicy.traits)
+                 "keeps": "every entry", "reads": "all it keeps",
+                 "evicts": "nothing: a request is preempted and recomputed when blocks run out",
+                 "granularity": f"blocks of {self.block_size} tokens", "kv_bits": 8 * _spec(model).dtype_bytes}
         return RunResult(
             outputs=decoded_outputs(_tokenizer(llm, model), generated, prompts),
             metrics=metrics, memory=ledger.snapshot(), policy={"name": self.label, **asdict(self)}, stats=stats)

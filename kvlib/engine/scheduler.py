@@ -120,7 +120,8 @@ def run(engine: Engine, sequences: list[Sequence], schedule: str = "static", pre
     setup_s = timers.seconds.get("setup.allocate")
     try:
         oom = loop.serve(session)
-        memory, stats = engine.ledger.snapshot(), {**engine.policy.stats(), **engine.policy.usage.summary(),
+        memory, stats = engine.ledger.snapshot(), {**engine.policy.stats(), **engine.policy.traits(),
+                                                 **engine.policy.usage.summary(),
                                                  "decode_attention": engine.policy.decode_kernel}
         if schedule == "compress":
             stats["compressions"] = loop.compressions

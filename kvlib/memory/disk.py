@@ -54,11 +54,17 @@ class Transfers:
         self.seconds = dict.fromkeys(DIRECTIONS, 0.0)
         self.storage_at_start = storage_read_bytes()
         self.uncounted_reads = 0  # read outside the run proper (weights put back at its end): off the kernel's count
+        # the pass under way ("prefill" or "decode", set by the policy before each pass; a pass's loads are asked
+        # for and waited on within it), so that what decoding reads off the disk is told apart from the prompt's
+        self.phase = "prefill"
+        self.disk_read_in_decode = 0
 
     def add(self, direction: str, nbytes: int, seconds: float) -> None:
         with self.lock:
             self.bytes[direction] += nbytes
             self.seconds[direction] += seconds
+            if direction == "disk_to_host" and self.phase == "decode":
+                self.disk_read_in_decode += nbytes
 
     def summary(self) -> dict:
         now = storage_read_bytes()
@@ -74,6 +80,7 @@ class Transfers:
             out[f"{d}_s"] = self.seconds[d]
         # the kernel's count of what really came off the disk (whole pages: a little above the bytes asked for where
         # reads are small), and what the page cache served (what was asked for beyond it)
+        out["disk_to_host_bytes_in_decode"] = self.disk_read_in_decode
         out["disk_read_bytes_from_storage"] = fetched
         out["disk_read_bytes_page_cache"] = None if fetched is None else max(0, self.bytes["disk_to_host"] - fetched)
         return out
@@ -191,6 +198,29 @@ class OffloadFolder:
         self.files = []
         shutil.rmtree(self.path, ignore_errors=True)
         _OPEN.discard(self)
+
+
+def read_bandwidth(root: str | Path, nbytes: int, chunk: int) -> dict:
+    """The disk's sequential read rate through the tier's own reads: one file written, flushed and dropped from the
+    page cache, then read in chunks (each dropped after it). Returns bytes per second, with what the kernel says came
+    off the storage and so what the page cache served (a folder on tmpfs: all of it)."""
+    transfers = Transfers()
+    folder = OffloadFolder(root, transfers)
+    try:
+        f = folder.file("probe.bin", nbytes)
+        data = np.random.default_rng(0).integers(0, 255, chunk, dtype=np.uint8)
+        for at in range(0, nbytes, chunk):
+            f.write(at, data, count=False)
+        start = time.perf_counter()
+        for at in range(0, nbytes, chunk):
+            f.read(at, min(chunk, nbytes - at))
+        seconds = time.perf_counter() - start
+    finally:
+        folder.close()
+    summary = transfers.summary()
+    return {"bytes": nbytes, "chunk_bytes": chunk, "seconds": seconds, "read_bytes_per_s": nbytes / seconds,
+            "read_bytes_from_storage": summary["disk_read_bytes_from_storage"],
+            "read_bytes_page_cache": summary["disk_read_bytes_page_cache"]}
 
 
 @atexit.register

@@ -90,7 +90,7 @@ def build_random_model(config, dtype: torch.dtype, device: torch.device, seed: i
 
 
 CAVEAT = "random weights: systems figures only"
-SYSTEMS_EXPERIMENTS = ("ttft", "batch_scaling", "decode_length")
+SYSTEMS_EXPERIMENTS = ("ttft", "batch_scaling", "decode_length", "offload")
 
 
 def check_experiment(experiment: str, weights: str) -> None:

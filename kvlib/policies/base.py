@@ -91,6 +91,11 @@ class KVPolicy:
     # one (adopt_pass; kvlib.engine.prefill_record). Declared by each class itself, never inherited: a subclass that
     # changes what its prefill computes must not adopt by accident, and the default is to run its own prefill.
     adopts_prefill: ClassVar[bool] = False
+    # the mechanism in the words of the paper's poster, declared beside the code that does it; every run records them
+    # (traits) and kvlib.report.systems tabulates them next to what the runs measured (tiers, KV share attended)
+    keeps: ClassVar[str] = "every entry"
+    reads: ClassVar[str] = "all it keeps"
+    evicts: ClassVar[str] = "nothing"
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -210,6 +215,19 @@ class KVPolicy:
     def stats(self) -> dict:
         """Policy-specific metrics for the result (hit rates, bytes moved, ...)."""
         return {}
+
+    def traits(self) -> dict:
+        """The mechanism as every run records it, with what its settings make of it (block size, bits)."""
+        return {"keeps": self.keeps, "reads": self.reads, "evicts": self.evicts, "granularity": self.granularity(),
+                "kv_bits": self.kv_bits()}
+
+    def granularity(self) -> str:
+        """The unit its cache is allocated in."""
+        return "a row reserved whole"
+
+    def kv_bits(self) -> int:
+        """Bits a stored key or value element takes: the model's dtype, unless the policy quantizes."""
+        return 8 * self.spec.dtype_bytes
 
     def settings(self) -> dict:
         from dataclasses import asdict

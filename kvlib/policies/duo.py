@@ -48,6 +48,8 @@ from kvlib.policies.registry import register
 class DuoAttentionPolicy(BudgetedPolicy):
     name = "duo"
     calibrates = True
+    keeps = "every entry on retrieval heads; sinks and a recent window on streaming heads"
+    evicts = "on streaming heads, all but the sinks and a recent window, for good"
 
     budget: float = 0.5  # the retrieval-head ratio when retrieval_ratio is not given (DuoAttention's reported point)
     retrieval_ratio: float | None = None  # share of (layer, KV head) pairs that keep every entry; may be 0

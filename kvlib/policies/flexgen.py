@@ -58,6 +58,12 @@ class FlexGenPolicy(KVPolicy):
         if not isinstance(self.compress_cache, bool):
             raise UserError(f"compress_cache must be true or false, got {self.compress_cache!r}")
 
+    def granularity(self) -> str:
+        return "a row reserved whole, cut across device, host and disk by rows x heads"
+
+    def kv_bits(self) -> int:
+        return 4 if self.compress_cache else super().kv_bits()
+
     # -- what a subclass adds to the cache -------------------------------------------------------------------------
     def cache_arrays(self) -> list[CacheArray]:
         s = self.spec
@@ -123,10 +129,15 @@ class FlexGenPolicy(KVPolicy):
 
     def prepare(self, step: Step):
         # a pass reads what its rows held before it (a prompt's first pass: nothing); decode writes one token a row
-        self.store.begin_pass(int(step.start.max()))
+        self.begin_pass(step, int(step.start.max()))
         if step.phase == "decode":
             self.slots = step.rows.to(self.device), step.start.to(self.device)
             self.read = step.start + 1
+
+    def begin_pass(self, step: Step, longest: int) -> None:
+        """Load the first layer of a pass that reads `longest` tokens a row; what it moves is counted as its phase's."""
+        self.transfers.phase = step.phase
+        self.store.begin_pass(longest)
 
     def flats(self, rows: torch.Tensor) -> torch.Tensor:
         """The (row x head) indices of these rows, row-major."""

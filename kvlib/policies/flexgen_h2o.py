@@ -29,6 +29,7 @@ from kvlib.kernels.decode import DecodeReads
 from kvlib.memory.tiered_kv import CacheArray
 from kvlib.policies.base import Step
 from kvlib.policies.flexgen import FlexGenPolicy
+from kvlib.policies.h2o import HeavyHitterPolicy
 from kvlib.policies.registry import register
 from kvlib.policies.scored_eviction import select_heavy_recent
 
@@ -41,6 +42,7 @@ class FlexGenH2OPolicy(FlexGenPolicy):
     lossless = False
     supported_prefill = ("full",)  # the prompt's attention probabilities score it, in one pass
     preferred_prefill: ClassVar[str] = "full"
+    keeps, evicts = HeavyHitterPolicy.keeps, HeavyHitterPolicy.evicts  # H2O's rule, in FlexGen's cache
 
     budget: float = 0.3  # the heavy-hitter ratio: heavy = recent = int(budget x prompt)
     budget_tokens: int | None = None
@@ -82,11 +84,11 @@ class FlexGenH2OPolicy(FlexGenPolicy):
                 raise UserError(f"policy {self.name!r} prefills a row once (row {row} already holds tokens)")
             if min(self.limits(step.q_len, step.q_len)[0], step.q_len) > self.capacity:
                 raise UserError(f"a prompt of {step.q_len} tokens keeps more than the rows hold ({self.capacity})")
-            self.store.begin_pass(0)
+            self.begin_pass(step, 0)
             return
         # decode: the pass-wide decisions of h2o's eviction (the same for every layer and head)
         self.read_lengths = torch.maximum(self.region[rows], self.write_slot[0, rows, 0] + 1)
-        self.store.begin_pass(int(self.read_lengths.max()))
+        self.begin_pass(step, int(self.read_lengths.max()))
         self.region_after = self.read_lengths.clone()
         self.seen_after = self.seen[rows] + 1
         limits = [self.limits(int(n), int(p)) for n, p in zip(self.seen_after, self.prompt_of[rows])]

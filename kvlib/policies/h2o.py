@@ -41,6 +41,7 @@ class HeavyHitterPolicy(ScoredEvictionPolicy):
     preferred_prefill = "chunked"  # with cross-chunk accumulation: full prefill's kept set without its L x L matrix
     decode_scores = True
     adopts_prefill = True
+    evicts = "the least accumulated attention outside a recent window, for good"
 
     recent_ratio: float = 0.5  # share of the budget given to the recent window (the H2O paper splits it evenly)
     chunk_scoring: str = "accumulate"

@@ -50,6 +50,7 @@ class InfiniGenPolicy(BudgetedPolicy):
     calibrates = True
     adopts_prefill = True
     host_tensors = ("host_k", "host_v")
+    reads = "the entries a speculation of each layer's attention selects, each step"
 
     partial_ratio: float = 0.2  # share of each head's dimensions speculation uses (the official default)
     alpha: float = 4.0  # candidates: approximate logit within alpha of the head's max (weight within e^-alpha)

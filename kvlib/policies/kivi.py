@@ -70,6 +70,9 @@ class KIVIPolicy(KVPolicy):
     residual: int = 128  # most recent tokens kept in full precision (the official residual_length)
     quantize: bool = True  # False: the same groups, residual and byte layout holding each value's raw bytes
 
+    def kv_bits(self) -> int:
+        return self.bits if self.quantize else super().kv_bits()  # (the last `residual` tokens at full precision)
+
     def __post_init__(self):
         if self.bits not in BITS:
             raise UserError(f"bits must be one of {list(BITS)}, got {self.bits!r}")

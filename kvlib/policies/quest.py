@@ -51,10 +51,14 @@ from kvlib.policies.registry import register
 class QuestPolicy(BudgetedPolicy):
     name = "quest"
     adopts_prefill = True
+    reads = "the blocks whose key bounds score highest for the query, each step"
 
     block_size: int = 16  # the official page_size
     dense_layers: int = 2
     num_blocks: int | None = None  # None: enough for the batch (or, when serving, what the device capacity leaves)
+
+    def granularity(self) -> str:
+        return f"blocks of {self.block_size} tokens"
 
     def __post_init__(self):
         super().__post_init__()

@@ -54,6 +54,7 @@ class ScoredEvictionPolicy(BudgetedPolicy):
     """Keep the top tokens per KV head given scores and a budget; evicted entries are freed for good."""
 
     decode_scores: ClassVar[bool] = False  # update_scores needs each decode step's attention probabilities
+    keeps = "a budget of entries per KV head"
     allocations: ClassVar[tuple[str, ...]] = ALLOCATIONS  # the allocations its scoring gives a meaning to
 
     block_size: int = 16
@@ -61,6 +62,9 @@ class ScoredEvictionPolicy(BudgetedPolicy):
     allocation: str = "uniform"  # how a prompt's budget is split across layers and heads (kvlib.policies.allocation)
     floor_alpha: float = 0.2  # adaptive: the share of the uniform count every head keeps at least
     pyramid_beta: float = 20.0  # pyramid: the last layer keeps 1/beta of the mean
+
+    def granularity(self) -> str:
+        return f"blocks of {self.block_size} tokens"
 
     def __post_init__(self):
         super().__post_init__()

@@ -47,6 +47,7 @@ POOLINGS = ("avgpool", "maxpool")
 class SnapKVPolicy(ScoredEvictionPolicy):
     name = "snapkv"
     adopts_prefill = True
+    evicts = "at the end of prefill, what the last queries attend least, for good"
 
     window: int = 32  # observation window (the official default window_size)
     kernel_size: int = 5

@@ -60,6 +60,7 @@ class StreamingPolicy(ScoredEvictionPolicy):
     name = "streaming"
     allocations = ("uniform",)  # sinks and a window: no scored choice for an allocation to move between heads
     adopts_prefill = True
+    evicts = "all but the first tokens (sinks) and a recent window, for good"
 
     sink: int = 4  # attention sinks kept at the start (the official start_size)
     position_scheme: str = "original"

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from kvlib.report import stats
+from kvlib.report import offload, stats
 from kvlib.report.accuracy_lines import change, family, pairs_against_full, scored_rows
 from kvlib.report.gate import GATE, accuracy_gate, passing, retention_gate
 from kvlib.report.serving import sustained_rates
@@ -157,8 +157,8 @@ def retention(df: pd.DataFrame, gate: float = GATE) -> str:
             f"resampled within buckets, intervals adjusted together).")
 
 
-ANSWERS = {"ttft": ttft, "batch_scaling": batch_scaling, "decode_length": decode_length, "serving": serving,
-           "accuracy": accuracy, "retention": retention}
+ANSWERS = {"ttft": ttft, "batch_scaling": batch_scaling, "decode_length": decode_length, "offload": offload.answer,
+           "serving": serving, "accuracy": accuracy, "retention": retention}
 
 
 def answer(name: str, df: pd.DataFrame, gate: float = GATE) -> str:

@@ -13,7 +13,7 @@ import nbformat
 
 from kvlib.study.results import repo_root
 
-CHAPTERS = ("ttft", "batch_scaling", "decode_length", "serving", "accuracy", "retention", "choose", "findings")
+CHAPTERS = ("ttft", "batch_scaling", "decode_length", "offload", "serving", "accuracy", "retention", "choose", "findings")
 HIDDEN = {"parameters", "injected-parameters"}
 
 

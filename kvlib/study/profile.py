@@ -44,7 +44,7 @@ from kvlib.settings import capacity_bytes
 from kvlib.study.runners import make_runner, runner_class, runners
 from kvlib.study.schema import EXPERIMENT_KEYS, PROFILE_KEYS, check_profile
 
-EXPERIMENTS = ("ttft", "batch_scaling", "decode_length", "serving", "accuracy", "retention")
+EXPERIMENTS = ("ttft", "batch_scaling", "decode_length", "offload", "serving", "accuracy", "retention")
 __all__ = ["EXPERIMENTS", "EXPERIMENT_KEYS", "PROFILE_KEYS", "Point", "Profile", "load_profile", "profile_path",
            "validate_profile"]
 

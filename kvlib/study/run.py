@@ -44,7 +44,9 @@ def load(profile: str, experiment: str, compute_missing: bool = True) -> pd.Data
     """A notebook's results: the stored rows of the profile's grid. Where units are missing, they are computed here
     (with a progress bar) if compute_missing, else the rows stored so far come back with a note of what is not."""
     missing = results.missing_units(profile, experiment)
-    if missing is None or missing:
+    if missing is None and experiment not in load_profile(profile).experiments:
+        print(f"{profile}: the profile has no {experiment} experiment")  # (the paper's, say, has no offload grid)
+    elif missing is None or missing:
         command = f"kvlib study --profile {profile} --experiments {experiment} --compute-only"
         count = "no results" if missing is None else f"{len(missing)} unit(s) missing"
         if not compute_missing:

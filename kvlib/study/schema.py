@@ -124,6 +124,7 @@ WORKLOAD: dict[str, dict[str, Check]] = {
     "accuracy": {"task": text, "batch_size": positive_int, "protocol": one_of(*PROTOCOLS),
                  "limit": optional(positive_int), "ruler": optional(RULER), "offline_tasks": optional(OFFLINE_TASKS),
                  "prefill_store_gb": optional(positive_number)},
+    "offload": {"batch_size": positive_int, "prompt_tokens": positive_int, "max_new_tokens": positive_int},
     "retention": {"query_turns": list_of(positive_int), "buckets": list_of(bucket), "per_bucket": positive_int,
                   "conversations": optional(source), "lockstep": positive_int, "answer_tokens": optional(positive_int),
                   "protocol": one_or_list(one_of(*PROTOCOLS))},
@@ -133,7 +134,8 @@ REQUIRED = {"ttft": ("prompt_tokens",), "batch_scaling": ("batch_size", "min_pro
             "decode_length": ("output_tokens", "prompt_tokens"),
             "serving": ("num_requests", "min_prompt_tokens", "max_prompt_tokens", "min_output_tokens",
                         "max_output_tokens", "request_rate"),
-            "accuracy": ("task",), "retention": ("query_turns", "buckets", "per_bucket")}
+            "accuracy": ("task",), "retention": ("query_turns", "buckets", "per_bucket"),
+            "offload": ("batch_size", "prompt_tokens", "max_new_tokens")}
 PROFILE_KEYS = {"model", "device_capacity_gb", "policy_settings", "experiments", "description", "device", "weights",
                 "validity_gate"}
 EXPERIMENT_KEYS = {"policies", "grid", "fixed", "model", "device_capacity_gb", "repeats", "exploratory"}

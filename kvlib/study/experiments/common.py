@@ -52,7 +52,7 @@ def run(point: Point, prompts: list[list[int]], max_new_tokens: int, *, memory_r
 def accounting_columns(row: dict) -> dict:
     """What a run held (memory by tier and component, the blocks it used, whether it ran out) and where the engine's
     own sections put its time: what only an engine that reads itself can say."""
-    return {k: v for k, v in row.items() if k.startswith(("device_", "host_", "section_", "split_"))
+    return {k: v for k, v in row.items() if k.startswith(("device_", "host_", "disk_", "section_", "split_"))
             or k in ("oom", "oom_where", "stat_peak_blocks_used", "setup_s")}
 
 

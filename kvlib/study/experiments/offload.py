@@ -1,0 +1,26 @@
+"""Offloading, FlexGen's memory hierarchy: decode throughput and bytes read off the disk per generated token as the
+share of the KV cache (and of the weights) on disk grows, beside the disk's own read rate; and, at a device capacity
+the full cache runs out of, what an offloaded runner still completes, with its memory per tier."""
+
+from kvlib.memory.disk import read_bandwidth
+from kvlib.models.workloads import prompt_of_length
+from kvlib.policies.flexgen import default_offload_dir
+from kvlib.study.experiments.common import model_of, run_timed
+
+TIMED = True  # what it measures is time: a run disturbed by other processes is measured again
+PROBE_BYTES, PROBE_CHUNK = 128 * 2**20, 8 * 2**20  # the disk's read rate: a file of 128 MiB read in 8 MiB chunks
+
+_read_rates: dict[str, dict] = {}  # per process and offload folder: measured once, beside the first point there
+
+
+def run_point(point) -> list[dict]:
+    v = point.values
+    prompts = [prompt_of_length(model_of(point).tokenizer, v["prompt_tokens"], offset=1000 * i,
+                                source=v.get("text_source")) for i in range(v["batch_size"])]
+    row = run_timed(point, prompts, v["max_new_tokens"])
+    root = point.settings.get("offload_dir") or default_offload_dir()
+    if root not in _read_rates:
+        _read_rates[root] = read_bandwidth(root, PROBE_BYTES, PROBE_CHUNK)
+    probe = _read_rates[root]
+    return [{**row, "disk_read_bytes_per_s": probe["read_bytes_per_s"],
+             "disk_probe_page_cache_bytes": probe["read_bytes_page_cache"], "disk_probe_bytes": probe["bytes"]}]
