@@ -59,7 +59,7 @@ class FlexGenPolicy(KVPolicy):
             raise UserError(f"compress_cache must be true or false, got {self.compress_cache!r}")
 
     def granularity(self) -> str:
-        return "a row reserved whole, cut across device, host and disk by rows x heads"
+        return "a row reserved whole, split by rows x heads across tiers"
 
     def kv_bits(self) -> int:
         return 4 if self.compress_cache else super().kv_bits()
