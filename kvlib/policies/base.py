@@ -222,8 +222,9 @@ class KVPolicy:
                 "kv_bits": self.kv_bits()}
 
     def granularity(self) -> str:
-        """The unit its cache is allocated in."""
-        return "a row reserved whole"
+        """The unit its cache is allocated in: blocks, for a policy with a `block_size` setting (the block pool's)."""
+        size = getattr(self, "block_size", None)
+        return f"blocks of {size} tokens" if size else "a row reserved whole"
 
     def kv_bits(self) -> int:
         """Bits a stored key or value element takes: the model's dtype, unless the policy quantizes."""

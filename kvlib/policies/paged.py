@@ -38,9 +38,6 @@ class PagedPolicy(KVPolicy):
     # when serving under a device capacity, what the capacity leaves: KVPolicy.pool_blocks)
     prefix_caching: bool = True
 
-    def granularity(self) -> str:
-        return f"blocks of {self.block_size} tokens"
-
     def __post_init__(self):
         check_pool_settings(self.block_size, self.num_blocks)
 

@@ -57,9 +57,6 @@ class QuestPolicy(BudgetedPolicy):
     dense_layers: int = 2
     num_blocks: int | None = None  # None: enough for the batch (or, when serving, what the device capacity leaves)
 
-    def granularity(self) -> str:
-        return f"blocks of {self.block_size} tokens"
-
     def __post_init__(self):
         super().__post_init__()
         check_pool_settings(self.block_size, self.num_blocks)

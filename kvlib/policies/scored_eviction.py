@@ -63,9 +63,6 @@ class ScoredEvictionPolicy(BudgetedPolicy):
     floor_alpha: float = 0.2  # adaptive: the share of the uniform count every head keeps at least
     pyramid_beta: float = 20.0  # pyramid: the last layer keeps 1/beta of the mean
 
-    def granularity(self) -> str:
-        return f"blocks of {self.block_size} tokens"
-
     def __post_init__(self):
         super().__post_init__()
         check_pool_settings(self.block_size, self.num_blocks)
