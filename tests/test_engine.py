@@ -111,6 +111,27 @@ def test_every_run_records_its_policys_mechanism_in_the_posters_words(tiny, name
         assert stats["kv_bits"] == policy.bits
 
 
+@pytest.mark.parametrize("name", available())
+def test_every_run_measures_the_device_kv_it_held_per_token_seen(tiny, name):
+    """KVUsage, booked by the session after each decode step for every policy alike: the full cache holds the model's
+    bytes per token exactly, a lossless policy at least as much (blocks round a row's entries up), and none more
+    than its blocks' rounding above the full cache."""
+    policy = make_policy(name)
+    prompts = [list(range(100, 180)), list(range(300, 340))]
+    stats = Engine(tiny, policy).generate(prompts, 5, prefill_mode=policy.preferred_prefill, stop_at_eos=False).stats
+    held, dense = stats["kv_device_bytes_per_token"], tiny.spec.kv_bytes_per_token
+    steps = 4  # the last token is never fed back
+    assert stats["kv_tokens_held_total"] == sum(len(p) + 1 + s for p in prompts for s in range(steps))
+    if name == "full":
+        assert held == dense
+    if policy.lossless:
+        assert held >= dense
+    assert 0 <= held <= 1.25 * dense
+    bare = Engine(tiny, make_policy(name), instrumented=False).generate(prompts, 3, stop_at_eos=False,
+                                                                        prefill_mode=policy.preferred_prefill)
+    assert bare.stats["kv_device_bytes_per_token"] is None  # a run that books nothing says nothing held
+
+
 def test_teacher_forcing_scores_continuations_like_one_full_forward(tiny):
     torch.manual_seed(3)
     prompts = [torch.randint(100, 5000, (n,)).tolist() for n in (12, 7)]

@@ -226,6 +226,7 @@ class Session:
                                      Step(self.policy, torch.tensor(rows), start, 1, "decode", end=start + 1))
         for r in rows:
             self.lengths[r] += 1
+        self.policy.usage.held(self.engine.ledger.held("device"), sum(self.lengths))
         return logits
 
     def fork(self, src: int, dst: int) -> None:

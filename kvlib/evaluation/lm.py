@@ -48,19 +48,34 @@ class KVLibLM(TemplateLM):
         self.engine = Engine(self.loaded, kv_policy, calibration=calibration)
         self.prefill_store = prefill_store
         self.tokens_attended = self.tokens_seen = 0  # by decode steps, over every request so far
+        self.bytes_held: int | None = 0  # device KV bytes after each decode step, and the tokens seen then
+        self.tokens_held = 0
 
     def _generate(self, prompts, max_new_tokens, **kwargs):
         result = self.engine.generate(prompts, max_new_tokens, prefill_mode=self.engine.policy.preferred_prefill,
                                       prefill_store=self.prefill_store, **kwargs)
-        self.tokens_attended += result.stats.get("kv_tokens_attended_total", 0)
-        self.tokens_seen += result.stats.get("kv_tokens_seen_total", 0)
+        self._count(result.stats)
         return result
+
+    def _count(self, usage: dict) -> None:
+        """Add a run's KV usage (KVUsage.summary) to this model's totals."""
+        self.tokens_attended += usage.get("kv_tokens_attended_total", 0)
+        self.tokens_seen += usage.get("kv_tokens_seen_total", 0)
+        held = usage.get("kv_device_bytes_held_total")
+        self.bytes_held = None if held is None or self.bytes_held is None else self.bytes_held + held
+        self.tokens_held += usage.get("kv_tokens_held_total") or 0
 
     @property
     def kv_share_attended(self) -> float | None:
         """The share of the KV cache decode steps attended, over every request scored so far (what the policy
         actually used, whatever its budget setting)."""
         return self.tokens_attended / self.tokens_seen if self.tokens_seen else None
+
+    @property
+    def kv_device_bytes_per_token(self) -> float | None:
+        """The device KV bytes held per token seen, over every decode step so far (KVUsage): what the policy held,
+        whatever its budget setting."""
+        return self.bytes_held / self.tokens_held if self.bytes_held is not None and self.tokens_held else None
 
     # -- what TemplateLM needs -------------------------------------------------------------------------------------
     @property
@@ -153,9 +168,7 @@ class KVLibLM(TemplateLM):
         with engine.session([len(p) for p in prompts], max_new) as session:
             tokens = answer_rows(session, list(range(len(prompts))), prompts, max_new, self.protocol, mode,
                                  eos=self.eot_token_id, prefill_store=self.prefill_store)
-            usage = engine.policy.usage.summary()
-        self.tokens_attended += usage.get("kv_tokens_attended_total", 0)
-        self.tokens_seen += usage.get("kv_tokens_seen_total", 0)
+            self._count(engine.policy.usage.summary())
         return [_cut(self.tokenizer.decode(t, skip_special_tokens=True), until) for t in tokens]
 
 

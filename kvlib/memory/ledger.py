@@ -69,6 +69,10 @@ class MemoryLedger:
         finally:
             self.add(tier, component, -nbytes)
 
+    def held(self, tier: str, component: str = "kv") -> int | None:
+        """What a component of a tier holds now; None where this ledger cannot see it."""
+        return None if component in self.unmeasured else self.current[(tier, component)]
+
     def snapshot(self) -> dict:
         out = {}
         for tier in TIERS:

@@ -48,12 +48,25 @@ class Step:
 
 class KVUsage:
     """What attention read during decode, per layer: the tokens attended against the tokens the rows had seen. This
-    is the KV share a policy actually used, whatever its budget setting says (a cap for InfiniGen, a target for H2O)."""
+    is the KV share a policy actually used, whatever its budget setting says (a cap for InfiniGen, a target for H2O).
+    Beside it, what the device held: after each decode step the ledger's device KV bytes against the tokens the open
+    rows had seen (Session.decode books it for every policy alike), so that a policy's bytes per token seen are
+    measured, not derived from its settings (a budget, 2-bit codes, streaming heads' rings)."""
 
     def __init__(self, layers: int):
         self.attended = [0] * layers
         self.seen = [0] * layers
         self.row_steps = 0
+        self.held_bytes = 0  # device KV bytes after each decode step, summed over the steps
+        self.held_tokens = 0  # tokens the open rows had seen after each decode step, summed over the steps
+
+    def held(self, kv_bytes: int | None, tokens: int) -> None:
+        """After a decode step: the device's KV bytes (None where the run books nothing) and the rows' tokens seen."""
+        if kv_bytes is None:
+            self.held_bytes = None
+        elif self.held_bytes is not None:
+            self.held_bytes += kv_bytes
+            self.held_tokens += tokens
 
     def add(self, layer: int, attended: int, seen: int, rows: int) -> None:
         """attended, seen: summed over the step's rows (per KV head: the mean over heads)."""
@@ -63,7 +76,10 @@ class KVUsage:
             self.row_steps += rows
 
     def summary(self) -> dict:
-        totals = {"kv_tokens_attended_total": sum(self.attended), "kv_tokens_seen_total": sum(self.seen)}
+        totals = {"kv_tokens_attended_total": sum(self.attended), "kv_tokens_seen_total": sum(self.seen),
+                  "kv_device_bytes_held_total": self.held_bytes, "kv_tokens_held_total": self.held_tokens,
+                  "kv_device_bytes_per_token": self.held_bytes / self.held_tokens
+                  if self.held_bytes is not None and self.held_tokens else None}
         if not self.row_steps:
             return {"kv_share_attended": None, "kv_share_attended_per_layer": None,
                     "kv_tokens_attended_per_step": None, **totals}
