@@ -31,6 +31,9 @@ CASES = {
     "snapkv": {"budget": 0.3, "window": 8},
     "kivi": {"bits": 2, "group_size": 8, "residual": 16},
     "quest": {"budget": 0.3, "block_size": 8},
+    "duo": {"retrieval_ratio": 0.5, "sink": 4, "window": 8},  # half the heads staged and put in rings
+    "adakv": {"budget": 0.3, "window": 8},
+    "pyramidkv": {"budget": 0.3, "window": 8},
 }
 CHUNK = 16  # chunked prefill of these prompts takes two or three passes
 

@@ -68,7 +68,7 @@ def test_streaming_heads_hold_sinks_and_window_only(tiny):
     """At ratio 0.5 half the heads hold sink + window + 1 entries a row, however long the row: the ledger's KV is
     what the retrieval heads hold in full plus the rings."""
     prompt, new = prompts_of(100)[0], 6
-    policy = make_policy("duo", budget=0.5, sink=4, window=16)
+    policy = make_policy("duo", retrieval_ratio=0.5, sink=4, window=16)
     result = Engine(tiny, policy).generate([prompt], new, prefill_mode="chunked", chunk_size=32, stop_at_eos=False)
     s = tiny.spec
     heads = s.num_layers * s.num_kv_heads
@@ -112,11 +112,41 @@ def test_retrieval_heads_on_two_calibration_texts_and_their_overlap(tiny):
 
 
 def test_the_policy_uses_the_heads_its_calibration_chose(tiny):
-    policy = make_policy("duo", budget=0.5, sink=4, window=16, calibration_tokens=300)
+    policy = make_policy("duo", retrieval_ratio=0.5, sink=4, window=16, calibration_tokens=300)
     text = calibration_prompt(tiny)
-    Engine(tiny, policy, calibration=text)
+    Engine(tiny, policy, calibration=text).generate(prompts_of(40), 2)
     chosen = duo_heads.retrieval_heads(tiny, text[:300], 0.5, sink=4, window=16)
     assert {(layer, h) for layer, heads in enumerate(policy.retrieval_of) for h in heads} == chosen
+
+
+@pytest.mark.parametrize("budget", [0.3, 0.5, 0.8])
+def test_a_budget_is_the_share_of_the_entries_kept_as_for_every_policy(tiny, budget):
+    """Without a retrieval ratio, the budget sets the one at which the prompt keeps that share of its entries once
+    prefilled: what the device held per token seen while decoding (KVUsage) is the budget, to within a head's share
+    (the ratio rounds to whole heads) and the few tokens decoding adds."""
+    prompt, new = prompts_of(200)[0], 4
+    s = tiny.spec
+    heads = s.num_layers * s.num_kv_heads
+    result = Engine(tiny, make_policy("duo", budget=budget, sink=4, window=16)).generate(
+        [prompt], new, prefill_mode="chunked", chunk_size=64, stop_at_eos=False)
+    ratio = (budget * 200 - 21) / (200 - 21)
+    assert result.stats["retrieval_ratio"] == pytest.approx(ratio)
+    assert result.stats["retrieval_heads"] == round(ratio * heads)
+    held = result.stats["kv_device_bytes_per_token"] / s.kv_bytes_per_token
+    assert held == pytest.approx(budget, abs=0.5 / heads + 0.02)
+
+
+def test_a_budget_below_what_the_streaming_heads_keep_is_ratio_zero(tiny):
+    result = Engine(tiny, make_policy("duo", budget=0.05, sink=4, window=16)).generate(
+        prompts_of(100), 2, stop_at_eos=False)
+    assert result.stats["retrieval_ratio"] == 0 and result.stats["retrieval_heads"] == 0
+
+
+def test_the_heads_chosen_on_two_passages_of_the_docs(tiny):
+    """The stability the accuracy rows record: the same count of heads on each passage, their overlap a share."""
+    got = duo_heads.stability(tiny, 0.5, 4, 16, tokens=300)
+    assert got["retrieval_heads_chosen"] == tiny.spec.num_layers * tiny.spec.num_kv_heads // 2
+    assert 0 <= got["retrieval_heads_overlap"] <= 1
 
 
 @pytest.mark.parametrize("settings, message", [({"retrieval_ratio": 1.5}, "retrieval_ratio"),

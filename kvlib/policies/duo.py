@@ -1,11 +1,14 @@
 """DuoAttention (Xiao et al., 2024): retrieval heads keep every entry, streaming heads keep attention sinks and a
 recent window.
 
-Which (layer, KV head) is which is decided once, offline, from a calibration text (kvlib.policies.duo_heads: the
-attention mass a head would lose to the streaming pattern, ranked model-wide); the knob is the share of retrieval
-heads, `retrieval_ratio`, which `budget` sets when it is not given (budget 1.0: every head a retrieval head, the full
-cache). Streaming heads keep what StreamingLLM keeps (kvlib.policies.streaming, at budget_tokens = sink + window):
-the first `sink` tokens and the `window` most recent, so at ratio 0 this policy is StreamingLLM.
+Which (layer, KV head) is which is decided from a calibration text, offline (kvlib.policies.duo_heads: the attention
+mass a head would lose to the streaming pattern, ranked model-wide); the knob is the share of retrieval heads,
+`retrieval_ratio`. Without one, `budget` is what it is for every other policy, the share of the KV entries a row
+keeps, and sets the ratio at which the batch's prompts (their mean length n) keep that share once prefilled:
+r x n + (1 - r) x c = budget x n, c = min(n, sink + window + 1) the entries a streaming head keeps (ratio
+(budget x n - c) / (n - c), within [0, 1]). So a budget compares duo with H2O or SnapKV at equal KV bytes, and budget
+1.0 is the full cache. Streaming heads keep what StreamingLLM keeps (kvlib.policies.streaming, at budget_tokens =
+sink + window): the first `sink` tokens and the `window` most recent, so at ratio 0 this policy is StreamingLLM.
 
 Storage, per layer: the retrieval heads' entries in a per-row cache [rows, R, capacity, D] (as `full` holds every
 head's: each row reserves its longest length, and serving holds as many rows as the device capacity affords), the
@@ -48,10 +51,11 @@ from kvlib.policies.registry import register
 class DuoAttentionPolicy(BudgetedPolicy):
     name = "duo"
     calibrates = True
+    adopts_prefill = True  # every head attends the whole prompt densely: a recorded prefill's keys and values, stored
     keeps = "every entry on retrieval heads; sinks and a recent window on streaming heads"
     evicts = "on streaming heads, all but the sinks and a recent window, for good"
 
-    budget: float = 0.5  # the retrieval-head ratio when retrieval_ratio is not given (DuoAttention's reported point)
+    budget: float = 0.5  # the share of the KV entries kept, when retrieval_ratio is not given (the module's mapping)
     retrieval_ratio: float | None = None  # share of (layer, KV head) pairs that keep every entry; may be 0
     sink: int = 4
     window: int = 252  # a streaming head holds sink + window tokens (plus the new one during a step)
@@ -71,22 +75,40 @@ class DuoAttentionPolicy(BudgetedPolicy):
         if not isinstance(self.calibration_tokens, int) or self.calibration_tokens < 1:
             raise UserError(f"calibration_tokens must be an integer >= 1, got {self.calibration_tokens!r}")
 
-    @property
-    def ratio(self) -> float:
-        return self.budget if self.retrieval_ratio is None else self.retrieval_ratio
+    def ratio_for(self, prompt_lens: list[int]) -> float:
+        """The retrieval-head ratio for a batch of these prompts: retrieval_ratio, else the one at which they keep
+        `budget` of their entries (the module's mapping)."""
+        if self.retrieval_ratio is not None:
+            return self.retrieval_ratio
+        n = sum(prompt_lens) / len(prompt_lens)
+        streamed = min(n, self.sink + self.window + 1)
+        if n <= streamed:  # a streaming head keeps the whole prompt: every ratio holds every entry
+            return 1.0
+        return min(1.0, max(0.0, (self.budget * n - streamed) / (n - streamed)))
 
     def bind(self, model, ledger, timers):
         super().bind(model, ledger, timers)
+        self.scores: torch.Tensor | None = None
+        self.ratio = self.retrieval_ratio
         self.retrieval_of: list[list[int]] | None = None
 
     def calibrate(self, prompt):
+        """Score the heads on the calibration text, unless no ratio this policy can take needs a ranking."""
+        if self.retrieval_ratio in (0.0, 1.0) or (self.retrieval_ratio is None and self.budget == 1.0):
+            return
+        self.scores = head_scores(self.model, prompt[:self.calibration_tokens], self.sink, self.window)
+
+    def choose(self, ratio: float) -> None:
+        """Take `ratio` of the heads as retrieval heads: the best scored, model-wide."""
         s = self.spec
-        count = retrieval_count(self.ratio, s.num_layers, s.num_kv_heads)
-        if count in (0, s.num_layers * s.num_kv_heads):  # nothing to rank: no calibration pass
+        count = retrieval_count(ratio, s.num_layers, s.num_kv_heads)
+        if count in (0, s.num_layers * s.num_kv_heads):  # nothing to rank
             chosen = torch.full((s.num_layers, s.num_kv_heads), bool(count))
+        elif self.scores is None:
+            raise ValueError("policy 'duo' needs calibrate() (the engine calls it) before start()")
         else:
-            chosen = choose_retrieval(head_scores(self.model, prompt[:self.calibration_tokens], self.sink,
-                                                  self.window), self.ratio)
+            chosen = choose_retrieval(self.scores, ratio)
+        self.ratio = ratio
         self.set_retrieval(chosen)
 
     def set_retrieval(self, chosen: torch.Tensor) -> None:
@@ -106,8 +128,7 @@ class DuoAttentionPolicy(BudgetedPolicy):
 
     # -- lifecycle -------------------------------------------------------------------------------------------------
     def start(self, batch_size, prompt_lens, max_new_tokens):
-        if self.retrieval_of is None:
-            raise ValueError("policy 'duo' needs calibrate() (the engine calls it) before start()")
+        self.choose(self.ratio_for(prompt_lens))
         s = self.spec
         capacity = max(prompt_lens) + max_new_tokens
         self.ring = min(self.sink + self.window + 1, capacity)
@@ -167,7 +188,10 @@ class DuoAttentionPolicy(BudgetedPolicy):
             return self._prefill(layer, query, key, value, step)
         return self._decode(layer, query, key, value, step)
 
-    def _prefill(self, layer, query, key, value, step):
+    def _store(self, layer, key, value, step) -> list[tuple]:
+        """Write a prefill pass's keys and values [1, Hkv, t, D]: the retrieval heads' into their cache, the streaming
+        heads' into the row's staging buffer. Returns, per kind of head, (its query heads, the keys and values it
+        attends, where this pass begins among them)."""
         row, begin, t = int(step.rows[0]), int(step.start[0]), step.q_len
         end = begin + t
         retrieval, streaming = self.retrieval_of[layer], self.streaming_of[layer]
@@ -185,6 +209,13 @@ class DuoAttentionPolicy(BudgetedPolicy):
             kc[:, filled:filled + t] = key[0, streaming]
             vc[:, filled:filled + t] = value[0, streaming]
             parts.append((q_streaming, kc[None, :, :filled + t], vc[None, :, :filled + t], filled))
+        return parts
+
+    def adopt_pass(self, layer, recorded, step: Step):
+        self._store(layer, recorded.key(layer), recorded.value(layer), step)
+
+    def _prefill(self, layer, query, key, value, step):
+        parts = self._store(layer, key, value, step)
         return self._by_head(query, [(q, lambda sub, k=k, v=v, b=b: prefill_attention(
             sub, k, v, b, step.prefill_mode, self.scale, self.ledger, layer)) for q, k, v, b in parts])
 
