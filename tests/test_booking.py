@@ -29,6 +29,8 @@ CASES = {
     "flexgen": {"percent": "100 0 40 60 100 0"},
     "flexgen_h2o": {"budget": 0.3, "percent": "100 0 40 60 100 0"},
     "duo": {"budget": 0.5, "sink": 4, "window": 16},
+    "adakv": {"budget": 0.3, "window": 8},
+    "pyramidkv": {"budget": 0.3, "window": 8},
 }
 
 

@@ -243,6 +243,8 @@ FULL_BUDGET = {
     "flexgen": {"percent": "100 0 50 50 100 0"},  # half the cache staged from the host each layer
     "flexgen_h2o": {"budget": 1.0, "percent": "100 0 50 50 100 0"},
     "duo": {"budget": 1.0},  # every head a retrieval head
+    "adakv": {"budget": 1.0, "window": 8},  # per-head counts that hold every older entry
+    "pyramidkv": {"budget": 1.0, "window": 8},
 }
 
 

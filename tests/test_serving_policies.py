@@ -23,6 +23,8 @@ BUDGETED = {
     "flexgen": {"percent": "100 0 50 50 100 0"},
     "flexgen_h2o": {"budget": 0.3, "percent": "100 0 50 50 100 0"},
     "duo": {"budget": 0.5, "sink": 4, "window": 8},
+    "adakv": {"budget": 0.3, "window": 8, "block_size": 4},
+    "pyramidkv": {"budget": 0.3, "window": 8, "block_size": 4},
 }
 KEEPS_ALL = {
     "full": {},
@@ -36,6 +38,8 @@ KEEPS_ALL = {
     "flexgen": {},  # on the device alone: a split cache holds more rows in the same capacity (its device share)
     "flexgen_h2o": {"budget": 1.0, "percent": "100 0 50 50 100 0"},
     "duo": {"budget": 1.0},
+    "adakv": {"budget": 1.0, "window": 8, "block_size": 4},
+    "pyramidkv": {"budget": 1.0, "window": 8, "block_size": 4},
 }
 # the policies that reserve each row's whole length up front: they serve as many rows as the capacity holds
 RESERVE_ROWS = {"full", "kivi", "infinigen", "flexgen", "flexgen_h2o", "duo"}

@@ -1,6 +1,7 @@
 """KV-cache policies, one file each; importing this package registers every one of them."""
 
 from kvlib.policies import (  # noqa: F401  (each registers itself)
+    adakv,
     duo,
     flexgen,
     flexgen_h2o,
@@ -9,6 +10,7 @@ from kvlib.policies import (  # noqa: F401  (each registers itself)
     infinigen,
     kivi,
     paged,
+    pyramidkv,
     quest,
     snapkv,
     streaming,
