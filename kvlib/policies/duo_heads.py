@@ -25,6 +25,7 @@ import torch
 
 from kvlib.errors import UserError
 from kvlib.models import LoadedModel
+from kvlib.models.workloads import CALIBRATION_TOKENS, corpus_ids, prompt_of_length
 from kvlib.paths import cache_dir
 from kvlib.policies.infinigen_skew import capture_qk
 
@@ -94,3 +95,15 @@ def retrieval_heads(model: LoadedModel, prompt: list[int], ratio: float, sink: i
 def overlap(a: set, b: set) -> float:
     """The share of retrieval heads two calibrations have in common (of the larger set; 1.0 when both are empty)."""
     return len(a & b) / max(len(a), len(b)) if a or b else 1.0
+
+
+def stability(model: LoadedModel, ratio: float, sink: int, window: int, tokens: int = CALIBRATION_TOKENS) -> dict:
+    """How much the choice of retrieval heads depends on the calibration text: the heads chosen at `ratio` on the
+    policy's calibration text (the CPython docs from their start) and on another passage of the same docs (from
+    their middle), and their overlap (the share in common). Two passages of one corpus, the only offline text here:
+    what it measures is the choice's sensitivity to the passage, not to the domain."""
+    tokens = min(tokens, model.spec.max_context)
+    first = prompt_of_length(model.tokenizer, tokens)
+    other = prompt_of_length(model.tokenizer, tokens, offset=len(corpus_ids(model.tokenizer, tokens)) // 2)
+    a, b = (retrieval_heads(model, text, ratio, sink, window) for text in (first, other))
+    return {"retrieval_heads_chosen": len(a), "retrieval_heads_overlap": overlap(a, b)}

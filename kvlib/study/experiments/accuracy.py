@@ -15,6 +15,7 @@ from kvlib.evaluation import KVLibLM
 from kvlib.evaluation.ruler import RULER_TASKS, evaluate_ruler
 from kvlib.evaluation.tasks import evaluate, write_offline_tasks
 from kvlib.models.workloads import calibration_prompt
+from kvlib.policies.duo_heads import stability
 from kvlib.study.experiments.common import model_of
 from kvlib.study.runners import runner_class
 
@@ -50,9 +51,26 @@ def run_point(point) -> list[dict]:
                  prefill_store=prefill_store(loaded, v.get("prefill_store_gb")), **point.settings)
     if v["task"] in RULER_TASKS:  # lm-eval's RULER: items sized per length (kvlib.evaluation.ruler)
         rows = evaluate_ruler(lm, v["task"], loaded.tokenizer.name_or_path, **(v.get("ruler") or {}))
-        return [{**row, "protocol": protocol} for row in rows]
-    offline = v.get("offline_tasks")
-    folder = write_offline_tasks(loaded.tokenizer, **offline) if offline else None
-    rows = evaluate(lm, [v["task"]], include_path=folder, limit=v.get("limit"))
-    # a scored continuation always comes from decode steps (kvlib.evaluation.lm): strict, whatever the point says
-    return [{**row, "kv_share_attended": lm.kv_share_attended, "protocol": "strict"} for row in rows]
+        rows = [{**row, "protocol": protocol} for row in rows]
+    else:
+        offline = v.get("offline_tasks")
+        folder = write_offline_tasks(loaded.tokenizer, **offline) if offline else None
+        rows = evaluate(lm, [v["task"]], include_path=folder, limit=v.get("limit"))
+        # a scored continuation always comes from decode steps (kvlib.evaluation.lm): strict, whatever the point says
+        rows = [{**row, "kv_share_attended": lm.kv_share_attended, "protocol": "strict"} for row in rows]
+    held = held_columns(lm, loaded.spec.kv_bytes_per_token)
+    return [{**row, **held} for row in rows]
+
+
+def held_columns(lm: KVLibLM, full_bytes_per_token: int) -> dict:
+    """What the policy held on the device while it answered (KVUsage): its KV bytes per token seen, and as a share of
+    the full cache's at the model's dtype; for duo, the retrieval ratio its budget came to and how stable its heads
+    are (kvlib.policies.duo_heads.stability)."""
+    per_token = lm.kv_device_bytes_per_token
+    columns = {"kv_device_bytes_per_token": per_token,
+               "kv_share_held": None if per_token is None else per_token / full_bytes_per_token}
+    policy = lm.engine.policy
+    if policy.name == "duo" and policy.ratio is not None:
+        columns.update(retrieval_ratio_used=policy.ratio,
+                       **stability(lm.loaded, policy.ratio, policy.sink, policy.window, policy.calibration_tokens))
+    return columns

@@ -1,0 +1,182 @@
+"""The accuracy-memory frontier (issue 45, the paper's future work): does an adaptive hybrid policy lose less than the
+uniform policies at equal KV bytes?
+
+Every accuracy row records what its policy held on the device while it answered (KVUsage: device KV bytes per token
+seen, `kv_share_held` as a share of the full cache's), so each (policy, budget) is a point of score change from the full
+cache against bytes held, measured rather than read off a setting. The hybrids (`HYBRIDS`: DuoAttention's retrieval
+and streaming heads, Ada-KV's and PyramidKV's budgets moved across heads and layers) are read against the uniform
+policies (`UNIFORM`: the same count of entries in every head) at the same budget, which the budget rule makes the
+same bytes (kvlib.policies.base.BudgetedPolicy.tokens_allowed; duo's mapping in kvlib.policies.duo); the bytes each
+measured are said beside the verdict, so a reader sees whether the premise held. A hybrid is compared with the uniform
+policy that lost least there (by its point estimate), item by item (kvlib.report.stats.paired_drop), the intervals of
+the page adjusted together (Bonferroni).
+"""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import pandas as pd
+
+from kvlib.report import stats
+from kvlib.report.accuracy_lines import change, role, scored_rows
+from kvlib.report.gate import GATE, accuracy_gate, passing
+from kvlib.report.plots import _palette, _style
+from kvlib.report.tables import accuracy_item
+
+HYBRIDS = ("duo", "adakv", "pyramidkv")
+UNIFORM = ("h2o", "snapkv", "streaming")
+EQUAL_BYTES = 1.25  # two policies whose bytes held per token are within this factor are compared at equal bytes
+
+
+def units(df: pd.DataFrame, gate: float = GATE) -> dict[str, tuple[pd.DataFrame, str, str | None]]:
+    """Each scored unit whose full cache passes the validity gate, as (rows, value column, stratum): a multiple-choice
+    task (`correct`), or RULER at one length over its passing subtasks (`ruler_score`, resampled within each)."""
+    out = {}
+    if df.empty or "kv_share_held" not in df:
+        return out
+    gated = accuracy_gate(df, gate)
+    scored = scored_rows(df)
+    for task in sorted(passing(gated[gated["length"].isna()], "task")):
+        rows = scored[scored["task"] == task]
+        if "correct" in rows and rows["correct"].notna().any():
+            out[task] = (rows, "correct", None)
+    if "ruler_score" in df:
+        ruler = df[df["ruler_score"].notna()]
+        ruler = ruler.assign(budget=ruler["budget"].fillna(1.0) if "budget" in ruler else 1.0)
+        valid = {(t, int(n)) for t, n, ok in zip(gated["task"], gated["length"], gated["passes"])
+                 if ok and pd.notna(n)}
+        for length, at in ruler.groupby("length"):
+            kept = at[[(t, int(length)) in valid for t in at["task"]]]
+            if not kept.empty:
+                out[f"RULER at {int(length):,} tokens"] = (kept, "ruler_score", "task")
+    return out
+
+
+def points(df: pd.DataFrame, gate: float = GATE) -> pd.DataFrame:
+    """One row per unit, policy (the full cache aside: it is the origin) and budget: the KV share it held (median over
+    its items' rows: they share it) and its score change from the full cache on the same items, 95 % interval (each
+    on its own: what the figure draws)."""
+    rows = []
+    for unit, (d, value, stratum) in units(df, gate).items():
+        full = d[d["policy"] == "full"]
+        if full.empty:
+            continue
+        item = accuracy_item(d)
+        for (policy, budget), g in d[d["policy"] != "full"].groupby(["policy", "budget"]):
+            drop = stats.paired_drop(full, g, value, item, stratum=stratum)
+            rows.append({"unit": unit, "policy": policy, "budget": budget,
+                         "kind": "hybrid" if policy in HYBRIDS else "uniform" if policy in UNIFORM else "other",
+                         "kv_share_held": g["kv_share_held"].median(), "change_pp": -drop.drop * 100,
+                         "low_pp": -drop.high * 100, "high_pp": -drop.low * 100, "items": drop.items})
+    return pd.DataFrame(rows, columns=["unit", "policy", "budget", "kind", "kv_share_held", "change_pp", "low_pp",
+                                       "high_pp", "items"])
+
+
+def comparisons(df: pd.DataFrame, gate: float = GATE) -> dict:
+    """(unit, budget, hybrid, uniform) -> the hybrid's drop from the uniform policy that lost least at that budget
+    (paired), the page's intervals adjusted together."""
+    pairs = {}
+    for unit, (d, value, stratum) in units(df, gate).items():
+        full = d[d["policy"] == "full"]
+        for budget, b in d[d["policy"] != "full"].groupby("budget"):
+            uniform = [p for p in UNIFORM if p in set(b["policy"])]
+            if full.empty or not uniform:
+                continue
+            item = accuracy_item(b)
+            best = min(uniform, key=lambda p: stats.paired_drop(full, b[b["policy"] == p], value, item,
+                                                                stratum=stratum).drop)
+            for hybrid in (p for p in HYBRIDS if p in set(b["policy"])):
+                pairs[(unit, budget, hybrid, best)] = (b[b["policy"] == best], b[b["policy"] == hybrid], value,
+                                                       item, stratum)
+    level = stats.family_level(len(pairs))
+    return {key: stats.paired_drop(ref, other, value, item, stratum=stratum, level=level)
+            for key, (ref, other, value, item, stratum) in pairs.items()}
+
+
+def _held(d: pd.DataFrame, policy: str, budget: float) -> float:
+    return d.loc[(d["policy"] == policy) & (d["budget"] == budget), "kv_share_held"].median()
+
+
+def _against(drop: stats.Drop, hybrid: str, uniform: str) -> str:
+    words = {stats.HIGHER: f"{hybrid} loses less than {uniform}", stats.LOWER: f"{hybrid} loses more than {uniform}",
+             stats.EQUIVALENT: f"{hybrid} and {uniform} are equivalent within +-{stats.EQUIVALENCE_MARGIN * 100:.0f} pp",
+             stats.INCONCLUSIVE: f"{hybrid} and {uniform} are not distinguishable on these {drop.clusters} "
+                                 f"item{'s' if drop.clusters != 1 else ''}"}
+    return words[drop.verdict]
+
+
+def lines(df: pd.DataFrame, gate: float = GATE) -> list[str]:
+    """The frontier's verdicts, one per hybrid, unit and budget, each with the bytes both held; then the tally."""
+    drops = comparisons(df, gate)
+    if not drops:
+        return ["Ours: no frontier verdict: no hybrid and uniform policy answered the same items at one budget on a "
+                + "task the full cache passes."]
+    frames = units(df, gate)
+    out = []
+    for (unit, budget, hybrid, uniform), drop in drops.items():
+        d = frames[unit][0]
+        held_h, held_u = _held(d, hybrid, budget), _held(d, uniform, budget)
+        equal = "" if 1 / EQUAL_BYTES <= held_h / held_u <= EQUAL_BYTES else " (not equal bytes: a comparison at one budget)"
+        out.append(f"Ours: {unit} at budget {budget:g}: {_against(drop, hybrid, uniform)} ({hybrid}{role(df, hybrid)}'s "
+                   f"change from {uniform}, the uniform policy that lost least there: {change(drop)}), holding "
+                   f"{held_h:.1%} of the full cache's KV bytes per token against {held_u:.1%}{equal}.")
+    tally = pd.Series([d.verdict for d in drops.values()]).value_counts()
+    said = {stats.HIGHER: "loses less", stats.LOWER: "loses more", stats.EQUIVALENT: "is equivalent",
+            stats.INCONCLUSIVE: "cannot be told apart"}
+    out.append("Ours: of " + f"{len(drops)} hybrid-against-uniform comparisons, the hybrid "
+               + ", ".join(f"{said[v]} in {n}" for v, n in tally.items()) + ".")
+    out += head_stability(df)
+    level = next(iter(drops.values())).level
+    out.append(f"How: each comparison pairs the two policies' answers item by item (a bootstrap interval, items "
+               f"resampled, RULER's within each subtask); the {len(drops)} intervals are adjusted together "
+               f"(Bonferroni: each at {level * 100:.1f} %); 'loses less' or 'more' needs the interval to exclude 0 and "
+               f"an exact sign test to agree, 'equivalent' an interval within +-{stats.EQUIVALENCE_MARGIN * 100:.0f} "
+               f"pp. The uniform policy compared is the one that lost least at that budget, chosen after the fact: "
+               f"the comparison favours it.")
+    return out
+
+
+def head_stability(df: pd.DataFrame) -> list[str]:
+    """DuoAttention's heads as its rows recorded them (kvlib.policies.duo_heads.stability): how many retrieval heads
+    its budget came to, and the share of them it would also choose calibrated on another passage."""
+    if "retrieval_heads_overlap" not in df:
+        return []
+    d = df.dropna(subset=["retrieval_heads_overlap"])
+    parts = [f"at {r:.2f} ({int(g['retrieval_heads_chosen'].iloc[0])} heads) {g['retrieval_heads_overlap'].iloc[0]:.0%}"
+             for r, g in d.groupby("retrieval_ratio_used")]
+    if not parts:
+        return []
+    return ["Ours: duo's retrieval heads chosen on the CPython docs' first passage and on a passage from their middle "
+            "have in common, by the ratio its budgets came to: " + "; ".join(parts) + "."]
+
+
+def plot(df: pd.DataFrame, gate: float = GATE):
+    """Score change from the full cache (pp, 95 % paired interval) against the KV bytes per token held on the device
+    (a share of the full cache's), one panel per unit: every policy a line through its budgets, the hybrids filled
+    and solid, the uniform policies hollow and dashed, the others dotted; the full cache at (1, 0)."""
+    table = points(df, gate)
+    if table.empty:
+        return None
+    _style()
+    names = list(table["unit"].unique())
+    fig, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 4.5), squeeze=False)
+    palette = _palette(table["policy"])
+    styles = {"hybrid": ("-", "full"), "uniform": ("--", "none"), "other": (":", "full")}
+    for ax, unit in zip(axes.flat, names):
+        t = table[table["unit"] == unit]
+        for policy, g in t.groupby("policy"):
+            g = g.sort_values("kv_share_held")
+            line, fill = styles[g["kind"].iloc[0]]
+            ax.errorbar(g["kv_share_held"], g["change_pp"],
+                        yerr=[(g["change_pp"] - g["low_pp"]).clip(lower=0), (g["high_pp"] - g["change_pp"]).clip(lower=0)],
+                        marker="o", ls=line, fillstyle=fill, capsize=3, color=palette[policy], label=policy)
+        ax.axhline(0, color="black", lw=1)
+        ax.plot([1.0], [0.0], marker="*", ms=12, color="black", ls="none", label="full")
+        ax.set(xlabel="KV bytes per token held on the device (share of the full cache's)",
+               ylabel="score change from the full cache (pp)", title=unit, xlim=(0, 1.05))
+    handles, labels = axes.flat[-1].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize="small",
+               title="hybrid: solid, filled\nuniform: dashed, hollow")
+    fig.tight_layout()
+    return fig
+
