@@ -34,6 +34,8 @@ CASES = {
     "duo": {"retrieval_ratio": 0.5, "sink": 4, "window": 8},  # half the heads staged and put in rings
     "adakv": {"budget": 0.3, "window": 8},
     "pyramidkv": {"budget": 0.3, "window": 8},
+    # in 4 bits, as the accuracy grid runs it (on the device: placed, the transfers' times would differ run to run)
+    "flexgen_h2o": {"budget": 0.3, "budget_rule": "seen", "compress_cache": True},
 }
 CHUNK = 16  # chunked prefill of these prompts takes two or three passes
 

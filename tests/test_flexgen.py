@@ -110,13 +110,15 @@ def test_every_placement_generates_the_full_caches_tokens(tiny, tmp_path, where,
 
 
 @pytest.mark.parametrize("where", sorted(PLACEMENTS))
-def test_every_placement_generates_h2os_tokens(tiny, tmp_path, where):
-    """FlexGen + H2O is H2O under the budget rule the paper ran, wherever its cache lies; the budget is small enough
-    that rows evict at every step."""
+@pytest.mark.parametrize("rule", ["flexgen", "seen"])
+def test_every_placement_generates_h2os_tokens(tiny, tmp_path, where, rule):
+    """FlexGen + H2O is H2O under either budget rule (the paper's, and the share of the tokens seen), wherever its
+    cache lies; the budget is small enough that rows evict at every step."""
     prompts = prompts_of(40, 65, 23, seed=1)
-    reference = Engine(tiny, make_policy("h2o", budget=0.2, budget_rule="flexgen")).generate(
+    reference = Engine(tiny, make_policy("h2o", budget=0.2, budget_rule=rule)).generate(
         prompts, 16, prefill_mode="full", stop_at_eos=False)
-    placed = make_policy("flexgen_h2o", budget=0.2, percent=percent(*PLACEMENTS[where]), offload_dir=str(tmp_path))
+    placed = make_policy("flexgen_h2o", budget=0.2, budget_rule=rule, percent=percent(*PLACEMENTS[where]),
+                         offload_dir=str(tmp_path))
     result = Engine(tiny, placed).generate(prompts, 16, prefill_mode="full", stop_at_eos=False)
     assert tokens(result) == tokens(reference)
     assert result.stats["kv_share_attended"] < 0.6

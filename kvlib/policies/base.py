@@ -266,6 +266,12 @@ class BudgetedPolicy(KVPolicy):
 
     def tokens_allowed(self, tokens: int) -> int:
         """The budget in tokens per KV head, for a row of `tokens` tokens: the one rule every sparse policy uses."""
-        if self.budget_tokens is not None:
-            return min(self.budget_tokens, tokens)
-        return min(tokens, max(1, round(self.budget * tokens)))
+        return tokens_allowed(self.budget, self.budget_tokens, tokens)
+
+
+def tokens_allowed(budget: float, budget_tokens: int | None, tokens: int) -> int:
+    """A budget in tokens per KV head for a row of `tokens` tokens: `budget_tokens`, else the share `budget` of them
+    (at least one)."""
+    if budget_tokens is not None:
+        return min(budget_tokens, tokens)
+    return min(tokens, max(1, round(budget * tokens)))

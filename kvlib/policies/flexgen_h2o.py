@@ -1,8 +1,10 @@
 """FlexGen + H2O (the H2O authors' FlexGen port, FMInference/H2O h2o_flexgen): H2O's eviction in FlexGen's placed,
 layer-streamed cache (kvlib.policies.flexgen).
 
-The scoring is H2O's, under the rule the paper ran (`h2o` with `budget_rule="flexgen"`): a row keeps, per KV head,
-heavy = recent = int(budget x prompt) tokens (or `budget_tokens` each), fixed during decode; after its prompt, the
+The scoring is H2O's, by default under the rule the paper ran (`h2o` with `budget_rule="flexgen"`): a row keeps, per
+KV head, heavy = recent = int(budget x prompt) tokens (or `budget_tokens` each), fixed during decode. `budget_rule=
+"seen"` is H2O's default instead (round(budget x tokens seen), split by `recent_ratio`), so that a budget means what
+it means for the accuracy chapter's other policies (the share of the entries kept). After its prompt, the
 `recent` newest and the `heavy` best-scored older ones (kvlib.policies.scored_eviction.select_heavy_recent); at every
 decode step each entry's score accumulates the attention it receives, the new token takes the slot the last eviction
 freed, and once over the budget the lowest-scored entry outside the recent window is evicted. Each slot's score and
@@ -29,7 +31,7 @@ from kvlib.kernels.decode import DecodeReads
 from kvlib.memory.tiered_kv import CacheArray
 from kvlib.policies.base import Step
 from kvlib.policies.flexgen import FlexGenPolicy
-from kvlib.policies.h2o import HeavyHitterPolicy
+from kvlib.policies.h2o import BUDGET_RULES, HeavyHitterPolicy, heavy_recent
 from kvlib.policies.registry import register
 from kvlib.policies.scored_eviction import select_heavy_recent
 
@@ -43,9 +45,12 @@ class FlexGenH2OPolicy(FlexGenPolicy):
     supported_prefill = ("full",)  # the prompt's attention probabilities score it, in one pass
     preferred_prefill: ClassVar[str] = "full"
     keeps, evicts = HeavyHitterPolicy.keeps, HeavyHitterPolicy.evicts  # H2O's rule, in FlexGen's cache
+    adopts_prefill = True  # one dense pass, its attention matrix the scores: a recorded one's keys, values and scores
 
-    budget: float = 0.3  # the heavy-hitter ratio: heavy = recent = int(budget x prompt)
+    budget: float = 0.3  # the heavy-hitter ratio: heavy = recent = int(budget x prompt) (budget_rule flexgen)
     budget_tokens: int | None = None
+    budget_rule: str = "flexgen"
+    recent_ratio: float = 0.5  # budget_rule seen: the recent window's share of what a row keeps
 
     def __post_init__(self):
         super().__post_init__()
@@ -53,11 +58,14 @@ class FlexGenH2OPolicy(FlexGenPolicy):
             raise UserError(f"budget must be in (0, 1], got {self.budget}")
         if self.budget_tokens is not None and self.budget_tokens < 1:
             raise UserError(f"budget_tokens must be >= 1, got {self.budget_tokens}")
+        if self.budget_rule not in BUDGET_RULES:
+            raise UserError(f"budget_rule must be one of {list(BUDGET_RULES)}, got {self.budget_rule!r}")
+        if not 0 <= self.recent_ratio <= 1:
+            raise UserError(f"recent_ratio must be in [0, 1], got {self.recent_ratio}")
 
     def limits(self, seen: int, prompt: int) -> tuple[int, int]:
-        """(tokens kept, of which recent) per KV head: H2O's `flexgen` budget rule."""
-        part = self.budget_tokens if self.budget_tokens is not None else int(self.budget * prompt)
-        return min(2 * part, seen), min(part, seen)
+        """(tokens kept, of which recent) per KV head: H2O's budget rules."""
+        return heavy_recent(self.budget_rule, self.budget, self.budget_tokens, self.recent_ratio, seen, prompt)
 
     def cache_arrays(self) -> list[CacheArray]:
         return [*super().cache_arrays(), CacheArray("scores", (), torch.float32, 0.0),
@@ -102,23 +110,33 @@ class FlexGenH2OPolicy(FlexGenPolicy):
         return self._decode(layer, arrays, query, key, value, step)
 
     def _prefill(self, layer, arrays, query, key, value, step):
-        row, t, h = int(step.rows[0]), step.q_len, self.spec.num_kv_heads
+        t = step.q_len
         nbytes = matrix_bytes(1, self.spec.num_attention_heads, t, t, self.spec.dtype_bytes)
         with self.ledger.transient("device", "activations", nbytes, where=f"attention matrix, layer {layer}"):
             out, probs = matrix_attention(query, key, value, causal_mask(t, t, self.device), self.scale)
-            with self.timers.section("eviction"):
-                scores = probs[0].sum(dim=(1, 2)).float()  # [Hkv, t]: the attention each entry received
-                keep, recent = self.limits(t, t)
-                keep = min(keep, t)
-                idx = select_heavy_recent(scores, keep - min(recent, keep), min(recent, keep))  # [Hkv, keep]
-                d = self.spec.head_dim
-                arrays["keys"][row, :, :keep] = key[0].gather(1, idx[..., None].expand(-1, -1, d))
-                arrays["values"][row, :, :keep] = value[0].gather(1, idx[..., None].expand(-1, -1, d))
-                arrays["scores"][row, :, :keep] = scores.gather(1, idx)
-                arrays["positions"][row, :, :keep] = idx
-                self.store.store_range(layer, list(arrays), 0, keep, (row * h, (row + 1) * h))
-                self.write_slot[layer, row] = keep
+            self._keep_prompt(layer, arrays, key, value, probs[0].sum(dim=(1, 2)), step)
         return out
+
+    def adopt_pass(self, layer, recorded, step: Step):
+        self._keep_prompt(layer, self.layer_arrays(layer), recorded.key(layer), recorded.value(layer),
+                          recorded.received(layer), step)
+
+    def _keep_prompt(self, layer, arrays, key, value, received, step):
+        """Store what the prompt keeps of key, value [1, Hkv, t, D], scored by the attention each entry received
+        [Hkv, t] (summed over the queries and each group's query heads)."""
+        row, t, h = int(step.rows[0]), step.q_len, self.spec.num_kv_heads
+        with self.timers.section("eviction"):
+            scores = received.float()
+            keep, recent = self.limits(t, t)
+            keep = min(keep, t)
+            idx = select_heavy_recent(scores, keep - min(recent, keep), min(recent, keep))  # [Hkv, keep]
+            d = self.spec.head_dim
+            arrays["keys"][row, :, :keep] = key[0].gather(1, idx[..., None].expand(-1, -1, d))
+            arrays["values"][row, :, :keep] = value[0].gather(1, idx[..., None].expand(-1, -1, d))
+            arrays["scores"][row, :, :keep] = scores.gather(1, idx)
+            arrays["positions"][row, :, :keep] = idx
+            self.store.store_range(layer, list(arrays), 0, keep, (row * h, (row + 1) * h))
+            self.write_slot[layer, row] = keep
 
     # -- decode ------------------------------------------------------------------------------------------------------
     def _decode(self, layer, arrays, query, key, value, step):

@@ -23,11 +23,22 @@ from dataclasses import dataclass
 
 from kvlib.errors import UserError
 from kvlib.kernels.attention import causal_mask, matrix_attention, matrix_bytes
+from kvlib.policies.base import tokens_allowed
 from kvlib.policies.registry import register
 from kvlib.policies.scored_eviction import ScoredEvictionPolicy
 
 CHUNK_SCORING = ("accumulate", "per_chunk")
 BUDGET_RULES = ("seen", "flexgen")
+
+
+def heavy_recent(rule: str, budget: float, budget_tokens: int | None, recent_ratio: float, seen: int,
+                 prompt: int) -> tuple[int, int]:
+    """(tokens kept, of which recent) per KV head under a budget rule (the module's): H2O's, and FlexGen + H2O's."""
+    if rule == "flexgen":
+        part = budget_tokens if budget_tokens is not None else int(budget * prompt)
+        return min(2 * part, seen), min(part, seen)
+    keep = tokens_allowed(budget, budget_tokens, seen)
+    return keep, round(keep * recent_ratio)
 
 
 @register
@@ -63,11 +74,7 @@ class HeavyHitterPolicy(ScoredEvictionPolicy):
         super().check_prefill(mode)
 
     def limits(self, seen: int, prompt: int) -> tuple[int, int]:
-        if self.budget_rule == "flexgen":
-            part = self.budget_tokens if self.budget_tokens is not None else int(self.budget * prompt)
-            return min(2 * part, seen), min(part, seen)
-        keep = self.tokens_allowed(seen)
-        return keep, round(keep * self.recent_ratio)
+        return heavy_recent(self.budget_rule, self.budget, self.budget_tokens, self.recent_ratio, seen, prompt)
 
     def prefill_attention_of(self, layer, query, keys, values, scores, begin, filled, step):
         """A chunk's queries see what the row holds and, causally, the chunk itself; every held entry's score
