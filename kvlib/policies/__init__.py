@@ -1,6 +1,7 @@
 """KV-cache policies, one file each; importing this package registers every one of them."""
 
 from kvlib.policies import (  # noqa: F401  (each registers itself)
+    compress_h2o,
     duo,
     flexgen,
     flexgen_h2o,
