@@ -243,6 +243,7 @@ FULL_BUDGET = {
     "flexgen": {"percent": "100 0 50 50 100 0"},  # half the cache staged from the host each layer
     "flexgen_h2o": {"budget": 1.0, "percent": "100 0 50 50 100 0"},
     "duo": {"budget": 1.0},  # every head a retrieval head
+    "compress_h2o": {},  # budget 1.0 is its default: it compresses only under the compress schedule's full pool
 }
 
 

@@ -23,6 +23,7 @@ BUDGETED = {
     "flexgen": {"percent": "100 0 50 50 100 0"},
     "flexgen_h2o": {"budget": 0.3, "percent": "100 0 50 50 100 0"},
     "duo": {"budget": 0.5, "sink": 4, "window": 8},
+    "compress_h2o": {"block_size": 4},  # as the book runs it: every entry until the pool runs low
 }
 KEEPS_ALL = {
     "full": {},
@@ -36,6 +37,7 @@ KEEPS_ALL = {
     "flexgen": {},  # on the device alone: a split cache holds more rows in the same capacity (its device share)
     "flexgen_h2o": {"budget": 1.0, "percent": "100 0 50 50 100 0"},
     "duo": {"budget": 1.0},
+    "compress_h2o": {"block_size": 4},  # under the continuous schedule it preempts as paged does
 }
 # the policies that reserve each row's whole length up front: they serve as many rows as the capacity holds
 RESERVE_ROWS = {"full", "kivi", "infinigen", "flexgen", "flexgen_h2o", "duo"}
