@@ -178,3 +178,36 @@ def test_the_compression_sentences_say_how_many_replays_they_rest_on():
     df = pd.concat([rows(), rows().assign(repeat=1)], ignore_index=True)
     text = "\n".join(report.compression_lines(df))
     assert "the medians of 2 replays" in text and "50.0% over the 4 compressed" in text
+
+
+# ---- the command line --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("schedule", ["compress", "continuous"])
+def test_kvlib_run_policy_compress_h2o_serves_under_the_schedule_it_is_given(tmp_path, schedule):
+    """`kvlib run --policy compress_h2o` at a device capacity whose pool holds about 110 tokens, three requests of
+    ~70: under `--schedule compress` at the policy's own compress_share (no --compress-share), every request served
+    and none preempted; under `--schedule continuous`, preempted as paged is, nothing compressed."""
+    import subprocess
+    import sys
+
+    from kvlib.models import load_model
+
+    model = load_model("smollm2-135m")
+    room = model.weights_bytes + model.packed_copy_bytes + 110 * model.spec.kv_bytes_per_token
+    prompt = tmp_path / "p.txt"
+    prompt.write_text(" ".join(["The cache keeps what attention reads, and the pool is small."] * 3))
+    proc = subprocess.run([sys.executable, "-m", "kvlib", "run", "--policy", "compress_h2o", "--set", "block_size=4",
+                           "--set", "compress_share=0.25", "--schedule", schedule, "--prefill", "chunked",
+                           "--chunk-size", "16", "--batch-size", "3", "--max-new-tokens", "30", "--ignore-eos",
+                           "--device-capacity-gb", f"{room / 0.9 / 2**30 + 1e-6:.9f}", "--prompt-file", str(prompt),
+                           "--json"], capture_output=True, text=True, check=False, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout)
+    assert [len(o["token_ids"]) for o in out["outputs"]] == [30, 30, 30]
+    assert out["policy"]["name"] == "compress_h2o" and out["policy"]["compress_share"] == 0.25
+    if schedule == "compress":
+        compressions = out["policy_stats"]["compressions"]
+        assert compressions and out["metrics"]["preemptions"] == 0
+        assert all(c["entries_after"] == round(0.25 * c["entries_before"]) for c in compressions)
+    else:
+        assert out["metrics"]["preemptions"] > 0 and "compressions" not in out["policy_stats"]
