@@ -51,7 +51,7 @@ def test_under_the_continuous_schedule_it_preempts_as_paged_does(tiny):
     assert result.metrics["preemptions"] > 0 and "compressions" not in result.stats
 
 
-# ---- the serving experiment ---------------------------------------------------------------------------------------------
+# ---- the serving experiment ------------------------------------------------------------------------------------------
 
 TIGHT = {"num_requests": 4, "min_prompt_tokens": 30, "max_prompt_tokens": 50, "min_output_tokens": 24,
          "max_output_tokens": 30, "request_rate": 1000.0}  # every request at once, in a pool of about 110 tokens
@@ -102,7 +102,7 @@ def test_compression_columns_of_a_run_that_never_compressed():
     assert set(serving.compression_columns(None).values()) == {None}
 
 
-# ---- the report, on synthetic rows -------------------------------------------------------------------------------------
+# ---- the report, on synthetic rows -----------------------------------------------------------------------------------
 
 def rows():
     """Two rates, each its own trace; paged preempts, compress_h2o compresses request 0 (at 2 requests/s also 2)."""
@@ -180,7 +180,7 @@ def test_the_compression_sentences_say_how_many_replays_they_rest_on():
     assert "the medians of 2 replays" in text and "50.0% over the 4 compressed" in text
 
 
-# ---- the command line --------------------------------------------------------------------------------------------------
+# ---- the command line ------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("schedule", ["compress", "continuous"])
 def test_kvlib_run_policy_compress_h2o_serves_under_the_schedule_it_is_given(tmp_path, schedule):

@@ -8,7 +8,8 @@ It is H2O (kvlib.policies.h2o) at budget 1.0 that serves under the scheduler's `
 (`policy.compress`) whenever a decode step or a waiting request's prefill finds no free block, and preempts only when
 no running request can shrink any more. The run lists which requests were compressed, at which step and time, and from
 how many entries to how many (`compressions` in its stats), so that the accuracy lost is attributed to those requests:
-the others decode exactly as under `paged`.
+the others decode as they do under `paged` (greedy: the same tokens; tests/test_compress_h2o.py, and the serving
+report reads it from every run).
 """
 
 from __future__ import annotations

@@ -190,7 +190,7 @@ def _capacity_lines(d: pd.DataFrame, rates: dict[str, Sustained]) -> list[str]:
     return out
 
 
-# ---- compress instead of preempt (issue 45) ----------------------------------------------------------------------------
+# ---- compress instead of preempt (issue 45) --------------------------------------------------------------------------
 
 REFERENCE = "paged"  # the lossless kvlib runner whose output tokens every other kvlib runner's are compared with
 
@@ -297,8 +297,8 @@ def compression_lines(d: pd.DataFrame, reference: str = REFERENCE) -> list[str]:
                          f"{refmed['ttft_s_p99']:.3g} s")
             mine = agree[(agree["policy"] == policy) & (agree["request_rate"] == rate)]
             parts = [f"{a['agreement'].mean():.1%} over the {len(a)} {name}"
-                     for name, a in (("compressed", mine[mine["compressed"]]), ("not compressed", mine[~mine["compressed"]]))
-                     if len(a)]
+                     for name, a in (("compressed", mine[mine["compressed"]]),
+                                     ("not compressed", mine[~mine["compressed"]])) if len(a)]
             if parts:
                 text += f"; output tokens equal to {reference}'s, position by position: " + ", ".join(parts)
             text += (" (one replay: no interval)." if replays == 1 else
