@@ -71,9 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="static: prefill each prompt, then decode the batch; continuous: requests join and leave "
                           "between decode steps (a full pool preempts a request, as vLLM does); compress: as "
                           "continuous, but a full pool first compacts a running request's cache by its policy's "
-                          "scores (h2o, snapkv)")
-    run.add_argument("--compress-share", type=float, default=0.5,
-                     help="with --schedule compress: the share of its entries a compacted request keeps")
+                          "scores (h2o, snapkv; compress_h2o, H2O at budget 1.0, serves under it in the serving "
+                          "experiment)")
+    run.add_argument("--compress-share", type=float, default=None,
+                     help="with --schedule compress: the share of its entries a compacted request keeps (default: the "
+                          "policy's compress_share setting where it has one, as compress_h2o does, else 0.5)")
     run.add_argument("--arrival-interval", type=int, default=0,
                      help="with --schedule continuous: request i arrives at decode step i * this")
     run.add_argument("--request-rate", type=float, default=None,

@@ -245,6 +245,7 @@ FULL_BUDGET = {
     "duo": {"budget": 1.0},  # every head a retrieval head
     "adakv": {"budget": 1.0, "window": 8},  # per-head counts that hold every older entry
     "pyramidkv": {"budget": 1.0, "window": 8},
+    "compress_h2o": {},  # budget 1.0 is its default: it compresses only under the compress schedule's full pool
 }
 
 

@@ -25,6 +25,7 @@ BUDGETED = {
     "duo": {"budget": 0.5, "sink": 4, "window": 8},
     "adakv": {"budget": 0.3, "window": 8, "block_size": 4},
     "pyramidkv": {"budget": 0.3, "window": 8, "block_size": 4},
+    "compress_h2o": {"block_size": 4},  # as the book runs it: every entry until the pool runs low
 }
 KEEPS_ALL = {
     "full": {},
@@ -40,6 +41,7 @@ KEEPS_ALL = {
     "duo": {"budget": 1.0},
     "adakv": {"budget": 1.0, "window": 8, "block_size": 4},
     "pyramidkv": {"budget": 1.0, "window": 8, "block_size": 4},
+    "compress_h2o": {"block_size": 4},  # under the continuous schedule it preempts as paged does
 }
 # the policies that reserve each row's whole length up front: they serve as many rows as the capacity holds
 RESERVE_ROWS = {"full", "kivi", "infinigen", "flexgen", "flexgen_h2o", "duo"}

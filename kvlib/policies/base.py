@@ -99,6 +99,7 @@ class KVPolicy:
     lossless: ClassVar[bool] = False  # keeps and attends every entry: its outputs are the full cache's
     supported_prefill: ClassVar[tuple[str, ...]] = PREFILL_MODES
     preferred_prefill: ClassVar[str] = "fused"  # what experiments use when they do not vary the prefill mode
+    serving_schedule: ClassVar[str] = "continuous"  # the scheduler's schedule it serves requests under
     calibrates: ClassVar[bool] = False  # learns something offline from a calibration text (calibrate())
     # attributes whose tensors live in the host tier (on a CPU both tiers are host memory; the census test and the
     # ledger need to know which is which)

@@ -22,6 +22,7 @@ class Runner(Protocol):
     lossless: ClassVar[bool]  # keeps and attends every entry (its accuracy is the full cache's)
     supported_prefill: ClassVar[tuple[str, ...]]
     preferred_prefill: ClassVar[str]  # what experiments use when they do not vary the prefill mode
+    serving_schedule: ClassVar[str]  # the schedule the serving experiment replays it under (kvlib.engine.scheduler)
 
     def settings(self) -> dict: ...
 

@@ -1,5 +1,10 @@
 """Serving under a request rate (issue 33): an open-loop trace of requests, replayed by every runner under continuous
-batching with chunked prefill, measured as `vllm bench serve` measures a server.
+batching with chunked prefill, measured as `vllm bench serve` measures a server. Each runner serves under the schedule
+its class declares (`serving_schedule`, kvlib.engine.scheduler): `continuous`, where a full block pool preempts a
+request as vLLM does, for all but `compress_h2o` (issue 45), which compresses a running request's cache instead; its
+row says how often and whom (`compressions`, `compressed_requests`, `stat_compressions` with when and by how much),
+and every kvlib row carries each request's output token ids, so that the report can tell what compression cost the
+requests it touched against `paged`'s tokens on the same trace.
 
 A point is a runner at a request rate; the profile fixes the rest (`serving` section of params/<profile>.yaml):
 
@@ -104,13 +109,30 @@ def serve(point: Point, trace: Trace, *, memory_run: bool) -> RunResult:
                                read_memory=memory_run, arrivals=list(trace.arrivals_s), slo=slo_of(point.values),
                                max_model_len=trace.longest)
     requests = [Sequence(p, n, arrival_s=a) for p, n, a in zip(prompts, trace.output_tokens, trace.arrivals_s)]
-    return run(make_engine(point, instrumented=memory_run), requests, "continuous", "chunked",
+    return run(make_engine(point, instrumented=memory_run), requests, runner.serving_schedule, "chunked",
                point.values.get("chunk_size", 512), stop_at_eos=False, slo=slo_of(point.values))
 
 
 def serving_row(result: RunResult, point: Point) -> dict:
-    """The run's row (RunResult.row) with every serving metric as a column of its own."""
-    return {**result_row(result, point), **{k: result.metrics.get(k) for k in LATENCY_COLUMNS}}
+    """The run's row (RunResult.row) with every serving metric as a column of its own, what compression did
+    (compression_columns), and each request's output token ids in trace order (`output_token_ids`, a list a request:
+    kvlib.report.serving compares them across runners on the same trace)."""
+    return {**result_row(result, point), **{k: result.metrics.get(k) for k in LATENCY_COLUMNS},
+            **compression_columns(result.stats.get("compressions")),
+            "output_token_ids": [list(o["token_ids"]) for o in result.outputs] if result.outputs else None}
+
+
+def compression_columns(compressions: list[dict] | None) -> dict:
+    """Under the compress schedule (kvlib.engine.scheduler): how many compressions, of how many requests, which
+    (their trace indices, sorted), and the mean share of its entries a compression kept (after / before); None for a
+    runner that never compresses (it preempts)."""
+    if compressions is None:
+        return {"compressions": None, "requests_compressed": None, "compressed_requests": None,
+                "entries_kept_share": None}
+    shares = [c["entries_after"] / c["entries_before"] for c in compressions]
+    requests = sorted({c["request"] for c in compressions})
+    return {"compressions": len(compressions), "requests_compressed": len(requests), "compressed_requests": requests,
+            "entries_kept_share": sum(shares) / len(shares) if shares else None}
 
 
 def _does_not_fit(point: Point) -> dict | None:
