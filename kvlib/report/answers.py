@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from kvlib.report import offload, stats
+from kvlib.report import frontier, offload, stats
 from kvlib.report.accuracy_lines import change, family, pairs_against_full, scored_rows
 from kvlib.report.gate import GATE, accuracy_gate, passing, retention_gate
 from kvlib.report.serving import sustained_rates
@@ -136,6 +136,10 @@ def accuracy(df: pd.DataFrame, gate: float = GATE) -> str:
         out.append(f"On {task} (the full cache {full.mean():.1%} over {len(full)} items), the paper's two sparse "
                    f"methods change by: {_drops_text(drops, ('h2o', 'infinigen'))} (paired, intervals adjusted "
                    f"together).")
+    hybrids = frontier.comparisons(df, gate)
+    if hybrids:
+        out.append(f"Against the uniform policy that lost least at the same budget, {frontier.tally(hybrids)} (the "
+                   f"frontier below).")
     return " ".join(out)
 
 

@@ -120,11 +120,7 @@ def lines(df: pd.DataFrame, gate: float = GATE) -> list[str]:
         out.append(f"Ours: {unit} at budget {budget:g}: {_against(drop, hybrid, uniform)} ({hybrid}{role(df, hybrid)}'s "
                    f"change from {uniform}, the uniform policy that lost least there: {change(drop)}), holding "
                    f"{held_h:.1%} of the full cache's KV bytes per token against {held_u:.1%}{equal}.")
-    tally = pd.Series([d.verdict for d in drops.values()]).value_counts()
-    said = {stats.HIGHER: "loses less", stats.LOWER: "loses more", stats.EQUIVALENT: "is equivalent",
-            stats.INCONCLUSIVE: "cannot be told apart"}
-    out.append("Ours: of " + f"{len(drops)} hybrid-against-uniform comparisons, the hybrid "
-               + ", ".join(f"{said[v]} in {n}" for v, n in tally.items()) + ".")
+    out.append(f"Ours: {tally(drops)}.")
     out += head_stability(df)
     level = next(iter(drops.values())).level
     out.append(f"How: each comparison pairs the two policies' answers item by item (a bootstrap interval, items "
@@ -134,6 +130,16 @@ def lines(df: pd.DataFrame, gate: float = GATE) -> list[str]:
                f"pp. The uniform policy compared is the one that lost least at that budget, chosen after the fact: "
                f"the comparison favours it.")
     return out
+
+
+def tally(drops: dict) -> str:
+    """How the comparisons came out, in words: 'of 6 hybrid-against-uniform comparisons, the hybrid loses less in 1,
+    ...'."""
+    counts = pd.Series([d.verdict for d in drops.values()]).value_counts()
+    said = {stats.HIGHER: "loses less", stats.LOWER: "loses more", stats.EQUIVALENT: "is equivalent",
+            stats.INCONCLUSIVE: "cannot be told apart"}
+    return (f"of {len(drops)} hybrid-against-uniform comparisons, the hybrid "
+            + ", ".join(f"{said[v]} in {n}" for v, n in counts.items()))
 
 
 def head_stability(df: pd.DataFrame) -> list[str]:
