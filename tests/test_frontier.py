@@ -36,6 +36,12 @@ def test_a_hybrid_that_held_more_is_said_not_to_be_at_equal_bytes(results):
     assert "holding 50.0% of the full cache's KV bytes per token against 11.0% (not equal bytes" in text
 
 
+def test_the_uniform_policy_compared_held_the_hybrids_bytes_where_one_did(results):
+    """snapkv loses least, but held twice adakv's bytes here: h2o, at adakv's, is the one compared."""
+    d = results.assign(kv_share_held=results["kv_share_held"].where(results["policy"] != "snapkv", 0.22))
+    assert ("kvlib_recall", 0.1, "adakv", "h2o") in frontier.comparisons(d)
+
+
 def test_each_hybrid_is_read_against_the_uniform_policy_that_lost_least(results):
     drops = frontier.comparisons(results)
     assert set(drops) == {("kvlib_recall", 0.1, h, "snapkv") for h in ("adakv", "duo", "pyramidkv")}

@@ -55,7 +55,8 @@ BAD = [  # (what, profile, every problem expected, each a key path and its messa
     ("a workload value missing", smoke(decode_length={"fixed": None}),
      ["experiments.decode_length: needs 'prompt_tokens' in its grid or fixed values"]),
     ("a budget of the wrong type", smoke(accuracy={"grid": {"budget": ["half"]}}),
-     ["experiments.accuracy.grid.budget[0]: expected float, got 'half' (h2o, infinigen, streaming, snapkv, quest)"]),
+     [("experiments.accuracy.grid.budget[0]: expected float, got 'half' (h2o, infinigen, streaming, snapkv, quest, "
+       "duo, adakv, pyramidkv, flexgen_h2o)")]),
     ("a budget out of range", smoke(retention={"grid": {"budget": [1.5]}}),
      ["experiments.retention.grid.budget[0]: budget must be in (0, 1], got 1.5"]),
     ("a setting of one policy through the runner's checks", {**smoke(), "policy_settings": {"h2o": {"budget": 0}}},

@@ -5,11 +5,12 @@ Every accuracy row records what its policy held on the device while it answered 
 seen, `kv_share_held` as a share of the full cache's), so each (policy, budget) is a point of score change from the full
 cache against bytes held, measured rather than read off a setting. The hybrids (`HYBRIDS`: DuoAttention's retrieval
 and streaming heads, Ada-KV's and PyramidKV's budgets moved across heads and layers) are read against the uniform
-policies (`UNIFORM`: the same count of entries in every head) at the same budget, which the budget rule makes the
-same bytes (kvlib.policies.base.BudgetedPolicy.tokens_allowed; duo's mapping in kvlib.policies.duo); the bytes each
-measured are said beside the verdict, so a reader sees whether the premise held. A hybrid is compared with the uniform
-policy that lost least there (by its point estimate), item by item (kvlib.report.stats.paired_drop), the intervals of
-the page adjusted together (Bonferroni).
+policies (`UNIFORM`: the same count of entries in every head) at the same budget, which the budget rules make about
+the same bytes (kvlib.policies.base.BudgetedPolicy.tokens_allowed; duo's mapping in kvlib.policies.duo). A hybrid is
+compared with the uniform policy that lost least there (by its point estimate) among those whose measured bytes are
+within a factor EQUAL_BYTES of its own (all of them where none is, and the sentence says so), item by item
+(kvlib.report.stats.paired_drop), the intervals of the page adjusted together (Bonferroni); the bytes both held are
+said beside the verdict.
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ def points(df: pd.DataFrame, gate: float = GATE) -> pd.DataFrame:
 
 def comparisons(df: pd.DataFrame, gate: float = GATE) -> dict:
     """(unit, budget, hybrid, uniform) -> the hybrid's drop from the uniform policy that lost least at that budget
-    (paired), the page's intervals adjusted together."""
+    among those that held equal bytes (within EQUAL_BYTES; where none did, among all), paired, the page's intervals
+    adjusted together."""
     pairs = {}
     for unit, (d, value, stratum) in units(df, gate).items():
         full = d[d["policy"] == "full"]
@@ -83,9 +85,11 @@ def comparisons(df: pd.DataFrame, gate: float = GATE) -> dict:
             if full.empty or not uniform:
                 continue
             item = accuracy_item(b)
-            best = min(uniform, key=lambda p: stats.paired_drop(full, b[b["policy"] == p], value, item,
-                                                                stratum=stratum).drop)
+            lost = {p: stats.paired_drop(full, b[b["policy"] == p], value, item, stratum=stratum).drop
+                    for p in uniform}
             for hybrid in (p for p in HYBRIDS if p in set(b["policy"])):
+                equal = [p for p in uniform if _equal_bytes(_held(b, hybrid, budget), _held(b, p, budget))]
+                best = min(equal or uniform, key=lost.get)
                 pairs[(unit, budget, hybrid, best)] = (b[b["policy"] == best], b[b["policy"] == hybrid], value,
                                                        item, stratum)
     level = stats.family_level(len(pairs))
@@ -95,6 +99,10 @@ def comparisons(df: pd.DataFrame, gate: float = GATE) -> dict:
 
 def _held(d: pd.DataFrame, policy: str, budget: float) -> float:
     return d.loc[(d["policy"] == policy) & (d["budget"] == budget), "kv_share_held"].median()
+
+
+def _equal_bytes(a: float, b: float) -> bool:
+    return bool(a > 0 and b > 0 and 1 / EQUAL_BYTES <= a / b <= EQUAL_BYTES)
 
 
 def _against(drop: stats.Drop, hybrid: str, uniform: str) -> str:
@@ -116,10 +124,10 @@ def lines(df: pd.DataFrame, gate: float = GATE) -> list[str]:
     for (unit, budget, hybrid, uniform), drop in drops.items():
         d = frames[unit][0]
         held_h, held_u = _held(d, hybrid, budget), _held(d, uniform, budget)
-        equal = "" if 1 / EQUAL_BYTES <= held_h / held_u <= EQUAL_BYTES else " (not equal bytes: a comparison at one budget)"
+        equal = "" if _equal_bytes(held_h, held_u) else " (not equal bytes: no uniform policy held as much there)"
         out.append(f"Ours: {unit} at budget {budget:g}: {_against(drop, hybrid, uniform)} ({hybrid}{role(df, hybrid)}'s "
-                   f"change from {uniform}, the uniform policy that lost least there: {change(drop)}), holding "
-                   f"{held_h:.1%} of the full cache's KV bytes per token against {held_u:.1%}{equal}.")
+                   f"change from {uniform}, the uniform policy that lost least there at equal bytes: {change(drop)}), "
+                   f"holding {held_h:.1%} of the full cache's KV bytes per token against {held_u:.1%}{equal}.")
     out.append(f"Ours: {tally(drops)}.")
     out += head_stability(df)
     level = next(iter(drops.values())).level
