@@ -161,3 +161,17 @@ def test_on_smollm_adaptive_moves_tokens_between_heads_at_the_same_total(smollm)
             if allocation == "adaptive":
                 assert policy.delta[:, 0].abs().sum() > 0 and (policy.delta[:, 0].sum(dim=1) == 0).all()
     assert kv["adaptive"] == kv["uniform"]
+
+
+@pytest.mark.parametrize("name", ["adakv", "pyramidkv"])
+def test_rows_forked_off_a_prompt_fit_the_pool_under_an_uneven_allocation(tiny, name):
+    """lm-eval's multiple choice forks each context's row once per choice: the pool sized at start holds every row at
+    its widest head's count (a uniform count per row ran out of blocks)."""
+    g = torch.Generator().manual_seed(1)
+    contexts = [torch.randint(100, 5000, (n,), generator=g).tolist() for n in (200, 180)]
+    prompts = [c for c in contexts for _ in range(4)]
+    forced = [[100 + i, 200 + i] for i in range(len(prompts))]
+    for budget in (0.1, 0.5):
+        result = Engine(tiny, make_policy(name, budget=budget, window=8)).generate(
+            prompts, 0, prefill_mode="chunked", chunk_size=64, forced=forced, share_prompts=True)
+        assert result.oom is None and len(result.outputs) == len(prompts)

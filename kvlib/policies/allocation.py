@@ -75,3 +75,15 @@ def select_per_head(scores: torch.Tensor, heavy: torch.Tensor, recent: int) -> t
     tail = torch.arange(older, n, device=scores.device).expand(*scores.shape[:-1], -1)
     chosen = torch.cat([top, tail], dim=-1).sort(dim=-1).values
     return chosen.masked_fill(chosen == n, 0)
+
+
+def widest_count(allocation: str, heavy: int, older: int, heads: int, layers: int, alpha: float) -> int:
+    """The most older tokens one head can keep under an allocation when a uniform head keeps `heavy` of `older`: what
+    a row's slots must hold, its heads sharing them (adaptive: a head's floor and every other head's share of the
+    layer; pyramid: the first layer's count, with what rounding leaves, at most one token a layer)."""
+    if allocation == "adaptive":
+        floor = int(alpha * heavy)
+        return min(older, floor + heads * (heavy - floor))
+    if allocation == "pyramid":
+        return min(older, 2 * heavy + layers)
+    return heavy

@@ -43,7 +43,7 @@ from kvlib.errors import UserError
 from kvlib.kernels.attention import prefill_attention
 from kvlib.kernels.decode import DecodeReads
 from kvlib.memory.paged_kv import PagedKV, PerSlot, check_pool_settings
-from kvlib.policies.allocation import ALLOCATIONS, adaptive_counts, pyramid_counts, select_per_head
+from kvlib.policies.allocation import ALLOCATIONS, adaptive_counts, pyramid_counts, select_per_head, widest_count
 from kvlib.policies.base import BudgetedPolicy, Step
 
 SLOT_ARRAYS = {"scores": PerSlot(torch.float32, 0.0), "positions": PerSlot(torch.long, -1)}
@@ -152,7 +152,7 @@ class ScoredEvictionPolicy(BudgetedPolicy):
         s, bs = self.spec, self.block_size
         # the static schedule's peak: every row at its largest kept set (+1: the new token is stored before the
         # step's eviction frees a slot), and the longest prompt in full while it is prefilled
-        kept_blocks = sum(-(-(self.limits(n + max_new_tokens, n)[0] + 1) // bs) for n in prompt_lens)
+        kept_blocks = sum(-(-(self._widest(n, max_new_tokens) + 1) // bs) for n in prompt_lens)
         needed = kept_blocks + max(-(-n // bs) for n in prompt_lens)
         blocks = self.num_blocks or self.pool_blocks(needed, PagedKV.block_bytes(s, bs, SLOT_ARRAYS))
         self.kv = None  # until the pool fits the device
@@ -278,6 +278,17 @@ class ScoredEvictionPolicy(BudgetedPolicy):
         self.kept[row], self.region[row] = keep, width
         self.delta[:, row] = heavy - (keep - recent)
         self.write_slot[:, row] = keep + self.delta[:, row]
+
+    def _widest(self, prompt: int, max_new_tokens: int) -> int:
+        """The most slots a row of this prompt uses: its largest kept set, and under an uneven allocation what its
+        widest head keeps beyond the uniform count (fixed while decode evicts)."""
+        keep = self.limits(prompt + max_new_tokens, prompt)[0]
+        if self.allocation == "uniform":
+            return keep
+        kept, recent = self.limits(prompt, prompt)
+        heavy, s = min(kept, prompt) - min(recent, kept), self.spec
+        return keep + widest_count(self.allocation, heavy, prompt - min(recent, kept), s.num_kv_heads,
+                                   s.num_layers, self.floor_alpha) - heavy
 
     def _capacity(self, row: int) -> int:
         return len(self.kv.table(row).blocks) * self.block_size
