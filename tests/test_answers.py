@@ -51,8 +51,23 @@ def test_a_chapter_with_no_results_says_so():
 
 def test_the_overview_draws_every_runner_with_its_accuracy():
     fig = plots.overview({"batch_scaling": batch_rows(), "accuracy": accuracy_rows()})
-    labels = sorted(t.get_text() for t in fig.axes[0].texts)
-    assert labels[0] == "full: keeps every entry" and labels[2] == "paged: keeps every entry"
-    assert labels[1].startswith("h2o: -50.0 pp (")  # the drop at 0.1, the nearest scored budget below its 0.3
-    assert len(labels) == 3  # kivi ran out of memory at the reference batch: not drawn
+    assert sorted(t.get_text() for t in fig.axes[0].texts) == ["full", "h2o", "paged"]  # kivi ran out of memory
+    key = sorted(t.get_text() for t in fig.legends[0].get_texts())
+    assert key[0] == "full: keeps every entry" and key[2] == "paged: keeps every entry"
+    assert key[1].startswith("h2o: -50.0 pp (")  # the drop at 0.1, the nearest scored budget below its 0.3
     assert fig.axes[1].get_ylabel() == "accuracy lost against the full cache (pp)"
+
+
+def test_the_overviews_names_cover_neither_each_other_nor_a_point_when_runners_crowd():
+    rows = batch_rows()
+    crowd = [rows[rows["policy"] == "full"].assign(policy=f"runner{i}", device_peak_bytes=(1.0 + 0.01 * i) * 2**30,
+                                                     decode_tokens_per_s=lambda d, i=i: d["decode_tokens_per_s"] * (1 + 0.01 * (i % 4)))
+             for i in range(13)]
+    fig = plots.overview({"batch_scaling": pd.concat(crowd)})
+    ax = fig.axes[0]
+    renderer = fig.canvas.get_renderer()
+    boxes = [t.get_window_extent(renderer) for t in ax.texts]
+    assert len(boxes) == 13
+    assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
+    dots = ax.transData.transform(np.concatenate([c.get_offsets() for c in ax.collections if len(c.get_offsets())]))
+    assert not any(b.contains(x, y) for b in boxes for x, y in dots)

@@ -246,7 +246,7 @@ def overview(frames: dict[str, pd.DataFrame], gate: float | None = None):
 
     _style()
     batch = frames.get("batch_scaling", pd.DataFrame())
-    fig, ax = plt.subplots(figsize=(9, 5.5))
+    fig, ax = plt.subplots(figsize=(10, 7.5))
     ok = batch[~batch["oom"].astype(bool)] if not batch.empty else batch
     if ok.empty:
         ax.text(0.5, 0.5, "no batch-scaling results in this profile", ha="center", transform=ax.transAxes)
@@ -257,60 +257,88 @@ def overview(frames: dict[str, pd.DataFrame], gate: float | None = None):
     lossless = set(big.loc[big["lossless"].fillna(False).astype(bool), "policy"]) if "lossless" in big else set()
     norm = Normalize(0, max([5.0] + [max(e.drop.drop * 100 for e in ev) for ev in evidence.values()]))
     cmap = colormaps["viridis_r"]
-    labels, tasks = [], set()
+    points, tasks = [], set()
     for policy, g in big.groupby("policy"):
         spread = decode_spread(g)
         x = g["device_peak_bytes"].median() / GB
         task = None
         if policy in lossless:
-            drop, label = 0.0, f"{policy}: keeps every entry"
+            drop, detail = 0.0, "keeps every entry"
         elif policy in evidence:
             e = max(evidence[policy], key=lambda e: e.drop.high)
             drop, task = e.drop.drop * 100, e.task
             tasks.add(task)
-            label = (f"{policy}: {signed_pp(e.drop.drop)} pp ({signed_pp(e.drop.high)} to "
-                     f"{signed_pp(e.drop.low)}) at budget {e.budget:g}")
+            detail = f"{signed_pp(e.drop.drop)} pp ({signed_pp(e.drop.high)} to {signed_pp(e.drop.low)}) at budget {e.budget:g}"
         else:
-            drop, label = None, f"{policy}: accuracy not measured"
+            drop, detail = None, "accuracy not measured"
         colour = "none" if drop is None else cmap(norm(drop))
         below, above = max(0.0, spread.centre - spread.low), max(0.0, spread.high - spread.centre)
         ax.errorbar(x, spread.centre, yerr=[[below], [above]], fmt="none", ecolor="grey", capsize=3, zorder=1)
         ax.scatter(x, spread.centre, s=110, c=[colour] if drop is not None else "none",
                    edgecolors="black", linewidths=1.2, zorder=2)
-        labels.append((x, spread.centre, label, task))
-    # one task decides every drop: named once, in the title
-    labels = [(x, y, text + (f" on {task}" if task and len(tasks) > 1 else "")) for x, y, text, task in labels]
+        points.append((x, spread.centre, policy, detail, task, colour))
     ax.margins(x=0.12, y=0.08)
-    _place_labels(ax, labels)
     bar = fig.colorbar(plt.cm.ScalarMappable(norm=norm, cmap=cmap), ax=ax)
     bar.set_label("accuracy lost against the full cache (pp)")
     ax.set(xlabel="device memory peak (GiB)", ylabel="decode throughput (tokens/s)",
            title=f"Throughput, memory and accuracy at batch {int(big['batch_size'].iloc[0])}\n"
                  f"geometric mean; bars: range of repeats and steps\naccuracy: the paired drop"
                  + (f" on {next(iter(tasks))}" if len(tasks) == 1 else "") + " and its 95 % interval")
-    fig.tight_layout()
+    # the name beside each point; its drop and interval in the key below, fastest first (one task decides every
+    # drop: named once, in the title)
+    key = [plt.Line2D([], [], ls="", marker="o", ms=8, mfc=colour, mec="black",
+                      label=f"{policy}: {detail}" + (f" on {task}" if task and len(tasks) > 1 else ""))
+           for _, _, policy, detail, task, colour in sorted(points, key=lambda p: -p[1])]
+    fig.legend(handles=key, loc="lower center", ncol=2, fontsize="small", frameon=False)
+    fig.tight_layout(rect=(0, 0.02 + 0.03 * -(-len(key) // 2), 1, 1))
+    _place_labels(ax, [(x, y, policy) for x, y, policy, *_ in points])
     return fig
 
 
 def _place_labels(ax, labels: list[tuple[float, float, str]]) -> None:
-    """Each label beside its point, on the side with room, moved up or down by whole lines just enough not to
-    cover a label placed before it (runners crowd at similar memory and throughput); a moved label keeps a thin line
-    to its point."""
-    ax.figure.canvas.draw()  # the limits the labels are placed against
-    to_pixels, line = ax.transData.transform, 12.0
-    pt = 72 / ax.figure.dpi  # placed in the drawn pixels, offset in points: the same at any saved resolution
-    right_edge = ax.get_window_extent().x1
-    placed: list[tuple[float, float, float, float]] = []
+    """Each label beside its point, on whichever side has room, moved up or down by whole lines just enough to cover
+    no label placed before it and no point (runners crowd at similar memory and throughput); a moved label keeps a
+    thin line to its point. Boxes are the texts' drawn extents, so the rule holds at any font size."""
+    fig = ax.figure
+    fig.canvas.draw()  # the limits and the renderer the labels are measured with
+    renderer, to_pixels = fig.canvas.get_renderer(), ax.transData.transform
+    pt = 72 / fig.dpi  # offsets in points: the same at any saved resolution
+    frame = ax.get_window_extent(renderer)
+    dots = [to_pixels((x, y)) for x, y, _ in labels]
+    radius = 8.0  # a marker's drawn radius in pixels (s=110 points^2), with a margin
+
+    def cost(box) -> float:
+        """Pixels of overlap with what is already drawn, plus whatever leaves the axes."""
+        inside = (max(0.0, frame.x0 - box.x0) + max(0.0, box.x1 - frame.x1) + max(0.0, frame.y0 - box.y0)
+                  + max(0.0, box.y1 - frame.y1)) * box.height
+        labels_hit = sum(max(0.0, min(box.x1, b.x1) - max(box.x0, b.x0)) * max(0.0, min(box.y1, b.y1) - max(box.y0, b.y0))
+                         for b in placed)
+        dots_hit = sum(1.0 for dx, dy in dots
+                       if box.x0 - radius < dx < box.x1 + radius and box.y0 - radius < dy < box.y1 + radius)
+        return inside + labels_hit + dots_hit * radius**2
+
+    placed = []
     for x, y, text in sorted(labels, key=lambda p: -p[1]):
-        px, py = to_pixels((x, y))
-        width = 6.0 * len(text)
-        left = px + 14 + width > right_edge  # no room on the right: the label goes to the point's left
-        x0 = px - 14 - width if left else px + 14
-        for dy in [4 + line * k * sign for k in range(12) for sign in ((1,) if k == 0 else (1, -1))]:
-            box = (x0, py + dy, x0 + width, py + dy + line)
-            if not any(box[0] < b[2] and b[0] < box[2] and box[1] < b[3] and b[1] < box[3] for b in placed):
+        note = ax.annotate(text, (x, y), xytext=(0, 0), textcoords="offset points", fontsize="small", va="bottom")
+        line = note.get_window_extent(renderer).height / pt * 1.1
+        best = None
+        for k in range(16):
+            for side in (1, -1):
+                for sign in ((1,) if k == 0 else (1, -1)):
+                    dy = 3 + line * k * sign
+                    note.set_position((14 * side, dy))
+                    note.set_horizontalalignment("left" if side > 0 else "right")
+                    box = note.get_window_extent(renderer)
+                    c = cost(box)
+                    if best is None or c < best[0]:
+                        best = (c, side, dy, box)
+                if best[0] == 0:
+                    break
+            if best[0] == 0:
                 break
+        _, side, dy, box = best
+        note.remove()
+        ax.annotate(text, (x, y), xytext=(14 * side, dy), textcoords="offset points", fontsize="small",
+                    ha="left" if side > 0 else "right", va="bottom",
+                    arrowprops=None if dy == 3 else {"arrowstyle": "-", "color": "grey", "lw": 0.6})
         placed.append(box)
-        ax.annotate(text, (x, y), xytext=(pt * (-14 if left else 14), pt * dy), textcoords="offset points",
-                    fontsize="small", ha="right" if left else "left", va="bottom",
-                    arrowprops=None if dy == 4 else {"arrowstyle": "-", "color": "grey", "lw": 0.6})
