@@ -166,6 +166,8 @@ def read_prompts(args, tokenizer) -> list[list[int]]:
 
 
 def settings_from_args(args) -> dict:
+    from kvlib.policies import REGISTRY, policy_settings
+
     settings = {}
     for item in args.set:
         key, sep, value = item.partition("=")
@@ -174,6 +176,9 @@ def settings_from_args(args) -> dict:
         settings[key.replace("-", "_")] = _setting_value(value)
     if args.budget is not None:
         settings["budget"] = args.budget
+    share = getattr(args, "compress_share", None)
+    if share is not None and args.policy in REGISTRY and "compress_share" in policy_settings(args.policy):
+        settings["compress_share"] = share  # one value: the policy's own setting is the share the schedule uses
     placement = {k: v for k, v in (("percent", args.percent), ("offload_dir", args.offload_dir),
                                    ("compress_cache", args.compress_cache or None)) if v is not None}
     if placement and args.policy not in PLACED_POLICIES:

@@ -211,3 +211,22 @@ def test_kvlib_run_policy_compress_h2o_serves_under_the_schedule_it_is_given(tmp
         assert all(c["entries_after"] == round(0.25 * c["entries_before"]) for c in compressions)
     else:
         assert out["metrics"]["preemptions"] > 0 and "compressions" not in out["policy_stats"]
+
+
+def test_kvlib_runs_compress_share_is_the_policys_setting_so_the_run_records_the_share_it_used():
+    """`--compress-share` and compress_h2o's own `compress_share` are one value: the flag sets the setting (which
+    `policy` in --json records), and a policy without the setting leaves it to the schedule (which policy_stats
+    records as `compress_share`)."""
+    from kvlib.cli import build_parser, settings_from_args
+
+    def settings(*flags):
+        return settings_from_args(build_parser().parse_args(["run", *flags]))
+
+    assert settings("--policy", "compress_h2o", "--compress-share", "0.3")["compress_share"] == 0.3
+    assert "compress_share" not in settings("--policy", "h2o", "--compress-share", "0.3")
+    assert "compress_share" not in settings("--policy", "compress_h2o")
+
+
+def test_the_compress_schedule_records_the_share_it_used(tiny):
+    assert serve(tiny, "compress", 0.5, compress_share=0.25).stats["compress_share"] == 0.5
+    assert serve(tiny, "compress", None, compress_share=0.25).stats["compress_share"] == 0.25

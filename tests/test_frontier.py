@@ -88,3 +88,16 @@ def test_ruler_is_a_unit_per_length_over_the_subtasks_the_full_cache_passes(resu
     drops = frontier.comparisons(ruler)
     assert {key[0] for key in drops} == {"RULER at 1,024 tokens"}
     assert drops[("RULER at 1,024 tokens", 0.1, "duo", "snapkv")].drop == pytest.approx(0.30)
+
+
+def test_a_point_whose_forks_share_the_prompt_is_said_and_marked_on_a_multiple_choice_task_only(results):
+    """quest's forked choices share the prompt's blocks: its bytes per token on a multiple-choice task count the
+    prompt once, which no copying policy's do; RULER answers without forks, so there it is a point like any."""
+    named = results.assign(runner=results["policy"])
+    table = frontier.points(named).set_index("policy")
+    assert table.loc["quest", "shared_prompt"] and not table.loc["h2o", "shared_prompt"]
+    assert not frontier.points(results)["shared_prompt"].any()  # rows that do not name their runner: nothing said
+    note = frontier.shared_prompt_note(named)
+    assert len(note) == 1 and note[0].startswith("Mind: quest on kvlib_recall: the answer choices fork")
+    ruler = named.assign(ruler_score=named["correct"], correct=math.nan, length=1024, task="niah_single_1")
+    assert "quest" in set(frontier.points(ruler)["policy"]) and not frontier.points(ruler)["shared_prompt"].any()

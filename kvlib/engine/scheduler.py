@@ -129,7 +129,7 @@ def run(engine: Engine, sequences: list[Sequence], schedule: str = "static", pre
                                                  **engine.policy.usage.summary(),
                                                  "decode_attention": engine.policy.decode_kernel}
         if schedule == "compress":
-            stats["compressions"] = loop.compressions
+            stats.update(compress_share=loop.compress_share, compressions=loop.compressions)
     finally:
         session.close()
     return loop.result(oom, memory, stats, setup_s)

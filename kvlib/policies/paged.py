@@ -31,6 +31,7 @@ from kvlib.policies.registry import register
 class PagedPolicy(KVPolicy):
     name = "paged"
     lossless = True
+    shares_forks = True
     adopts_prefill = True
 
     block_size: int = 16

@@ -51,6 +51,7 @@ from kvlib.policies.registry import register
 class QuestPolicy(BudgetedPolicy):
     name = "quest"
     adopts_prefill = True
+    shares_forks = True
     reads = "the blocks whose key bounds score highest for the query, each step"
 
     block_size: int = 16  # the official page_size

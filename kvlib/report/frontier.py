@@ -18,6 +18,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 import pandas as pd
 
+from kvlib.policies import REGISTRY
 from kvlib.report import stats
 from kvlib.report.accuracy_lines import change, role, scored_rows
 from kvlib.report.gate import GATE, accuracy_gate, passing
@@ -56,7 +57,8 @@ def units(df: pd.DataFrame, gate: float = GATE) -> dict[str, tuple[pd.DataFrame,
 def points(df: pd.DataFrame, gate: float = GATE) -> pd.DataFrame:
     """One row per unit, policy (the full cache aside: it is the origin) and budget: the KV share it held (median over
     its items' rows: they share it) and its score change from the full cache on the same items, 95 % interval (each
-    on its own: what the figure draws)."""
+    on its own: what the figure draws); `shared_prompt` where its answers forked off one prompt (multiple choice)
+    and its forks share that prompt's blocks (KVPolicy.shares_forks): its bytes per token are not a copying policy's."""
     rows = []
     for unit, (d, value, stratum) in units(df, gate).items():
         full = d[d["policy"] == "full"]
@@ -68,9 +70,15 @@ def points(df: pd.DataFrame, gate: float = GATE) -> pd.DataFrame:
             rows.append({"unit": unit, "policy": policy, "budget": budget,
                          "kind": "hybrid" if policy in HYBRIDS else "uniform" if policy in UNIFORM else "other",
                          "kv_share_held": g["kv_share_held"].median(), "change_pp": -drop.drop * 100,
-                         "low_pp": -drop.high * 100, "high_pp": -drop.low * 100, "items": drop.items})
+                         "low_pp": -drop.high * 100, "high_pp": -drop.low * 100, "items": drop.items,
+                         "shared_prompt": value == "correct" and _shares_forks(g)})
     return pd.DataFrame(rows, columns=["unit", "policy", "budget", "kind", "kv_share_held", "change_pp", "low_pp",
-                                       "high_pp", "items"])
+                                       "high_pp", "items", "shared_prompt"])
+
+
+def _shares_forks(rows: pd.DataFrame) -> bool:
+    cls = REGISTRY.get(rows["runner"].iloc[0]) if "runner" in rows else None
+    return bool(cls and cls.shares_forks)
 
 
 def comparisons(df: pd.DataFrame, gate: float = GATE) -> dict:
@@ -130,6 +138,7 @@ def lines(df: pd.DataFrame, gate: float = GATE) -> list[str]:
                    f"holding {held_h:.1%} of the full cache's KV bytes per token against {held_u:.1%}{equal}.")
     out.append(f"Ours: {tally(drops)}.")
     out += head_stability(df)
+    out += shared_prompt_note(df, gate)
     level = next(iter(drops.values())).level
     out.append(f"How: each comparison pairs the two policies' answers item by item (a bootstrap interval, items "
                f"resampled, RULER's within each subtask); the {len(drops)} intervals are adjusted together "
@@ -148,6 +157,20 @@ def tally(drops: dict) -> str:
             stats.INCONCLUSIVE: "cannot be told apart"}
     return (f"of {len(drops)} hybrid-against-uniform comparisons, the hybrid "
             + ", ".join(f"{said[v]} in {n}" for v, n in counts.items()))
+
+
+def shared_prompt_note(df: pd.DataFrame, gate: float = GATE) -> list[str]:
+    """Which points' bytes count a forked prompt once (their blocks shared among the choices): not comparable with a
+    policy that copies the prompt into every choice, and never in a verdict (no hybrid or uniform policy shares)."""
+    table = points(df, gate)
+    shared = table[table["shared_prompt"]]
+    if shared.empty:
+        return []
+    where = "; ".join(f"{policy} on {', '.join(sorted(g['unit'].unique()))}" for policy, g in shared.groupby("policy"))
+    return [f"Mind: {where}: the answer choices fork off one prompt and this policy's forks share its blocks (copied "
+            f"on write), so its bytes per token count the prompt once for all choices; every other policy here copies "
+            f"the prompt's kept entries into each. Its point is drawn with a cross and is not a bytes-for-bytes "
+            f"comparison."]
 
 
 def head_stability(df: pd.DataFrame) -> list[str]:
@@ -173,7 +196,7 @@ def plot(df: pd.DataFrame, gate: float = GATE):
         return None
     _style()
     names = list(table["unit"].unique())
-    fig, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 4.5), squeeze=False)
+    fig, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 6.5), squeeze=False)
     palette = _palette(table["policy"])
     styles = {"hybrid": ("-", "full"), "uniform": ("--", "none"), "other": (":", "full")}
     for ax, unit in zip(axes.flat, names):
@@ -181,16 +204,21 @@ def plot(df: pd.DataFrame, gate: float = GATE):
         for policy, g in t.groupby("policy"):
             g = g.sort_values("kv_share_held")
             line, fill = styles[g["kind"].iloc[0]]
+            shared = bool(g["shared_prompt"].any())
             ax.errorbar(g["kv_share_held"], g["change_pp"],
                         yerr=[(g["change_pp"] - g["low_pp"]).clip(lower=0), (g["high_pp"] - g["change_pp"]).clip(lower=0)],
-                        marker="o", ls=line, fillstyle=fill, capsize=3, color=palette[policy], label=policy)
+                        marker="X" if shared else "o", ls=line, fillstyle=fill, capsize=3, color=palette[policy],
+                        label=policy + (" (forks share the prompt)" if shared else ""))
         ax.axhline(0, color="black", lw=1)
         ax.plot([1.0], [0.0], marker="*", ms=12, color="black", ls="none", label="full")
         ax.set(xlabel="KV bytes per token held on the device (share of the full cache's)",
                ylabel="score change from the full cache (pp)", title=unit, xlim=(0, 1.05))
-    handles, labels = axes.flat[-1].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize="small",
-               title="hybrid: solid, filled\nuniform: dashed, hollow")
-    fig.tight_layout()
+    key = {}  # every panel's policies, once each (a label can differ by panel: a shared prompt is said where it is)
+    for ax in axes.flat:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            key.setdefault(label, handle)
+    fig.legend(key.values(), key.keys(), loc="lower center", ncol=4, fontsize="small",
+               title="hybrid: solid, filled; uniform: dashed, hollow; other: dotted")
+    fig.tight_layout(rect=(0, 0.06 + 0.045 * -(-len(key) // 4), 1, 1))
     return fig
 
