@@ -71,3 +71,17 @@ def test_the_overviews_names_cover_neither_each_other_nor_a_point_when_runners_c
     assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
     dots = ax.transData.transform(np.concatenate([c.get_offsets() for c in ax.collections if len(c.get_offsets())]))
     assert not any(b.contains(x, y) for b in boxes for x, y in dots)
+
+
+def test_a_compressed_runners_accuracy_is_no_evidence_for_it_run_uncompressed():
+    """FlexGen + H2O's accuracy was measured in 4 bits; the systems rows ran it uncompressed: no drop is drawn for
+    it there (its 4-bit drop says nothing of its uncompressed cache), and the chooser reads the same evidence."""
+    from kvlib.report.choose.evidence import accuracy_evidence, compressed
+
+    batch = batch_rows().assign(compress_cache=False)
+    accuracy = accuracy_rows().assign(compress_cache=lambda d: d["policy"] == "h2o")
+    assert compressed(batch) == {"full": False, "h2o": False, "kivi": False, "paged": False}
+    assert accuracy_evidence(accuracy, {"h2o": 0.3}, compression=compressed(batch)) == {}
+    assert "h2o" in accuracy_evidence(accuracy, {"h2o": 0.3}, compression={"h2o": True})
+    fig = plots.overview({"batch_scaling": batch, "accuracy": accuracy})
+    assert "h2o: accuracy not measured" in {t.get_text() for t in fig.legends[0].get_texts()}

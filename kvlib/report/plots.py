@@ -241,7 +241,7 @@ def overview(frames: dict[str, pd.DataFrame], gate: float | None = None):
     from matplotlib.colors import Normalize
 
     from kvlib.report.accuracy_lines import signed_pp
-    from kvlib.report.choose.evidence import accuracy_evidence
+    from kvlib.report.choose.evidence import accuracy_evidence, compressed
     from kvlib.report.gate import GATE
 
     _style()
@@ -253,7 +253,8 @@ def overview(frames: dict[str, pd.DataFrame], gate: float | None = None):
         return fig
     big = ok[ok["batch_size"] == ok["batch_size"].max()]
     budgets = big.dropna(subset=["budget"]).groupby("policy")["budget"].first().to_dict() if "budget" in big else {}
-    evidence = accuracy_evidence(frames.get("accuracy", pd.DataFrame()), budgets, GATE if gate is None else gate)
+    evidence = accuracy_evidence(frames.get("accuracy", pd.DataFrame()), budgets, GATE if gate is None else gate,
+                                 compressed(big))
     lossless = set(big.loc[big["lossless"].fillna(False).astype(bool), "policy"]) if "lossless" in big else set()
     norm = Normalize(0, max([5.0] + [max(e.drop.drop * 100 for e in ev) for ev in evidence.values()]))
     cmap = colormaps["viridis_r"]

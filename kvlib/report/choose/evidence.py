@@ -50,13 +50,29 @@ def items_to_resolve(drop: stats.Drop, tolerance: float) -> str:
     return f"about {math.ceil(drop.items * (half / distance) ** 2):,} items would resolve it"
 
 
-def accuracy_evidence(accuracy: pd.DataFrame, budgets: dict[str, float | None], gate: float = GATE
-                      ) -> dict[str, list[AccuracyEvidence]]:
+def compressed(*frames: pd.DataFrame) -> dict[str, bool]:
+    """Per runner in these systems rows, whether it ran with its cache compressed (`compress_cache`: FlexGen's 4-bit
+    codes), so that its accuracy is read from rows run the same way."""
+    out = {}
+    for df in frames:
+        if "compress_cache" in df:
+            out.update(df.groupby("policy")["compress_cache"].agg(lambda c: bool(c.fillna(False).astype(bool).any())))
+    return out
+
+
+def accuracy_evidence(accuracy: pd.DataFrame, budgets: dict[str, float | None], gate: float = GATE,
+                      compression: dict[str, bool] | None = None) -> dict[str, list[AccuracyEvidence]]:
     """Per lossy policy, its paired drop on each accuracy-scored task the full cache passes (the validity gate: no
     accuracy statement from a task the model fails), at the policy's budget in the systems experiments or the nearest
-    scored budget below it. budgets: the policy's budget there (None: not a budgeted policy)."""
+    scored budget below it. budgets: the policy's budget there (None: not a budgeted policy). compression: whether
+    each ran compressed there (`compressed`); accuracy rows run otherwise are no evidence for it (FlexGen + H2O's
+    4-bit drop says nothing of it uncompressed)."""
     if accuracy.empty:
         return {}
+    if compression is not None and "compress_cache" in accuracy:
+        ran = accuracy["compress_cache"].fillna(False).astype(bool)
+        accuracy = accuracy[(accuracy["policy"] == "full")
+                            | (ran == accuracy["policy"].map(lambda p: compression.get(p, False)))]
     table = accuracy_table(accuracy)
     table = table[table["metric"] == "accuracy"]
     gated = accuracy_gate(accuracy, gate)

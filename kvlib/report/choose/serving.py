@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from kvlib.report.choose.evidence import WITHIN, accuracy_evidence, judge_accuracy
+from kvlib.report.choose.evidence import WITHIN, accuracy_evidence, compressed, judge_accuracy
 from kvlib.report.choose.workload import Estimate, lossless_runners, read_at
 from kvlib.report.gate import GATE
 
@@ -83,7 +83,7 @@ def choose_serving(serving: pd.DataFrame, accuracy: pd.DataFrame, rate: float, s
         d = d[d["device_capacity_gb"] == max(capacities)]
     budgets = d.dropna(subset=["budget"]).groupby("policy")["budget"].first().to_dict() if "budget" in d else {}
     lossless = lossless_runners(d)
-    evidence = accuracy_evidence(accuracy, budgets, gate) if not accuracy.empty else {}
+    evidence = accuracy_evidence(accuracy, budgets, gate, compressed(d)) if not accuracy.empty else {}
     for p in sorted(d["policy"].unique()):
         if p in lossless:
             choice.accuracy[p] = "keeps every entry: no accuracy lost"

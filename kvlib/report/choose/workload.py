@@ -31,7 +31,7 @@ import numpy as np
 import pandas as pd
 
 from kvlib.report import stats
-from kvlib.report.choose.evidence import CANNOT_TELL, RULED_OUT, accuracy_evidence, judge_accuracy
+from kvlib.report.choose.evidence import CANNOT_TELL, RULED_OUT, accuracy_evidence, compressed, judge_accuracy
 from kvlib.report.gate import GATE
 from kvlib.report.tables import decode_kernels, geometric_mean, kernel_note
 
@@ -120,7 +120,8 @@ def choose(frames: dict[str, pd.DataFrame], prompt_tokens: int, batch: int, outp
             budgets.update(df.dropna(subset=["budget"]).groupby("policy")["budget"].first().to_dict())
     lossless = lossless_runners(decode_df) | lossless_runners(ttft_df)
     if max_accuracy_drop is not None:
-        evidence = accuracy_evidence(frames.get("accuracy", pd.DataFrame()), budgets, gate)
+        evidence = accuracy_evidence(frames.get("accuracy", pd.DataFrame()), budgets, gate,
+                                     compressed(batch_df, ttft_df, length_df))
         for p in policies:
             if p in lossless:
                 continue
