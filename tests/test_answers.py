@@ -84,4 +84,4 @@ def test_a_compressed_runners_accuracy_is_no_evidence_for_it_run_uncompressed():
     assert accuracy_evidence(accuracy, {"h2o": 0.3}, compression=compressed(batch)) == {}
     assert "h2o" in accuracy_evidence(accuracy, {"h2o": 0.3}, compression={"h2o": True})
     fig = plots.overview({"batch_scaling": batch, "accuracy": accuracy})
-    assert "h2o: accuracy not measured" in {t.get_text() for t in fig.legends[0].get_texts()}
+    assert "h2o: accuracy not measured as run here" in {t.get_text() for t in fig.legends[0].get_texts()}

@@ -137,28 +137,35 @@ def decode_length(df: pd.DataFrame):
 
 def accuracy(table: pd.DataFrame):
     """Paper Fig. 7: one panel per task, score against the KV share each policy actually attended (its configured
-    budget written next to each point), 95 % intervals as bars, the full cache as a dashed line with its band."""
+    budget as the point's marker), 95 % intervals as bars, the full cache as a dashed line with its band; the key below
+    the panels (eleven policies' names written beside their points covered each other)."""
     _style()
     tasks = sorted(table["task"].unique())
-    fig, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(tasks), figsize=(max(9.0, 5.5 * len(tasks)), 6), squeeze=False)
     palette = _palette(table["policy"])
+    budgets = sorted(table.loc[table["policy"] != "full", "budget"].dropna().unique())
+    shapes = dict(zip(budgets, "vsD^Po*X"))
     for ax, task in zip(axes.flat, tasks):
         t = table[table["task"] == task]
         for policy, g in t[t["policy"] != "full"].groupby("policy"):
             g = g.sort_values("kv_share_attended")
             ax.errorbar(g["kv_share_attended"], g["score"], yerr=[g["score"] - g["low"], g["high"] - g["score"]],
-                        marker="o", capsize=3, label=policy, color=palette[policy])
-            for _, row in g.iterrows():
-                ax.annotate(f"cap {row['budget']:g}", (row["kv_share_attended"], row["score"]), fontsize="x-small",
-                            textcoords="offset points", xytext=(4, 4))
+                        capsize=3, color=palette[policy])
+            for budget, at in g.groupby("budget"):
+                ax.scatter(at["kv_share_attended"], at["score"], marker=shapes.get(budget, "o"), s=40,
+                           color=palette[policy], edgecolors="black", linewidths=0.5, zorder=3)
         for _, row in t[t["policy"] == "full"].iterrows():
-            ax.axhline(row["score"], color="black", ls="--", lw=1, label="full cache")
+            ax.axhline(row["score"], color="black", ls="--", lw=1)
             ax.axhspan(row["low"], row["high"], color="black", alpha=0.08)
         ax.set(xscale="log", yscale="log" if t["metric"].iloc[0] == "word perplexity" else "linear",
-               xlabel="KV share attended during decode (configured budget: cap)", ylabel=t["metric"].iloc[0],
-               title=task)
-        ax.legend(fontsize="small")
-    fig.tight_layout()
+               xlabel="KV share attended during decode", ylabel=t["metric"].iloc[0], title=task)
+    key = [plt.Line2D([], [], color="black", ls="--", label="full cache (band: 95 %)")]
+    key += [plt.Line2D([], [], color=palette[p], label=p) for p in sorted(set(table["policy"]) - {"full"})]
+    key += [plt.Line2D([], [], ls="", marker=shapes[b], color="grey", mec="black", label=f"configured budget {b:g}")
+            for b in budgets]
+    columns = 3 if len(tasks) == 1 else 4
+    fig.legend(handles=key, loc="lower center", ncol=columns, fontsize="small", frameon=False)
+    fig.tight_layout(rect=(0, 0.03 + 0.04 * -(-len(key) // columns), 1, 1))
     return fig
 
 
@@ -271,7 +278,7 @@ def overview(frames: dict[str, pd.DataFrame], gate: float | None = None):
             tasks.add(task)
             detail = f"{signed_pp(e.drop.drop)} pp ({signed_pp(e.drop.high)} to {signed_pp(e.drop.low)}) at budget {e.budget:g}"
         else:
-            drop, detail = None, "accuracy not measured"
+            drop, detail = None, "accuracy not measured as run here"
         colour = "none" if drop is None else cmap(norm(drop))
         below, above = max(0.0, spread.centre - spread.low), max(0.0, spread.high - spread.centre)
         ax.errorbar(x, spread.centre, yerr=[[below], [above]], fmt="none", ecolor="grey", capsize=3, zorder=1)
@@ -299,7 +306,8 @@ def overview(frames: dict[str, pd.DataFrame], gate: float | None = None):
 def _place_labels(ax, labels: list[tuple[float, float, str]]) -> None:
     """Each label beside its point, on whichever side has room, moved up or down by whole lines just enough to cover
     no label placed before it and no point (runners crowd at similar memory and throughput); a moved label keeps a
-    thin line to its point. Boxes are the texts' drawn extents, so the rule holds at any font size."""
+    thin line to its point, as does one on the point's left. Boxes are the texts' drawn extents, so the rule holds at
+    any font size."""
     fig = ax.figure
     fig.canvas.draw()  # the limits and the renderer the labels are measured with
     renderer, to_pixels = fig.canvas.get_renderer(), ax.transData.transform
@@ -341,5 +349,5 @@ def _place_labels(ax, labels: list[tuple[float, float, str]]) -> None:
         note.remove()
         ax.annotate(text, (x, y), xytext=(14 * side, dy), textcoords="offset points", fontsize="small",
                     ha="left" if side > 0 else "right", va="bottom",
-                    arrowprops=None if dy == 3 else {"arrowstyle": "-", "color": "grey", "lw": 0.6})
+                    arrowprops=None if (side, dy) == (1, 3) else {"arrowstyle": "-", "color": "grey", "lw": 0.6})
         placed.append(box)
