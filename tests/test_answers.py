@@ -60,9 +60,9 @@ def test_the_overview_draws_every_runner_with_its_accuracy():
 
 def test_the_overviews_names_cover_neither_each_other_nor_a_point_when_runners_crowd():
     rows = batch_rows()
-    crowd = [rows[rows["policy"] == "full"].assign(policy=f"runner{i}", device_peak_bytes=(1.0 + 0.01 * i) * 2**30,
-                                                     decode_tokens_per_s=lambda d, i=i: d["decode_tokens_per_s"] * (1 + 0.01 * (i % 4)))
-             for i in range(13)]
+    full = rows[rows["policy"] == "full"]
+    crowd = [full.assign(policy=f"runner{i}", device_peak_bytes=(1.0 + 0.01 * i) * 2**30,
+                         decode_tokens_per_s=full["decode_tokens_per_s"] * (1 + 0.01 * (i % 4))) for i in range(13)]
     fig = plots.overview({"batch_scaling": pd.concat(crowd)})
     ax = fig.axes[0]
     renderer = fig.canvas.get_renderer()

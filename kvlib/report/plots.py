@@ -276,7 +276,8 @@ def overview(frames: dict[str, pd.DataFrame], gate: float | None = None):
             e = max(evidence[policy], key=lambda e: e.drop.high)
             drop, task = e.drop.drop * 100, e.task
             tasks.add(task)
-            detail = f"{signed_pp(e.drop.drop)} pp ({signed_pp(e.drop.high)} to {signed_pp(e.drop.low)}) at budget {e.budget:g}"
+            detail = (f"{signed_pp(e.drop.drop)} pp ({signed_pp(e.drop.high)} to {signed_pp(e.drop.low)}) "
+                      f"at budget {e.budget:g}")
         else:
             drop, detail = None, "accuracy not measured as run here"
         colour = "none" if drop is None else cmap(norm(drop))
@@ -320,8 +321,8 @@ def _place_labels(ax, labels: list[tuple[float, float, str]]) -> None:
         """Pixels of overlap with what is already drawn, plus whatever leaves the axes."""
         inside = (max(0.0, frame.x0 - box.x0) + max(0.0, box.x1 - frame.x1) + max(0.0, frame.y0 - box.y0)
                   + max(0.0, box.y1 - frame.y1)) * box.height
-        labels_hit = sum(max(0.0, min(box.x1, b.x1) - max(box.x0, b.x0)) * max(0.0, min(box.y1, b.y1) - max(box.y0, b.y0))
-                         for b in placed)
+        labels_hit = sum(max(0.0, min(box.x1, b.x1) - max(box.x0, b.x0))
+                         * max(0.0, min(box.y1, b.y1) - max(box.y0, b.y0)) for b in placed)
         dots_hit = sum(1.0 for dx, dy in dots
                        if box.x0 - radius < dx < box.x1 + radius and box.y0 - radius < dy < box.y1 + radius)
         return inside + labels_hit + dots_hit * radius**2
@@ -331,18 +332,14 @@ def _place_labels(ax, labels: list[tuple[float, float, str]]) -> None:
         note = ax.annotate(text, (x, y), xytext=(0, 0), textcoords="offset points", fontsize="small", va="bottom")
         line = note.get_window_extent(renderer).height / pt * 1.1
         best = None
-        for k in range(16):
-            for side in (1, -1):
-                for sign in ((1,) if k == 0 else (1, -1)):
-                    dy = 3 + line * k * sign
-                    note.set_position((14 * side, dy))
-                    note.set_horizontalalignment("left" if side > 0 else "right")
-                    box = note.get_window_extent(renderer)
-                    c = cost(box)
-                    if best is None or c < best[0]:
-                        best = (c, side, dy, box)
-                if best[0] == 0:
-                    break
+        for k in range(16):  # whole lines away, nearest first: right above, right below, left above, left below
+            for side, sign in ((1, 1), (1, -1), (-1, 1), (-1, -1)) if k else ((1, 1), (-1, 1)):
+                dy = 3 + line * k * sign
+                note.set_position((14 * side, dy))
+                note.set_horizontalalignment("left" if side > 0 else "right")
+                box = note.get_window_extent(renderer)
+                if best is None or cost(box) < best[0]:
+                    best = (cost(box), side, dy, box)
             if best[0] == 0:
                 break
         _, side, dy, box = best
