@@ -71,14 +71,16 @@ def points(df: pd.DataFrame, gate: float = GATE) -> pd.DataFrame:
                          "kind": "hybrid" if policy in HYBRIDS else "uniform" if policy in UNIFORM else "other",
                          "kv_share_held": g["kv_share_held"].median(), "change_pp": -drop.drop * 100,
                          "low_pp": -drop.high * 100, "high_pp": -drop.low * 100, "items": drop.items,
-                         "shared_prompt": value == "correct" and _shares_forks(g)})
+                         "shared_prompt": _shared_prompt(g, value)})
     return pd.DataFrame(rows, columns=["unit", "policy", "budget", "kind", "kv_share_held", "change_pp", "low_pp",
                                        "high_pp", "items", "shared_prompt"])
 
 
-def _shares_forks(rows: pd.DataFrame) -> bool:
+def _shared_prompt(rows: pd.DataFrame, value: str) -> bool:
+    """A multiple-choice unit's rows (scored `correct`: the choices fork off one prompt) of a runner whose forks share
+    their blocks."""
     cls = REGISTRY.get(rows["runner"].iloc[0]) if "runner" in rows else None
-    return bool(cls and cls.shares_forks)
+    return bool(value == "correct" and cls and cls.shares_forks)
 
 
 def comparisons(df: pd.DataFrame, gate: float = GATE) -> dict:
@@ -162,11 +164,14 @@ def tally(drops: dict) -> str:
 def shared_prompt_note(df: pd.DataFrame, gate: float = GATE) -> list[str]:
     """Which points' bytes count a forked prompt once (their blocks shared among the choices): not comparable with a
     policy that copies the prompt into every choice, and never in a verdict (no hybrid or uniform policy shares)."""
-    table = points(df, gate)
-    shared = table[table["shared_prompt"]]
-    if shared.empty:
+    shared: dict[str, list[str]] = {}  # read off the units' rows: no interval needed for this
+    for unit, (d, value, _) in units(df, gate).items():
+        for policy, g in d[d["policy"] != "full"].groupby("policy"):
+            if _shared_prompt(g, value):
+                shared.setdefault(policy, []).append(unit)
+    if not shared:
         return []
-    where = "; ".join(f"{policy} on {', '.join(sorted(g['unit'].unique()))}" for policy, g in shared.groupby("policy"))
+    where = "; ".join(f"{policy} on {', '.join(sorted(on))}" for policy, on in sorted(shared.items()))
     return [f"Mind: {where}: the answer choices fork off one prompt and this policy's forks share its blocks (copied "
             f"on write), so its bytes per token count the prompt once for all choices; every other policy here copies "
             f"the prompt's kept entries into each. Its point is drawn with a cross and is not a bytes-for-bytes "

@@ -144,7 +144,7 @@ def accuracy(table: pd.DataFrame):
     fig, axes = plt.subplots(1, len(tasks), figsize=(max(9.0, 5.5 * len(tasks)), 6), squeeze=False)
     palette = _palette(table["policy"])
     budgets = sorted(table.loc[table["policy"] != "full", "budget"].dropna().unique())
-    shapes = dict(zip(budgets, "vsD^Po*X"))
+    shapes = {b: "vsD^Po*X"[i % 8] for i, b in enumerate(budgets)}
     for ax, task in zip(axes.flat, tasks):
         t = table[table["task"] == task]
         for policy, g in t[t["policy"] != "full"].groupby("policy"):
@@ -152,7 +152,7 @@ def accuracy(table: pd.DataFrame):
             ax.errorbar(g["kv_share_attended"], g["score"], yerr=[g["score"] - g["low"], g["high"] - g["score"]],
                         capsize=3, color=palette[policy])
             for budget, at in g.groupby("budget"):
-                ax.scatter(at["kv_share_attended"], at["score"], marker=shapes.get(budget, "o"), s=40,
+                ax.scatter(at["kv_share_attended"], at["score"], marker=shapes[budget], s=40,
                            color=palette[policy], edgecolors="black", linewidths=0.5, zorder=3)
         for _, row in t[t["policy"] == "full"].iterrows():
             ax.axhline(row["score"], color="black", ls="--", lw=1)
@@ -338,8 +338,9 @@ def _place_labels(ax, labels: list[tuple[float, float, str]]) -> None:
                 note.set_position((14 * side, dy))
                 note.set_horizontalalignment("left" if side > 0 else "right")
                 box = note.get_window_extent(renderer)
-                if best is None or cost(box) < best[0]:
-                    best = (cost(box), side, dy, box)
+                c = cost(box)
+                if best is None or c < best[0]:
+                    best = (c, side, dy, box)
             if best[0] == 0:
                 break
         _, side, dy, box = best
