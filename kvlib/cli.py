@@ -35,6 +35,9 @@ def add_placement_arguments(parser) -> None:
                         help="folder for the disk tier's files (default: kvlib's cache folder, offload/)")
     parser.add_argument("--compress-cache", action="store_true",
                         help="keep the KV cache in 4 bits (groups of 64 along the head dim, FlexGen's format)")
+    parser.add_argument("--gpu-batch-size", type=int, default=None,
+                        help="rows of a micro-batch (FlexGen's GPU batch): each layer runs on each micro-batch of the "
+                             "batch in turn, its weights loaded once for all of them (default: the batch is one)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -180,7 +183,8 @@ def settings_from_args(args) -> dict:
     if share is not None and args.policy in REGISTRY and "compress_share" in policy_settings(args.policy):
         settings["compress_share"] = share  # one value: the policy's own setting is the share the schedule uses
     placement = {k: v for k, v in (("percent", args.percent), ("offload_dir", args.offload_dir),
-                                   ("compress_cache", args.compress_cache or None)) if v is not None}
+                                   ("compress_cache", args.compress_cache or None),
+                                   ("gpu_batch_size", args.gpu_batch_size)) if v is not None}
     if placement and args.policy not in PLACED_POLICIES:
         flags = ", ".join(f"--{k.replace('_', '-')}" for k in placement)
         raise UserError(f"{flags}: placing the KV cache across device, host and disk is supported by policies "

@@ -34,6 +34,23 @@ def tiny(smollm) -> LoadedModel:
 
 
 @pytest.fixture(scope="session")
+def fused(tiny):
+    """The tiny Llama as the book runs SmolLM2: Q/K/V and gate/up fused, linears prepacked, kvlib's own forward (the
+    one that streams weights)."""
+    from transformers import LlamaForCausalLM
+
+    from kvlib.models import LoadedModel
+    from kvlib.models.loading import speed_up_for_cpu
+
+    torch.manual_seed(0)
+    model = LoadedModel("tiny-fused", LlamaForCausalLM(tiny.model.config).eval(), tiny.tokenizer, tiny.spec,
+                        tiny.device)
+    speed_up_for_cpu(model)
+    assert model.kvlib_forward is not None
+    return model
+
+
+@pytest.fixture(scope="session")
 def mixed_prompts(smollm) -> list[list[int]]:
     """Three prompts of different lengths (real text, tokenized as-is)."""
     texts = ["The capital of France is",

@@ -278,23 +278,6 @@ def test_placement_flags_are_refused_for_other_policies():
 
 
 # -- weights off the device -----------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def fused(tiny):
-    """The tiny Llama as the book runs SmolLM2: Q/K/V and gate/up fused, linears prepacked, kvlib's own forward (the
-    one that streams weights)."""
-    from transformers import LlamaForCausalLM
-
-    from kvlib.models import LoadedModel
-    from kvlib.models.loading import speed_up_for_cpu
-
-    torch.manual_seed(0)
-    model = LoadedModel("tiny-fused", LlamaForCausalLM(tiny.model.config).eval(), tiny.tokenizer, tiny.spec,
-                        tiny.device)
-    speed_up_for_cpu(model)
-    assert model.kvlib_forward is not None
-    return model
-
-
 WEIGHT_PLACEMENTS = {"host": "50 50 100 0 100 0", "disk": "0 0 100 0 100 0",
                      "three tiers, KV split too": "25 25 40 30 100 0",
                      "all off the device": "0 50 0 50 100 0"}

@@ -7,11 +7,19 @@ the first `n` tokens of a segment are one run of bytes, as in FlexGen's (seq_len
 A record is a token of one (row, head): its raw bytes, or its 4-bit codes with their fp16 scales and minima
 (kvlib.memory.quant4), on whatever tier it lies.
 
-Compute reads a layer from a staging buffer on the device ([rows, heads, capacity, *tail], the layout a policy reads in
-place). Two are kept per array: while layer l computes in one, layer l + 1 is loaded into the other by a copy thread
-(FlexGen's overlap of the next layer's load with this layer's compute), and what layer l wrote is stored back to its
-tiers after it. One copy thread runs every load and store in the order they were asked for, so a load always sees the
-stores before it. A cache wholly on the device and uncompressed is not streamed: the policy computes on it in place.
+The rows are cut into groups of `group_rows` consecutive rows, FlexGen's GPU batches (the whole batch, one group, unless
+a policy asks for micro-batches); each group is its own unit of every layer, cut into tiers and laid out on them by
+itself, as FlexGen keeps a cache per GPU batch. A pass visits (layer, group) units layer by layer, each layer's groups
+in turn: FlexGen's zig-zag over a block of GPU batches, whose layer weights are loaded once for all of them
+(kvlib.models.llama_forward runs each layer on each micro-batch in turn).
+
+Compute reads a unit from a staging buffer on the device ([group_rows, heads, capacity, *tail], the layout a policy
+reads in place, a group's rows at 0.. in order). Two are kept per array: while one unit computes in one, the next unit
+of the pass (the next group of this layer, or the next layer's first) is loaded into the other by a copy thread
+(FlexGen's overlap of the next load with this compute), and what a unit wrote is stored back to its tiers after it.
+So the device holds two micro-batches' cache of one layer, not the batch's. One copy thread runs every load and store
+in the order they were asked for, so a load always sees the stores before it. A cache wholly on the device and
+uncompressed is not streamed: the policy computes on it in place (a group is a view of its rows).
 
 Every byte moved is counted per direction (kvlib.memory.disk.Transfers): a host segment's load is host->device, a disk
 segment's disk->host then host->device; a store the reverse. Device segments move nothing across tiers.
@@ -58,62 +66,104 @@ class CacheArray:
         return r.contiguous().view(self.dtype).reshape(*r.shape[:-1], *self.tail)
 
 
+@dataclass
+class Group:
+    """A micro-batch: rows [first, first + rows), its rows x heads cut into tiers (segments: tier -> [b, e) of its own
+    (row x head)s, row-major), its disk records at `disk_before` records' width into each layer's disk block."""
+    first: int
+    rows: int
+    segments: dict[str, tuple[int, int]]
+    disk_before: int
+
+    def size(self, tier: str) -> int:
+        b, e = self.segments[tier]
+        return e - b
+
+
+def groups_of(rows: int, heads: int, group_rows: int, shares: tuple[float, float, float]) -> list[Group]:
+    """The batch's rows cut into groups of group_rows (the last may be smaller), each group's rows x heads cut into
+    tiers by the shares (kvlib.memory.placement.split_counts)."""
+    out, disk_before = [], 0
+    for first in range(0, rows, group_rows):
+        n = min(group_rows, rows - first)
+        dev, host, disk = split_counts(n * heads, shares)
+        segments = {"device": (0, dev), "host": (dev, dev + host), "disk": (dev + host, n * heads)}
+        out.append(Group(first, n, segments, disk_before))
+        disk_before += disk
+    return out
+
+
 class TieredKV:
     def __init__(self, arrays: list[CacheArray], layers: int, rows: int, heads: int, capacity: int,
                  shares: tuple[float, float, float], device: torch.device, transfers: Transfers,
-                 folder: OffloadFolder | None):
+                 folder: OffloadFolder | None, group_rows: int | None = None):
         self.arrays = {a.name: a for a in arrays}
         self.layers, self.rows, self.heads, self.capacity, self.device = layers, rows, heads, capacity, device
         self.transfers = transfers
-        n = rows * heads
-        dev, host, disk = split_counts(n, shares)
-        self.segments = {"device": (0, dev), "host": (dev, dev + host), "disk": (dev + host, n)}
-        self.resident = host == 0 and disk == 0 and not any(a.compress for a in arrays)
+        self.group_rows = min(group_rows or rows, rows)
+        self.groups = groups_of(rows, heads, self.group_rows, shares)
+        on = {t: sum(g.size(t) for g in self.groups) for t in ("host", "disk")}
+        self.disk_flats = on["disk"]
+        self.resident = on["host"] == 0 and on["disk"] == 0 and not any(a.compress for a in arrays)
         if self.resident:  # the policy's own layout, computed on in place
             self.home = {a.name: [torch.full((rows, heads, capacity, *a.tail), a.fill, dtype=a.dtype, device=device)
                                   for _ in range(layers)] for a in arrays}
             return
-        if disk and folder is None:
+        if on["disk"] and folder is None:
             raise ValueError("a disk segment needs an offload folder")
         self.home = {}
         self.files = {}
         for a in arrays:
             fill = a.to_records(torch.full((1, *a.tail), a.fill, dtype=a.dtype))[0]
             for tier, where in (("device", device), ("host", torch.device("cpu"))):
-                b, e = self.segments[tier]
-                self.home[a.name, tier] = [fill.to(where).expand(capacity, e - b, -1).clone() for _ in range(layers)] \
-                    if e > b else None
-            if disk:  # preallocated zeros: a slot read before it is written (past a shorter row) is finite
+                self.home[a.name, tier] = [[fill.to(where).expand(capacity, g.size(tier), -1).clone()
+                                            if g.size(tier) else None for g in self.groups] for _ in range(layers)]
+            if on["disk"]:  # preallocated zeros: a slot read before it is written (past a shorter row) is finite
                 self.files[a.name] = folder.file(f"{a.name}.bin", layers * self.layer_disk_bytes(a))
-        self.staging = {a.name: [torch.full((rows, heads, capacity, *a.tail), a.fill, dtype=a.dtype, device=device)
-                                 for _ in range(2)] for a in arrays}
+        self.staging = {a.name: [torch.full((self.group_rows, heads, capacity, *a.tail), a.fill, dtype=a.dtype,
+                                            device=device) for _ in range(2)] for a in arrays}
         self.copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvlib-kv-copy")
         self.pending: dict[int, Future] = {}
         self.stores: list[Future] = []
-        self.length = 0
+        self.schedule: list[tuple[int, int, int]] = []  # the pass's units in order: (layer, group, tokens to load)
+        self.unit: dict[tuple[int, int], int] = {}  # (layer, group) -> its place in the schedule
 
     # -- sizes ---------------------------------------------------------------------------------------------------
-    def segment_size(self, tier: str) -> int:
-        b, e = self.segments[tier]
-        return e - b
+    def place(self, row: int) -> tuple[int, int]:
+        """The row's group, and its index among the group's rows."""
+        return divmod(row, self.group_rows)
 
     def layer_disk_bytes(self, a: CacheArray) -> int:
-        return self.capacity * self.segment_size("disk") * a.record_bytes
+        return self.capacity * self.disk_flats * a.record_bytes
+
+    def disk_offset(self, a: CacheArray, layer: int, group: Group) -> int:
+        """Where a unit's disk records start: layers one after another, a layer's groups one after another, each
+        group's records token-major."""
+        return layer * self.layer_disk_bytes(a) + self.capacity * group.disk_before * a.record_bytes
+
+    def tier_flats(self, tier: str) -> torch.Tensor:
+        """Whether each (row x head) of the batch lies in this tier, [rows x heads] bool."""
+        out = torch.zeros(self.rows * self.heads, dtype=torch.bool)
+        for g in self.groups:
+            b, e = g.segments[tier]
+            out[g.first * self.heads + b:g.first * self.heads + e] = True
+        return out
 
     def tier_bytes(self, tier: str, tokens_per_flat: torch.Tensor | None = None) -> int:
         """Bytes a tier holds over every layer: its whole reservation, or, given [rows x heads] token counts, what
         those tokens take."""
-        b, e = self.segments[tier]
         per_token = sum(a.record_bytes for a in self.arrays.values()) * self.layers
+        flats = self.tier_flats(tier)
         if tokens_per_flat is None:
-            return self.capacity * (e - b) * per_token
-        return int(tokens_per_flat[b:e].sum()) * per_token
+            return self.capacity * int(flats.sum()) * per_token
+        return int(tokens_per_flat[flats].sum()) * per_token
 
     def tensors(self, tier: str) -> list[torch.Tensor]:
-        """Every tensor the store holds in a tier (device: its segment and the staging buffers)."""
+        """Every tensor the store holds in a tier (device: its segments and the staging buffers)."""
         if self.resident:
             return [t for homes in self.home.values() for t in homes] if tier == "device" else []
-        out = [t for (_, where), homes in self.home.items() if where == tier and homes is not None for t in homes]
+        out = [t for (_, where), homes in self.home.items() if where == tier
+               for per_group in homes for t in per_group if t is not None]
         if tier == "device":
             out += [t for bufs in self.staging.values() for t in bufs]
         return out
@@ -124,110 +174,127 @@ class TieredKV:
         return sum(t.nbytes for bufs in self.staging.values() for t in bufs)
 
     # -- loads ---------------------------------------------------------------------------------------------------
-    def begin_pass(self, length: int) -> None:
-        """A forward pass starts: each layer's first `length` tokens are what it reads from the tiers (the rest of a
-        row is written by the pass itself, or never read); layer 0 starts loading."""
-        self.length = length
+    def begin_pass(self, parts: list[tuple[int, int]]) -> None:
+        """A forward pass starts over these (group, tokens) parts: each group's rows read their first `tokens` from
+        the tiers (the rest of a row is written by the pass itself, or never read). The pass visits every layer's
+        parts in this order; the first unit starts loading."""
+        self.schedule = [(layer, g, n) for layer in range(self.layers) for g, n in parts]
+        self.unit = {(layer, g): i for i, (layer, g, _) in enumerate(self.schedule)}
         if not self.resident:
             self.prefetch(0)
 
-    def prefetch(self, layer: int) -> None:
-        if not self.resident and 0 <= layer < self.layers and layer not in self.pending:
-            self.pending[layer] = self.copier.submit(self._load, layer, self.length)
+    def prefetch(self, i: int) -> None:
+        if not self.resident and 0 <= i < len(self.schedule) and i not in self.pending:
+            self.pending[i] = self.copier.submit(self._load, i, *self.schedule[i])
 
-    def layer(self, layer: int) -> dict[str, torch.Tensor]:
-        """The layer's arrays on the device, [rows, heads, capacity, *tail]; starts loading the next layer."""
+    def layer(self, layer: int, group: int) -> dict[str, torch.Tensor]:
+        """A unit's arrays on the device, [its group's rows, heads, capacity, *tail] (the group's rows at 0.., in
+        order); starts loading the pass's next unit."""
+        g = self.groups[group]
         if self.resident:
-            return {name: homes[layer] for name, homes in self.home.items()}
-        self.prefetch(layer)
-        self.pending.pop(layer).result()
-        self.prefetch(layer + 1)
-        return {name: bufs[layer % 2] for name, bufs in self.staging.items()}
+            return {name: homes[layer][g.first:g.first + g.rows] for name, homes in self.home.items()}
+        i = self.unit[layer, group]
+        self.prefetch(i)
+        self.pending.pop(i).result()
+        self.prefetch(i + 1)
+        return {name: bufs[i % 2][:g.rows] for name, bufs in self.staging.items()}
 
     @torch.inference_mode(False)
-    def _load(self, layer: int, length: int) -> None:
+    def _load(self, i: int, layer: int, group: int, length: int) -> None:
         if length == 0:
             return
+        g = self.groups[group]
         for a in self.arrays.values():
-            flat = self.staging[a.name][layer % 2].view(self.rows * self.heads, self.capacity, *a.tail)
-            for tier in ("device", "host", "disk"):
-                b, e = self.segments[tier]
+            flat = self._staged(i, g, a)
+            for tier, (b, e) in g.segments.items():
                 if e == b:
                     continue
                 if tier == "disk":
-                    f = self.files[a.name]
-                    raw = f.read(layer * self.layer_disk_bytes(a), length * (e - b) * a.record_bytes)
+                    raw = self.files[a.name].read(self.disk_offset(a, layer, g), length * (e - b) * a.record_bytes)
                     records = torch.from_numpy(raw).view(length, e - b, a.record_bytes)
                 else:
-                    records = self.home[a.name, tier][layer][:length]
+                    records = self.home[a.name, tier][layer][group][:length]
                 t = perf_now()
                 flat[b:e, :length] = a.from_records(records.to(self.device)).transpose(0, 1)
                 if tier != "device":
                     self.transfers.add("host_to_device", records.nbytes, perf_now() - t)
 
     # -- stores --------------------------------------------------------------------------------------------------
-    def store_range(self, layer: int, names, begin: int, end: int, flats: tuple[int, int] | None = None) -> None:
-        """After a layer's compute: tokens [begin, end) of (row x head)s flats=(first, last+1) (all by default) go
-        back to their tiers."""
+    def store_range(self, layer: int, group: int, names, begin: int, end: int,
+                    rows: tuple[int, int] | None = None) -> None:
+        """After a unit's compute: tokens [begin, end) of the group's rows rows=(first, last+1) (counted from the
+        group's first; all by default) go back to their tiers."""
         if self.resident or end <= begin:
             return
-        f0, f1 = flats or (0, self.rows * self.heads)
-        self.stores.append(self.copier.submit(self._store_range, layer, list(names), begin, end, f0, f1))
+        r0, r1 = rows or (0, self.groups[group].rows)
+        self.stores.append(self.copier.submit(self._store_range, (self.unit[layer, group], layer, group), list(names),
+                                              begin, end, r0 * self.heads, r1 * self.heads))
 
-    def store_points(self, layer: int, names, flats: torch.Tensor, slots: torch.Tensor) -> None:
-        """After a layer's compute: one token, slots[i], of (row x head) flats[i], for each i, back to its tier."""
+    def store_points(self, layer: int, group: int, names, flats: torch.Tensor, slots: torch.Tensor) -> None:
+        """After a unit's compute: one token, slots[i], of the group's (row x head) flats[i], for each i, back to its
+        tier."""
         if self.resident or len(flats) == 0:
             return
-        self.stores.append(self.copier.submit(self._store_points, layer, list(names), flats.cpu().clone(),
-                                              slots.cpu().clone()))
+        self.stores.append(self.copier.submit(self._store_points, (self.unit[layer, group], layer, group),
+                                              list(names), flats.cpu().clone(), slots.cpu().clone()))
 
-    def _segments_of(self, f0: int, f1: int):
-        for tier in ("device", "host", "disk"):
-            b, e = self.segments[tier]
+    @staticmethod
+    def _segments_of(g: Group, f0: int, f1: int):
+        """(tier, lo, hi): the group's (row x head)s [f0, f1) cut where the tiers' segments are."""
+        for tier, (b, e) in g.segments.items():
             lo, hi = max(b, f0), min(e, f1)
             if lo < hi:
-                yield tier, b, e, lo, hi
+                yield tier, lo, hi
+
+    def _staged(self, i: int, g: Group, a: CacheArray) -> torch.Tensor:
+        """The staging buffer of unit i (of group g) of array a as [the group's rows x heads, capacity, *tail]."""
+        return self.staging[a.name][i % 2][:g.rows].view(g.rows * self.heads, self.capacity, *a.tail)
 
     @torch.inference_mode(False)
-    def _store_range(self, layer, names, begin, end, f0, f1):
+    def _store_range(self, unit, names, begin, end, f0, f1):
+        i, layer, group = unit
+        g = self.groups[group]
         for name in names:
             a = self.arrays[name]
-            flat = self.staging[name][layer % 2].view(self.rows * self.heads, self.capacity, *a.tail)
-            for tier, b, e, lo, hi in self._segments_of(f0, f1):
+            flat = self._staged(i, g, a)
+            for tier, lo, hi in self._segments_of(g, f0, f1):
                 records = a.to_records(flat[lo:hi, begin:end]).transpose(0, 1).cpu()  # [T, hi - lo, record]
-                self._put(layer, a, tier, b, e, lo, hi, begin, records)
+                self._put(layer, group, a, tier, lo, hi, begin, records)
 
     @torch.inference_mode(False)
-    def _store_points(self, layer, names, flats, slots):
-        order = torch.argsort(slots * (self.rows * self.heads) + flats)  # token-major: neighbours on disk together
+    def _store_points(self, unit, names, flats, slots):
+        i, layer, group = unit
+        g = self.groups[group]
+        order = torch.argsort(slots * (g.rows * self.heads) + flats)  # token-major: neighbours on disk together
         flats, slots = flats[order], slots[order]
         for name in names:
             a = self.arrays[name]
-            flat = self.staging[name][layer % 2].view(self.rows * self.heads, self.capacity, *a.tail)
-            records = a.to_records(flat[flats.to(self.device), slots.to(self.device)]).cpu()  # [m, record]
-            i = 0
-            while i < len(flats):  # runs of consecutive (row x head)s at one slot: one write each
-                j = i + 1
-                while j < len(flats) and slots[j] == slots[i] and flats[j] == flats[j - 1] + 1:
-                    j += 1
-                lo, hi, slot = int(flats[i]), int(flats[j - 1]) + 1, int(slots[i])
-                for tier, b, e, s_lo, s_hi in self._segments_of(lo, hi):
-                    self._put(layer, a, tier, b, e, s_lo, s_hi, slot, records[i + s_lo - lo:i + s_hi - lo][None])
-                i = j
+            records = a.to_records(self._staged(i, g, a)[flats.to(self.device), slots.to(self.device)]).cpu()
+            j = 0
+            while j < len(flats):  # runs of consecutive (row x head)s at one slot: one write each
+                k = j + 1
+                while k < len(flats) and slots[k] == slots[j] and flats[k] == flats[k - 1] + 1:
+                    k += 1
+                lo, hi, slot = int(flats[j]), int(flats[k - 1]) + 1, int(slots[j])
+                for tier, s_lo, s_hi in self._segments_of(g, lo, hi):
+                    self._put(layer, group, a, tier, s_lo, s_hi, slot, records[j + s_lo - lo:j + s_hi - lo][None])
+                j = k
 
-    def _put(self, layer, a: CacheArray, tier, b, e, lo, hi, begin, records):
-        """records [T, hi - lo, record] into tokens begin.. of (row x head)s lo..hi, which lie in segment [b, e)."""
+    def _put(self, layer, group, a: CacheArray, tier, lo, hi, begin, records):
+        """records [T, hi - lo, record] into tokens begin.. of the group's (row x head)s lo..hi, all in one tier."""
+        g = self.groups[group]
+        b, e = g.segments[tier]
         if tier == "device":
-            self.home[a.name, tier][layer][begin:begin + len(records), lo - b:hi - b] = records.to(self.device)
+            self.home[a.name, tier][layer][group][begin:begin + len(records), lo - b:hi - b] = records.to(self.device)
             return
         t = perf_now()
         records = records.cpu()
         self.transfers.add("device_to_host", records.nbytes, perf_now() - t)
         if tier == "host":
-            self.home[a.name, tier][layer][begin:begin + len(records), lo - b:hi - b] = records
+            self.home[a.name, tier][layer][group][begin:begin + len(records), lo - b:hi - b] = records
             return
         f, seg = self.files[a.name], e - b
-        base = layer * self.layer_disk_bytes(a)
+        base = self.disk_offset(a, layer, g)
         data = records.numpy()
         if hi - lo == seg:  # whole token rows of the segment: one run
             f.write(base + begin * seg * a.record_bytes, data)

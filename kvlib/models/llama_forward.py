@@ -229,17 +229,28 @@ class LlamaForward:
         return LlamaForward(model)
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, step) -> torch.Tensor:
-        """Logits [B, V] after the last of the [B, T] new tokens at positions position_ids [B, T]."""
+        """Logits [B, V] after the last of the [B, T] new tokens at positions position_ids [B, T]. A pass cut into
+        micro-batches (step.parts) runs each layer on each part in turn, the layer's weights brought to the device once
+        for all of them (FlexGen's zig-zag over a block of GPU batches); each part keeps its own hidden state."""
         x = self.embed(input_ids)
-        position_embeddings = self.rotary(x, position_ids)
-        delta = None
+        cos, sin = self.rotary(x, position_ids)
+        parts = [(p, x[p.index], (cos[p.index], sin[p.index])) for p in step.parts] if step.parts else \
+            [(step, x, (cos, sin))]
+        deltas = [None] * len(parts)
         streamer = self.streamer
         for i, (norm1, attn, norm2, mlp) in enumerate(self.layers):
             if streamer is not None:
                 streamer.before(i)
-            delta = attn(hidden_states=add_rms_norm(x, delta, norm1), position_embeddings=position_embeddings,
-                         kv_step=step)[0]
-            delta = mlp.down_proj(silu_mul(mlp.gate_up(add_rms_norm(x, delta, norm2))))
+            for k, (part, h, position_embeddings) in enumerate(parts):
+                delta = attn(hidden_states=add_rms_norm(h, deltas[k], norm1), position_embeddings=position_embeddings,
+                             kv_step=part)[0]
+                deltas[k] = mlp.down_proj(silu_mul(mlp.gate_up(add_rms_norm(h, delta, norm2))))
             if streamer is not None:
                 streamer.after(i)
-        return self.lm_head(add_rms_norm(x[:, -1] + delta[:, -1], None, self.norm))
+        logits = [self.lm_head(add_rms_norm(h[:, -1] + d[:, -1], None, self.norm)) for (_, h, _), d in zip(parts, deltas)]
+        if not step.parts:
+            return logits[0]
+        out = logits[0].new_empty(len(step.rows), logits[0].shape[-1])
+        for (part, _, _), part_logits in zip(parts, logits):
+            out[part.index] = part_logits
+        return out

@@ -39,6 +39,24 @@ class Step:
     prefill_mode: str = "fused"
     last_chunk: bool = True  # the pass that ends a row's prompt
     end: torch.Tensor | None = None  # [B] each row's length once this prefill (all its chunks) is in
+    # micro-batches: the pass cut into parts that kvlib's forward runs each layer on in turn (set by a policy's
+    # prepare, FlexGen's zig-zag; kvlib.models.llama_forward), and a part's positions among its pass's rows
+    parts: list[Step] | None = None
+    index: torch.Tensor | None = None
+
+    def split(self, keys: torch.Tensor) -> list[Step]:
+        """The pass cut into parts, one per distinct key of its rows (keys [B]), in order of key."""
+        parts = []
+        for key in torch.unique(keys).tolist():
+            index = torch.nonzero(keys == key).flatten()
+            parts.append(Step(self.policy, self.rows[index], self.start[index], self.q_len, self.phase,
+                              self.prefill_mode, self.last_chunk, None if self.end is None else self.end[index],
+                              index=index))
+        return parts
+
+    def own(self, values: torch.Tensor) -> torch.Tensor:
+        """A tensor over the pass's rows, [B, ...], cut to this part's rows (the whole of it for a whole pass)."""
+        return values if self.index is None else values[self.index]
 
     @functools.cached_property
     def tokens_seen(self) -> int:

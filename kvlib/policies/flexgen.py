@@ -4,9 +4,14 @@ Every key and value is kept, as `full` keeps them (one contiguous reservation pe
 max_new_tokens), but each layer's cache is cut along rows x heads into a device, a host and a disk segment by
 FlexGen's percentages (`percent`: W_DEV W_HOST KV_DEV KV_HOST ACT_DEV ACT_HOST, the disk taking the rest), optionally
 4-bit compressed on every tier (`compress_cache`, FlexGen's group format: kvlib.memory.quant4). A layer computes on a
-device staging buffer into which its cache was loaded while the layer before computed (kvlib.memory.tiered_kv); what
-it wrote (a prompt's tokens, a decode step's one token) goes back to the tiers after it. The disk segment lives in files
-of a private folder inside `offload_dir` (kvlib.memory.disk: counted, out of the page cache, removed at the end).
+device staging buffer into which its cache was loaded while the unit before computed (kvlib.memory.tiered_kv); what
+it wrote (a prompt's tokens, a decode step's one token) goes back to the tiers after it. The disk segment lives in
+files of a private folder inside `offload_dir` (kvlib.memory.disk: counted, out of the page cache, removed at the end).
+
+`gpu_batch_size` (FlexGen's word) cuts the batch into micro-batches of that many rows: a decode pass runs each layer on
+each micro-batch in turn (kvlib.models.llama_forward), the layer's weights loaded once for the block and the next
+micro-batch's cache loading while one computes, so the device stages two micro-batches' cache of a layer, not the
+batch's.
 
 Placement moves bytes, never changes them: uncompressed, every placement decodes exactly the tokens of the cache wholly
 on the device, which is `full`'s cache (tests/test_flexgen.py). This is a policy of its own, not a setting of `full`,
@@ -24,8 +29,8 @@ from kvlib.errors import UserError
 from kvlib.kernels.attention import prefill_attention
 from kvlib.kernels.decode import DecodeReads
 from kvlib.memory.disk import OffloadFolder, Transfers
-from kvlib.memory.placement import Placement, split_counts, weight_tiers
-from kvlib.memory.tiered_kv import CacheArray, TieredKV
+from kvlib.memory.placement import Placement, weight_tiers
+from kvlib.memory.tiered_kv import CacheArray, TieredKV, groups_of
 from kvlib.models.offloaded_weights import WeightStreamer, decoder_layers, layer_bytes
 from kvlib.paths import cache_dir
 from kvlib.policies.base import KVPolicy, Step
@@ -49,6 +54,7 @@ class FlexGenPolicy(KVPolicy):
     percent: str = ALL_ON_DEVICE
     offload_dir: str | None = None  # None: kvlib's cache folder, offload/
     compress_cache: bool = False
+    gpu_batch_size: int | None = None  # rows a micro-batch (None: the batch is one)
 
     def __post_init__(self):
         if not isinstance(self.percent, str):  # six numbers from a params file
@@ -57,9 +63,12 @@ class FlexGenPolicy(KVPolicy):
         self.weights = None
         if not isinstance(self.compress_cache, bool):
             raise UserError(f"compress_cache must be true or false, got {self.compress_cache!r}")
+        if self.gpu_batch_size is not None and (not isinstance(self.gpu_batch_size, int) or self.gpu_batch_size < 1):
+            raise UserError(f"gpu_batch_size must be a whole number >= 1, got {self.gpu_batch_size!r}")
 
     def granularity(self) -> str:
-        return "a row reserved whole, split by rows x heads across tiers"
+        unit = "a row reserved whole, split by rows x heads across tiers"
+        return unit if self.gpu_batch_size is None else f"{unit}, in micro-batches of {self.gpu_batch_size} rows"
 
     def kv_bits(self) -> int:
         return 4 if self.compress_cache else super().kv_bits()
@@ -73,14 +82,18 @@ class FlexGenPolicy(KVPolicy):
         return max(prompt_lens) + max_new_tokens
 
     # -- weights ---------------------------------------------------------------------------------------------------
+    def needs_own_forward(self, what: str, keep: str) -> None:
+        """transformers' forward has no hook around a layer: what streams per layer runs in kvlib's own only."""
+        if self.model.kvlib_forward is None:
+            raise UserError(f"policy {self.name!r} {what} only in kvlib's own forward pass (a Llama-family model in "
+                            f"fp32 on a CPU); {keep} for {self.model.name!r}")
+
     def weight_tiers(self) -> list[str]:
         """Each decoder layer's tier (the embedding, final norm and head stay on the device); [] where every weight
         stays on the device."""
         if self.placement.weights[0] == 1:
             return []
-        if self.model.kvlib_forward is None:
-            raise UserError(f"policy {self.name!r} places weights off the device only in kvlib's own forward pass "
-                            f"(a Llama-family model in fp32 on a CPU); keep W_DEV at 100 for {self.model.name!r}")
+        self.needs_own_forward("places weights off the device", "keep W_DEV at 100")
         layers = decoder_layers(self.model.model)
         return weight_tiers([layer_bytes(layer) for layer in layers], self.placement.weights)
 
@@ -101,7 +114,11 @@ class FlexGenPolicy(KVPolicy):
         self.transfers = Transfers()
         self.folder = None
         self.store = None
-        dev, _, disk = split_counts(rows * s.num_kv_heads, self.placement.kv)
+        group_rows = min(self.gpu_batch_size or rows, rows)
+        if group_rows < rows:
+            self.needs_own_forward("runs micro-batches", "leave gpu_batch_size unset")
+        groups = groups_of(rows, s.num_kv_heads, group_rows, self.placement.kv)
+        dev, disk = (sum(g.size(t) for g in groups) for t in ("device", "disk"))
         tiers = self.weight_tiers()
         if disk or "disk" in tiers:
             self.folder = OffloadFolder(self.offload_dir or default_offload_dir(), self.transfers)
@@ -115,7 +132,7 @@ class FlexGenPolicy(KVPolicy):
                     self.ledger.add(tier, "weights", self.weights.bytes_on(tier))
             self.ledger.add("device", "kv_reserved", per_row * dev // s.num_kv_heads, where=f"{self.name} KV, device")
             self.store = TieredKV(arrays, s.num_layers, rows, s.num_kv_heads, capacity, self.placement.kv,
-                                  self.device, self.transfers, self.folder)
+                                  self.device, self.transfers, self.folder, group_rows)
             self.device_arrays, self.host_arrays = self.store.tensors("device"), self.store.tensors("host")
             self.init_rows(rows)
             self._book()
@@ -129,27 +146,34 @@ class FlexGenPolicy(KVPolicy):
 
     def prepare(self, step: Step):
         # a pass reads what its rows held before it (a prompt's first pass: nothing); decode writes one token a row
-        self.begin_pass(step, int(step.start.max()))
-        if step.phase == "decode":
-            self.slots = step.rows.to(self.device), step.start.to(self.device)
-            self.read = step.start + 1
+        self.begin_pass(step, step.start)
 
-    def begin_pass(self, step: Step, longest: int) -> None:
-        """Load the first layer of a pass that reads `longest` tokens a row; what it moves is counted as its phase's."""
+    def begin_pass(self, step: Step, reads: torch.Tensor) -> None:
+        """Start a pass whose rows read reads [B] tokens each: cut into micro-batches where its rows span several
+        groups, each group loading its rows' longest; what it moves is counted as its phase's."""
         self.transfers.phase = step.phase
-        self.store.begin_pass(longest)
+        store = self.store
+        groups = step.rows // store.group_rows
+        step.parts = step.split(groups) if bool((groups != groups[0]).any()) else None
+        store.begin_pass([(store.place(int(p.rows[0]))[0], int(p.own(reads).max())) for p in step.parts or [step]])
 
     def flats(self, rows: torch.Tensor) -> torch.Tensor:
         """The (row x head) indices of these rows, row-major."""
         h = self.spec.num_kv_heads
         return (rows[:, None] * h + torch.arange(h)[None, :]).reshape(-1)
 
-    def layer_arrays(self, layer: int) -> dict[str, torch.Tensor]:
-        """The layer's cache on the device; the wait for its load (what compute did not hide) timed as a fetch."""
+    def layer_arrays(self, layer: int, step: Step) -> tuple[dict[str, torch.Tensor], torch.Tensor, int]:
+        """The cache of the layer's unit of this (part of a) pass on the device, the step's rows' places in it, and its
+        group."""
+        group = self.store.place(int(step.rows[0]))[0]
+        return self.unit(layer, group), step.rows % self.store.group_rows, group
+
+    def unit(self, layer: int, group: int) -> dict[str, torch.Tensor]:
+        """A unit's arrays on the device; the wait for its load (what compute did not hide) timed as a fetch."""
         if self.store.resident:
-            return self.store.layer(layer)
+            return self.store.layer(layer, group)
         with self.timers.section("fetch"):
-            return self.store.layer(layer)
+            return self.store.layer(layer, group)
 
     def settle(self) -> None:
         """After a pass: its stores done, the disk flushed (timed as offloading)."""
@@ -158,22 +182,21 @@ class FlexGenPolicy(KVPolicy):
                 self.store.settle(self.folder)
 
     def attend(self, layer, query, key, value, step: Step):
-        arrays = self.layer_arrays(layer)
+        arrays, rows, group = self.layer_arrays(layer, step)
         kc, vc = arrays["keys"], arrays["values"]
         t, h = step.q_len, self.spec.num_kv_heads
         if step.phase == "decode":
-            rows, pos = self.slots
-            kc[rows, :, pos] = key[:, :, 0]
-            vc[rows, :, pos] = value[:, :, 0]
-            self.store.store_points(layer, ("keys", "values"), self.flats(step.rows),
-                                    step.start.repeat_interleave(h))
+            pos = step.start.to(self.device)
+            kc[rows.to(self.device), :, pos] = key[:, :, 0]
+            vc[rows.to(self.device), :, pos] = value[:, :, 0]
+            self.store.store_points(layer, group, ("keys", "values"), self.flats(rows), step.start.repeat_interleave(h))
             self.usage.add(layer, step.tokens_seen, step.tokens_seen, len(step.rows))
-            return self.decode_attention(layer, query, DecodeReads(kc, vc, self.read, rows=step.rows))[0]
-        row, begin = int(step.rows[0]), int(step.start[0])
+            return self.decode_attention(layer, query, DecodeReads(kc, vc, step.start + 1, rows=rows))[0]
+        row, begin = int(rows[0]), int(step.start[0])
         end = begin + t
         kc[row, :, begin:end] = key[0]
         vc[row, :, begin:end] = value[0]
-        self.store.store_range(layer, ("keys", "values"), begin, end, (row * h, (row + 1) * h))
+        self.store.store_range(layer, group, ("keys", "values"), begin, end, (row, row + 1))
         return prefill_attention(query, kc[row:row + 1, :, :end], vc[row:row + 1, :, :end], begin,
                                  step.prefill_mode, self.scale, self.ledger, layer)
 
@@ -183,20 +206,23 @@ class FlexGenPolicy(KVPolicy):
         self._book()
 
     def fork(self, src, dst):
-        self.copy_row(src, dst, int(self.lengths[src]), int(self.lengths.max()))
+        self.copy_row(src, dst, int(self.lengths[src]))
         self.lengths[dst] = self.lengths[src]
         self._book()
 
-    def copy_row(self, src: int, dst: int, n: int, longest: int) -> None:
-        """Every array's first n slots of row src into row dst, on every layer (longest: the most slots a row holds,
-        what a load reads)."""
-        h = self.spec.num_kv_heads
-        self.store.begin_pass(longest)
+    def copy_row(self, src: int, dst: int, n: int) -> None:
+        """Every array's first n slots of row src into row dst, on every layer (each row in a unit of its group)."""
+        store = self.store
+        (gs, s), (gd, d) = store.place(src), store.place(dst)
+        store.begin_pass([(gs, n)] + ([(gd, 0)] if gd != gs else []))
         for layer in range(self.spec.num_layers):
-            arrays = self.layer_arrays(layer)
-            for tensor in arrays.values():
-                tensor[dst, :, :n] = tensor[src, :, :n]
-            self.store.store_range(layer, list(arrays), 0, n, (dst * h, (dst + 1) * h))
+            arrays = self.unit(layer, gs)
+            copied = {name: t[s, :, :n].clone() for name, t in arrays.items()}  # (its buffer takes the next unit)
+            if gd != gs:
+                arrays = self.unit(layer, gd)
+            for name, t in arrays.items():
+                t[d, :, :n] = copied[name]
+            store.store_range(layer, gd, list(arrays), 0, n, (d, d + 1))
         self.settle()
 
     def release(self, row):

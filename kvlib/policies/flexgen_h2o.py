@@ -92,11 +92,11 @@ class FlexGenH2OPolicy(FlexGenPolicy):
                 raise UserError(f"policy {self.name!r} prefills a row once (row {row} already holds tokens)")
             if min(self.limits(step.q_len, step.q_len)[0], step.q_len) > self.capacity:
                 raise UserError(f"a prompt of {step.q_len} tokens keeps more than the rows hold ({self.capacity})")
-            self.begin_pass(step, 0)
+            self.begin_pass(step, torch.zeros(1, dtype=torch.long))
             return
         # decode: the pass-wide decisions of h2o's eviction (the same for every layer and head)
         self.read_lengths = torch.maximum(self.region[rows], self.write_slot[0, rows, 0] + 1)
-        self.begin_pass(step, int(self.read_lengths.max()))
+        self.begin_pass(step, self.read_lengths)
         self.region_after = self.read_lengths.clone()
         self.seen_after = self.seen[rows] + 1
         limits = [self.limits(int(n), int(p)) for n, p in zip(self.seen_after, self.prompt_of[rows])]
@@ -104,44 +104,44 @@ class FlexGenH2OPolicy(FlexGenPolicy):
         self.window_start = self.seen_after - torch.tensor([recent for _, recent in limits])
 
     def attend(self, layer, query, key, value, step: Step):
-        arrays = self.layer_arrays(layer)
         if step.phase == "prefill":
-            return self._prefill(layer, arrays, query, key, value, step)
-        return self._decode(layer, arrays, query, key, value, step)
+            return self._prefill(layer, query, key, value, step)
+        return self._decode(layer, query, key, value, step)
 
-    def _prefill(self, layer, arrays, query, key, value, step):
+    def _prefill(self, layer, query, key, value, step):
         t = step.q_len
         nbytes = matrix_bytes(1, self.spec.num_attention_heads, t, t, self.spec.dtype_bytes)
         with self.ledger.transient("device", "activations", nbytes, where=f"attention matrix, layer {layer}"):
             out, probs = matrix_attention(query, key, value, causal_mask(t, t, self.device), self.scale)
-            self._keep_prompt(layer, arrays, key, value, probs[0].sum(dim=(1, 2)), step)
+            self._keep_prompt(layer, key, value, probs[0].sum(dim=(1, 2)), step)
         return out
 
     def adopt_pass(self, layer, recorded, step: Step):
-        self._keep_prompt(layer, self.layer_arrays(layer), recorded.key(layer), recorded.value(layer),
-                          recorded.received(layer), step)
+        self._keep_prompt(layer, recorded.key(layer), recorded.value(layer), recorded.received(layer), step)
 
-    def _keep_prompt(self, layer, arrays, key, value, received, step):
+    def _keep_prompt(self, layer, key, value, received, step):
         """Store what the prompt keeps of key, value [1, Hkv, t, D], scored by the attention each entry received
         [Hkv, t] (summed over the queries and each group's query heads)."""
-        row, t, h = int(step.rows[0]), step.q_len, self.spec.num_kv_heads
+        arrays, rows, group = self.layer_arrays(layer, step)
+        row, at, t = int(step.rows[0]), int(rows[0]), step.q_len
         with self.timers.section("eviction"):
             scores = received.float()
             keep, recent = self.limits(t, t)
             keep = min(keep, t)
             idx = select_heavy_recent(scores, keep - min(recent, keep), min(recent, keep))  # [Hkv, keep]
             d = self.spec.head_dim
-            arrays["keys"][row, :, :keep] = key[0].gather(1, idx[..., None].expand(-1, -1, d))
-            arrays["values"][row, :, :keep] = value[0].gather(1, idx[..., None].expand(-1, -1, d))
-            arrays["scores"][row, :, :keep] = scores.gather(1, idx)
-            arrays["positions"][row, :, :keep] = idx
-            self.store.store_range(layer, list(arrays), 0, keep, (row * h, (row + 1) * h))
+            arrays["keys"][at, :, :keep] = key[0].gather(1, idx[..., None].expand(-1, -1, d))
+            arrays["values"][at, :, :keep] = value[0].gather(1, idx[..., None].expand(-1, -1, d))
+            arrays["scores"][at, :, :keep] = scores.gather(1, idx)
+            arrays["positions"][at, :, :keep] = idx
+            self.store.store_range(layer, group, list(arrays), 0, keep, (at, at + 1))
             self.write_slot[layer, row] = keep
 
     # -- decode ------------------------------------------------------------------------------------------------------
-    def _decode(self, layer, arrays, query, key, value, step):
-        rows, h = step.rows, self.spec.num_kv_heads
-        dev_rows = rows.to(self.device)
+    def _decode(self, layer, query, key, value, step):
+        arrays, at, group = self.layer_arrays(layer, step)
+        rows, h, reads = step.rows, self.spec.num_kv_heads, step.own(self.read_lengths)
+        dev_rows = at.to(self.device)
         heads = torch.arange(h, device=self.device)[None, :]
         slot = self.write_slot[layer, rows].to(self.device)  # [B, Hkv]
         kc, vc, scores, positions = (arrays[n] for n in ("keys", "values", "scores", "positions"))
@@ -149,47 +149,47 @@ class FlexGenH2OPolicy(FlexGenPolicy):
         vc[dev_rows[:, None], heads, slot] = value[:, :, 0]
         scores[dev_rows[:, None], heads, slot] = 0.0
         positions[dev_rows[:, None], heads, slot] = step.start[:, None].to(self.device).expand(-1, h)
-        out, probs = self.decode_attention(layer, query, DecodeReads(kc, vc, self.read_lengths, rows=step.rows,
-                                                                     probs=True))
-        used = int(self.read_lengths.max())
+        out, probs = self.decode_attention(layer, query, DecodeReads(kc, vc, reads, rows=at, probs=True))
+        used = int(reads.max())
         with self.timers.section("eviction"):
             scores[dev_rows, :, :used] += probs[..., :used].to(scores.dtype)
-            victims = self._evict(layer, rows, scores, positions, used)
-        flats = self.flats(rows)
-        self.store.store_points(layer, ("keys", "values", "positions"), flats, slot.reshape(-1).cpu())
+            victims = self._evict(layer, step, at, scores, positions, used)
+        self.store.store_points(layer, group, ("keys", "values", "positions"), self.flats(at), slot.reshape(-1).cpu())
         if victims is not None:
-            self.store.store_points(layer, ("positions",), *victims)
-        self._store_scores(layer, rows, used)
+            self.store.store_points(layer, group, ("positions",), *victims)
+        self._store_scores(layer, group, at, reads)
         attended = int(self.kept[rows].sum()) + len(rows)
         self.usage.add(layer, attended, step.tokens_seen, len(rows))
         return out
 
-    def _evict(self, layer, rows, scores, positions, used):
+    def _evict(self, layer, step, at, scores, positions, used):
         """h2o's eviction, this layer's part: each over-budget (row, head) drops its lowest-scored entry outside the
-        recent window, and the next token takes its slot; the others take a fresh slot."""
-        over, under = rows[self.over], rows[~self.over]
-        self.write_slot[layer, under] = self.region_after[~self.over][:, None]
+        recent window, and the next token takes its slot; the others take a fresh slot. at: the step's rows' places
+        in the unit's arrays."""
+        rows, is_over, region_after = step.rows, step.own(self.over), step.own(self.region_after)
+        over, under = rows[is_over], rows[~is_over]
+        self.write_slot[layer, under] = region_after[~is_over][:, None]
         if len(over) == 0:
             return None
-        dev_over = over.to(self.device)
+        dev_over = at[is_over].to(self.device)
         pos = positions[dev_over, :, :used]  # [B', Hkv, used]
-        inside = (torch.arange(used)[None, :] < self.region_after[self.over][:, None]).to(self.device)[:, None]
-        window = self.window_start[self.over][:, None, None].to(self.device)
+        inside = (torch.arange(used)[None, :] < region_after[is_over][:, None]).to(self.device)[:, None]
+        window = step.own(self.window_start)[is_over][:, None, None].to(self.device)
         evictable = inside & (pos >= 0) & (pos < window)
         victim = scores[dev_over, :, :used].masked_fill(~evictable, float("inf")).argmin(dim=-1)  # [B', Hkv]
         heads = torch.arange(self.spec.num_kv_heads, device=self.device)[None, :]
         positions[dev_over[:, None], heads, victim] = -1
         self.write_slot[layer, over] = victim.cpu()
-        return self.flats(over), victim.reshape(-1).cpu()
+        return self.flats(at[is_over]), victim.reshape(-1).cpu()
 
-    def _store_scores(self, layer, rows, used):
-        """Every read slot's score changed: back to the tiers, one run of tokens for all rows where all stepped."""
-        if len(rows) == self.store.rows and bool((rows.sort().values == torch.arange(self.store.rows)).all()):
-            self.store.store_range(layer, ("scores",), 0, used)
+    def _store_scores(self, layer, group, at, reads):
+        """Every read slot's score changed: back to the tiers, one run of tokens for the group's rows where all of
+        them stepped."""
+        if len(at) == self.store.groups[group].rows:  # (a pass's rows are distinct)
+            self.store.store_range(layer, group, ("scores",), 0, int(reads.max()))
             return
-        h = self.spec.num_kv_heads
-        for r, n in zip(rows.tolist(), self.read_lengths.tolist()):
-            self.store.store_range(layer, ("scores",), 0, n, (r * h, (r + 1) * h))
+        for r, n in zip(at.tolist(), reads.tolist()):
+            self.store.store_range(layer, group, ("scores",), 0, n, (r, r + 1))
 
     def after_pass(self, step: Step):
         rows = step.rows
@@ -206,7 +206,7 @@ class FlexGenH2OPolicy(FlexGenPolicy):
         self._book()
 
     def fork(self, src, dst):
-        self.copy_row(src, dst, int(self.region[src]), int(self.region.max()))
+        self.copy_row(src, dst, int(self.region[src]))
         for per_row in (self.kept, self.region, self.seen, self.prompt_of):
             per_row[dst] = per_row[src]
         self.write_slot[:, dst] = self.write_slot[:, src]

@@ -172,10 +172,10 @@ def shared_prompt_note(df: pd.DataFrame, gate: float = GATE) -> list[str]:
     if not shared:
         return []
     where = "; ".join(f"{policy} on {', '.join(sorted(on))}" for policy, on in sorted(shared.items()))
-    return [f"Mind: {where}: the answer choices fork off one prompt and this policy's forks share its blocks (copied "
-            f"on write), so its bytes per token count the prompt once for all choices; every other policy here copies "
-            f"the prompt's kept entries into each. Its point is drawn with a cross and is not a bytes-for-bytes "
-            f"comparison."]
+    return [(f"Mind: {where}: the answer choices fork off one prompt and this policy's forks share its blocks (copied "
+             f"on write), so its bytes per token count the prompt once for all choices; every other policy here copies "
+             f"the prompt's kept entries into each. Its point is drawn with a cross and is not a bytes-for-bytes "
+             f"comparison.")]
 
 
 def head_stability(df: pd.DataFrame) -> list[str]:
