@@ -76,12 +76,14 @@ def test_the_overviews_names_cover_neither_each_other_nor_a_point_when_runners_c
 def test_a_compressed_runners_accuracy_is_no_evidence_for_it_run_uncompressed():
     """FlexGen + H2O's accuracy was measured in 4 bits; the systems rows ran it uncompressed: no drop is drawn for
     it there (its 4-bit drop says nothing of its uncompressed cache), and the chooser reads the same evidence."""
-    from kvlib.report.choose.evidence import accuracy_evidence, compressed
+    from kvlib.report.choose.evidence import accuracy_evidence, compressed, evidence_for
 
     batch = batch_rows().assign(compress_cache=False)
     accuracy = accuracy_rows().assign(compress_cache=lambda d: d["policy"] == "h2o")
     assert compressed(batch) == {"full": False, "h2o": False, "kivi": False, "paged": False}
     assert accuracy_evidence(accuracy, {"h2o": 0.3}, compression=compressed(batch)) == {}
     assert "h2o" in accuracy_evidence(accuracy, {"h2o": 0.3}, compression={"h2o": True})
+    assert evidence_for(accuracy, batch) == {}  # the systems rows' own settings: uncompressed
+    assert "h2o" in evidence_for(accuracy, batch.assign(compress_cache=batch["policy"] == "h2o"))
     fig = plots.overview({"batch_scaling": batch, "accuracy": accuracy})
     assert "h2o: accuracy not measured as run here" in {t.get_text() for t in fig.legends[0].get_texts()}

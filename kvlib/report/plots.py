@@ -248,7 +248,7 @@ def overview(frames: dict[str, pd.DataFrame], gate: float | None = None):
     from matplotlib.colors import Normalize
 
     from kvlib.report.accuracy_lines import signed_pp
-    from kvlib.report.choose.evidence import accuracy_evidence, compressed
+    from kvlib.report.choose.evidence import evidence_for
     from kvlib.report.gate import GATE
 
     _style()
@@ -259,9 +259,7 @@ def overview(frames: dict[str, pd.DataFrame], gate: float | None = None):
         ax.text(0.5, 0.5, "no batch-scaling results in this profile", ha="center", transform=ax.transAxes)
         return fig
     big = ok[ok["batch_size"] == ok["batch_size"].max()]
-    budgets = big.dropna(subset=["budget"]).groupby("policy")["budget"].first().to_dict() if "budget" in big else {}
-    evidence = accuracy_evidence(frames.get("accuracy", pd.DataFrame()), budgets, GATE if gate is None else gate,
-                                 compressed(big))
+    evidence = evidence_for(frames.get("accuracy", pd.DataFrame()), big, gate=GATE if gate is None else gate)
     lossless = set(big.loc[big["lossless"].fillna(False).astype(bool), "policy"]) if "lossless" in big else set()
     norm = Normalize(0, max([5.0] + [max(e.drop.drop * 100 for e in ev) for ev in evidence.values()]))
     cmap = colormaps["viridis_r"]

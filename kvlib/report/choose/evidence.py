@@ -60,6 +60,17 @@ def compressed(*frames: pd.DataFrame) -> dict[str, bool]:
     return out
 
 
+def evidence_for(accuracy: pd.DataFrame, *systems: pd.DataFrame, gate: float = GATE
+                 ) -> dict[str, list[AccuracyEvidence]]:
+    """accuracy_evidence for the runners of these systems rows, each read as it ran there: at its budget (a later
+    frame's where several give one) and with its cache compressed or not."""
+    budgets = {}
+    for df in systems:
+        if "budget" in df:
+            budgets.update(df.dropna(subset=["budget"]).groupby("policy")["budget"].first().to_dict())
+    return accuracy_evidence(accuracy, budgets, gate, compressed(*systems))
+
+
 def accuracy_evidence(accuracy: pd.DataFrame, budgets: dict[str, float | None], gate: float = GATE,
                       compression: dict[str, bool] | None = None) -> dict[str, list[AccuracyEvidence]]:
     """Per lossy policy, its paired drop on each accuracy-scored task the full cache passes (the validity gate: no

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from kvlib.report.choose.evidence import WITHIN, accuracy_evidence, compressed, judge_accuracy
+from kvlib.report.choose.evidence import WITHIN, evidence_for, judge_accuracy
 from kvlib.report.choose.workload import Estimate, lossless_runners, read_at
 from kvlib.report.gate import GATE
 
@@ -81,9 +81,8 @@ def choose_serving(serving: pd.DataFrame, accuracy: pd.DataFrame, rate: float, s
     elif len(capacities):
         choice.capacity_gb = float(max(capacities))
         d = d[d["device_capacity_gb"] == max(capacities)]
-    budgets = d.dropna(subset=["budget"]).groupby("policy")["budget"].first().to_dict() if "budget" in d else {}
     lossless = lossless_runners(d)
-    evidence = accuracy_evidence(accuracy, budgets, gate, compressed(d)) if not accuracy.empty else {}
+    evidence = evidence_for(accuracy, d, gate=gate)
     for p in sorted(d["policy"].unique()):
         if p in lossless:
             choice.accuracy[p] = "keeps every entry: no accuracy lost"

@@ -31,7 +31,7 @@ import numpy as np
 import pandas as pd
 
 from kvlib.report import stats
-from kvlib.report.choose.evidence import CANNOT_TELL, RULED_OUT, accuracy_evidence, compressed, judge_accuracy
+from kvlib.report.choose.evidence import CANNOT_TELL, RULED_OUT, evidence_for, judge_accuracy
 from kvlib.report.gate import GATE
 from kvlib.report.tables import decode_kernels, geometric_mean, kernel_note
 
@@ -114,14 +114,9 @@ def choose(frames: dict[str, pd.DataFrame], prompt_tokens: int, batch: int, outp
     decode_df, axis, x = ((length_df, "output_tokens", output_tokens) if batch == 1 and not length_df.empty
                           else (batch_df, "batch_size", batch))
     policies = sorted(set(decode_df.get("policy", [])) | set(ttft_df.get("policy", [])))
-    budgets = {}
-    for df in (batch_df, ttft_df):
-        if "budget" in df:
-            budgets.update(df.dropna(subset=["budget"]).groupby("policy")["budget"].first().to_dict())
     lossless = lossless_runners(decode_df) | lossless_runners(ttft_df)
     if max_accuracy_drop is not None:
-        evidence = accuracy_evidence(frames.get("accuracy", pd.DataFrame()), budgets, gate,
-                                     compressed(batch_df, ttft_df, length_df))
+        evidence = evidence_for(frames.get("accuracy", pd.DataFrame()), length_df, batch_df, ttft_df, gate=gate)
         for p in policies:
             if p in lossless:
                 continue
