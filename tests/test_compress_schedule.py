@@ -6,7 +6,7 @@ import torch
 from test_serving_policies import capacity_for
 
 from kvlib.engine import Engine
-from kvlib.engine.scheduler import Sequence, run
+from kvlib.engine.scheduler import BATCHING, Sequence, run
 from kvlib.errors import UserError
 from kvlib.policies import make_policy
 
@@ -54,6 +54,7 @@ def test_under_a_capacity_that_preempts_it_compresses_instead_and_lists_whom(tin
 def test_with_room_to_spare_it_is_continuous_batching(tiny):
     compressing = serve(tiny, "compress")
     assert compressing.stats["compressions"] == [] and tokens(compressing) == tokens(serve(tiny, "continuous"))
+    assert compressing.stats["batching"] == BATCHING["compress"]  # the schedule it ran under, in the poster's words
 
 
 def test_compress_keeps_the_share_with_the_recent_window_and_frees_blocks(tiny):

@@ -5,6 +5,7 @@ import torch
 from conftest import hf_greedy
 
 from kvlib.engine import Engine
+from kvlib.engine.scheduler import BATCHING
 from kvlib.errors import UserError
 from kvlib.policies import available, make_policy
 
@@ -104,6 +105,7 @@ def test_every_run_records_its_policys_mechanism_in_the_posters_words(tiny, name
     stats = Engine(tiny, policy).generate([list(range(100, 140))], 3, prefill_mode=policy.preferred_prefill).stats
     assert all(isinstance(stats[k], str) and stats[k] for k in ("keeps", "reads", "evicts", "granularity"))
     assert stats["kv_bits"] in (2, 4, 8, 16, 32)
+    assert stats["batching"] == BATCHING["static"]
     if policy.lossless:
         assert (stats["keeps"], stats["reads"], stats["evicts"], stats["kv_bits"]) == \
             ("every entry", "all it keeps", "nothing", 8 * tiny.spec.dtype_bytes)

@@ -7,6 +7,7 @@ import pytest
 import yaml
 
 from kvlib import study
+from kvlib.engine.scheduler import BATCHING
 from kvlib.report import offload
 from kvlib.report.answers import answer
 from kvlib.study import executor, results
@@ -80,5 +81,6 @@ def test_the_posters_table_is_filled_from_the_runs(frame):
     assert all("host" in held[p] and "disk" in held[p] for p in t.index)
     assert t.loc["flexgen", "keeps"] == "every entry" and t.loc["flexgen+h2o", "evicts"].startswith("the least")
     assert t.loc["flexgen", "bits a stored element"] == "32"
+    assert (t["batching"] == BATCHING["static"]).all()  # the schedule the offload experiment ran them under
     read = t["share of seen entries decode read"]
     assert read["flexgen"] == 1.0 and read["flexgen+h2o"] < 1.0

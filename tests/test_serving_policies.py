@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvlib.engine import Engine
-from kvlib.engine.scheduler import Sequence, run
+from kvlib.engine.scheduler import BATCHING, Sequence, run
 from kvlib.memory.paged_kv import serving_pool_bytes
 from kvlib.policies import available, make_policy
 
@@ -78,6 +78,7 @@ def test_continuous_with_every_request_at_the_start_gives_the_static_schedules_t
                  "continuous", "chunked", chunk_size=16, stop_at_eos=False)
     assert tokens(served) == tokens(static)
     assert served.metrics["preemptions"] == 0
+    assert (static.stats["batching"], served.stats["batching"]) == (BATCHING["static"], BATCHING["continuous"])
 
 
 def capacity_for(tiny, kv_tokens: int) -> int:

@@ -149,7 +149,9 @@ class VLLMBackend:
                  # the mechanism in the poster's words, as kvlib's policies record theirs (KVPolicy.traits)
                  "keeps": "every entry", "reads": "all it keeps",
                  "evicts": "nothing: a request is preempted and recomputed when blocks run out",
-                 "granularity": f"blocks of {self.block_size} tokens", "kv_bits": 8 * _spec(model).dtype_bytes}
+                 "granularity": f"blocks of {self.block_size} tokens", "kv_bits": 8 * _spec(model).dtype_bytes,
+                 "batching": "continuous (vLLM's scheduler, whatever the arrivals): requests join and leave at every "
+                             "step; a full pool preempts"}
         return RunResult(
             outputs=decoded_outputs(_tokenizer(llm, model), generated, prompts),
             metrics=metrics, memory=ledger.snapshot(), policy={"name": self.label, **asdict(self)}, stats=stats)

@@ -46,6 +46,10 @@ if TYPE_CHECKING:  # the engine calls this loop; the loop only drives the engine
     from kvlib.engine.engine import Engine
 
 SCHEDULES = ("static", "continuous", "compress")
+# each schedule in the poster's words (its "batching" row), recorded with every run (kvlib.report.systems)
+BATCHING = {"static": "static: the batch decodes together, a finished row held to the end",
+            "continuous": "continuous: requests join and leave at every step; a full pool preempts",
+            "compress": "continuous: a full pool compresses a running request, then preempts"}
 
 
 @dataclass
@@ -126,7 +130,7 @@ def run(engine: Engine, sequences: list[Sequence], schedule: str = "static", pre
     try:
         oom = loop.serve(session)
         memory, stats = engine.ledger.snapshot(), {**engine.policy.stats(), **engine.policy.traits(),
-                                                 **engine.policy.usage.summary(),
+                                                 "batching": BATCHING[schedule], **engine.policy.usage.summary(),
                                                  "decode_attention": engine.policy.decode_kernel}
         if schedule == "compress":
             stats.update(compress_share=loop.compress_share, compressions=loop.compressions)

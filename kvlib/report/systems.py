@@ -1,16 +1,17 @@
 """The paper's poster table (hierarchical placement, sparsification, quantization, cache granularity, eviction, KV
-utilization), one row per runner, filled from what the runs recorded: where its KV lay and how many bytes at the
-peak (measured, by tier), the share of the entries it had seen that decode attention read (measured), and the
+utilization, batching), one row per runner, filled from what the runs recorded: where its KV lay and how many bytes
+at the peak (measured, by tier), the share of the entries it had seen that decode attention read (measured), and the
 mechanism each runner records with every run (KVPolicy.traits: what it keeps, reads and evicts, its allocation unit,
-the bits of a stored element). Read from the systems experiments' completed runs: batch scaling, whose largest batch
-every runner of the book meets, and the offload experiment, whose placements are FlexGen's."""
+the bits of a stored element; and the schedule it ran under, kvlib.engine.scheduler.BATCHING). Read from the systems
+experiments' completed runs: batch scaling, whose largest batch every runner of the book meets, and the offload
+experiment, whose placements are FlexGen's."""
 
 from __future__ import annotations
 
 import pandas as pd
 
 TRAITS = {"stat_keeps": "keeps", "stat_reads": "attention reads", "stat_evicts": "evicts",
-          "stat_granularity": "allocated in", "stat_kv_bits": "bits a stored element"}
+          "stat_granularity": "allocated in", "stat_kv_bits": "bits a stored element", "stat_batching": "batching"}
 EXPERIMENTS = ("batch_scaling", "offload")
 MIB = 2**20
 
