@@ -182,17 +182,17 @@ class FlexGenPolicy(KVPolicy):
                 self.store.settle(self.folder)
 
     def attend(self, layer, query, key, value, step: Step):
-        arrays, rows, group = self.layer_arrays(layer, step)
+        arrays, at, group = self.layer_arrays(layer, step)
         kc, vc = arrays["keys"], arrays["values"]
         t, h = step.q_len, self.spec.num_kv_heads
         if step.phase == "decode":
             pos = step.start.to(self.device)
-            kc[rows.to(self.device), :, pos] = key[:, :, 0]
-            vc[rows.to(self.device), :, pos] = value[:, :, 0]
-            self.store.store_points(layer, group, ("keys", "values"), self.flats(rows), step.start.repeat_interleave(h))
+            kc[at.to(self.device), :, pos] = key[:, :, 0]
+            vc[at.to(self.device), :, pos] = value[:, :, 0]
+            self.store.store_points(layer, group, ("keys", "values"), self.flats(at), step.start.repeat_interleave(h))
             self.usage.add(layer, step.tokens_seen, step.tokens_seen, len(step.rows))
-            return self.decode_attention(layer, query, DecodeReads(kc, vc, step.start + 1, rows=rows))[0]
-        row, begin = int(rows[0]), int(step.start[0])
+            return self.decode_attention(layer, query, DecodeReads(kc, vc, step.start + 1, rows=at))[0]
+        row, begin = int(at[0]), int(step.start[0])
         end = begin + t
         kc[row, :, begin:end] = key[0]
         vc[row, :, begin:end] = value[0]

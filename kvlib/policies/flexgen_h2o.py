@@ -122,8 +122,8 @@ class FlexGenH2OPolicy(FlexGenPolicy):
     def _keep_prompt(self, layer, key, value, received, step):
         """Store what the prompt keeps of key, value [1, Hkv, t, D], scored by the attention each entry received
         [Hkv, t] (summed over the queries and each group's query heads)."""
-        arrays, rows, group = self.layer_arrays(layer, step)
-        row, at, t = int(step.rows[0]), int(rows[0]), step.q_len
+        arrays, places, group = self.layer_arrays(layer, step)
+        row, at, t = int(step.rows[0]), int(places[0]), step.q_len
         with self.timers.section("eviction"):
             scores = received.float()
             keep, recent = self.limits(t, t)
