@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 from typing import ClassVar
 
 from kvlib.engine.run_result import RunResult, TokenClock, build_metrics, decoded_outputs, latency_metrics
+from kvlib.engine.scheduler import BATCHING
 from kvlib.errors import UserError
 from kvlib.memory.ledger import MemoryLedger
 from kvlib.models import ModelSpec, architectures, resolve_model_path
@@ -150,8 +151,7 @@ class VLLMBackend:
                  "keeps": "every entry", "reads": "all it keeps",
                  "evicts": "nothing: a request is preempted and recomputed when blocks run out",
                  "granularity": f"blocks of {self.block_size} tokens", "kv_bits": 8 * _spec(model).dtype_bytes,
-                 "batching": "continuous (vLLM's scheduler, whatever the arrivals): requests join and leave at every "
-                             "step; a full pool preempts"}
+                 "batching": f"{BATCHING['continuous']} (vLLM's own scheduler, whatever the arrivals)"}
         return RunResult(
             outputs=decoded_outputs(_tokenizer(llm, model), generated, prompts),
             metrics=metrics, memory=ledger.snapshot(), policy={"name": self.label, **asdict(self)}, stats=stats)

@@ -36,7 +36,7 @@ import torch
 
 from kvlib.memory import quant4
 from kvlib.memory.disk import OffloadFolder, Transfers
-from kvlib.memory.placement import split_counts
+from kvlib.memory.placement import TIERS, split_counts
 
 
 @dataclass(frozen=True)
@@ -94,15 +94,20 @@ def groups_of(rows: int, heads: int, group_rows: int, shares: tuple[float, float
 
 
 class TieredKV:
-    def __init__(self, arrays: list[CacheArray], layers: int, rows: int, heads: int, capacity: int,
-                 shares: tuple[float, float, float], device: torch.device, transfers: Transfers,
-                 folder: OffloadFolder | None, group_rows: int | None = None):
+    def __init__(self, arrays: list[CacheArray], layers: int, groups: list[Group], heads: int, capacity: int,
+                 device: torch.device, transfers: Transfers, folder: OffloadFolder | None):
+        """groups: the batch's rows and their tiers (groups_of)."""
         self.arrays = {a.name: a for a in arrays}
+        rows = sum(g.rows for g in groups)
         self.layers, self.rows, self.heads, self.capacity, self.device = layers, rows, heads, capacity, device
         self.transfers = transfers
-        self.group_rows = min(group_rows or rows, rows)
-        self.groups = groups_of(rows, heads, self.group_rows, shares)
-        on = {t: sum(g.size(t) for g in self.groups) for t in ("host", "disk")}
+        self.groups, self.group_rows = groups, groups[0].rows
+        # whether each (row x head) of the batch lies in a tier, [rows x heads] bool (what booking sums over)
+        self.flats_on = {tier: torch.zeros(rows * heads, dtype=torch.bool) for tier in TIERS}
+        for g in groups:
+            for tier, (b, e) in g.segments.items():
+                self.flats_on[tier][g.first * heads + b:g.first * heads + e] = True
+        on = {tier: int(flats.sum()) for tier, flats in self.flats_on.items()}
         self.disk_flats = on["disk"]
         self.resident = on["host"] == 0 and on["disk"] == 0 and not any(a.compress for a in arrays)
         if self.resident:  # the policy's own layout, computed on in place
@@ -141,19 +146,11 @@ class TieredKV:
         group's records token-major."""
         return layer * self.layer_disk_bytes(a) + self.capacity * group.disk_before * a.record_bytes
 
-    def tier_flats(self, tier: str) -> torch.Tensor:
-        """Whether each (row x head) of the batch lies in this tier, [rows x heads] bool."""
-        out = torch.zeros(self.rows * self.heads, dtype=torch.bool)
-        for g in self.groups:
-            b, e = g.segments[tier]
-            out[g.first * self.heads + b:g.first * self.heads + e] = True
-        return out
-
     def tier_bytes(self, tier: str, tokens_per_flat: torch.Tensor | None = None) -> int:
         """Bytes a tier holds over every layer: its whole reservation, or, given [rows x heads] token counts, what
         those tokens take."""
         per_token = sum(a.record_bytes for a in self.arrays.values()) * self.layers
-        flats = self.tier_flats(tier)
+        flats = self.flats_on[tier]
         if tokens_per_flat is None:
             return self.capacity * int(flats.sum()) * per_token
         return int(tokens_per_flat[flats].sum()) * per_token

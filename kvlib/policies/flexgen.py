@@ -131,8 +131,8 @@ class FlexGenPolicy(KVPolicy):
                 for tier in ("host", "disk"):
                     self.ledger.add(tier, "weights", self.weights.bytes_on(tier))
             self.ledger.add("device", "kv_reserved", per_row * dev // s.num_kv_heads, where=f"{self.name} KV, device")
-            self.store = TieredKV(arrays, s.num_layers, rows, s.num_kv_heads, capacity, self.placement.kv,
-                                  self.device, self.transfers, self.folder, group_rows)
+            self.store = TieredKV(arrays, s.num_layers, groups, s.num_kv_heads, capacity, self.device, self.transfers,
+                                  self.folder)
             self.device_arrays, self.host_arrays = self.store.tensors("device"), self.store.tensors("host")
             self.init_rows(rows)
             self._book()
