@@ -151,7 +151,7 @@ class VLLMBackend:
                  "keeps": "every entry", "reads": "all it keeps",
                  "evicts": "nothing: a request is preempted and recomputed when blocks run out",
                  "granularity": f"blocks of {self.block_size} tokens", "kv_bits": 8 * _spec(model).dtype_bytes,
-                 "batching": f"{BATCHING['continuous']} (vLLM's own scheduler, whatever the arrivals)"}
+                 "batching": f"{BATCHING['continuous']} (vLLM's own scheduler)"}
         return RunResult(
             outputs=decoded_outputs(_tokenizer(llm, model), generated, prompts),
             metrics=metrics, memory=ledger.snapshot(), policy={"name": self.label, **asdict(self)}, stats=stats)

@@ -46,10 +46,10 @@ if TYPE_CHECKING:  # the engine calls this loop; the loop only drives the engine
     from kvlib.engine.engine import Engine
 
 SCHEDULES = ("static", "continuous", "compress")
-# each schedule in the poster's words (its "batching" row), recorded with every run (kvlib.report.systems)
-BATCHING = {"static": "static: the batch decodes together, a finished row held to the end",
-            "continuous": "continuous: requests join and leave at every step; a full pool preempts",
-            "compress": "continuous: a full pool compresses a running request, then preempts"}
+# each schedule in the poster's words (its "batching" row), recorded with every run (kvlib.report.systems); short,
+# since they are a table's column (the module's docstring says what each does)
+BATCHING = {"static": "static", "continuous": "continuous, preempts when full",
+            "compress": "continuous, compresses then preempts when full"}
 
 
 @dataclass
