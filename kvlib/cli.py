@@ -56,7 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a prompt of N token ids (random ids with --weights random, else CPython docs text; repeat "
                           "for a batch)")
     run.add_argument("--policy", default="full", help="KV-cache policy (see `kvlib policies`)")
-    run.add_argument("--prefill", default="fused", help="prefill mode: full | fused | chunked")
+    run.add_argument("--prefill", default=None,
+                     help="prefill mode: full | fused | chunked (default: fused; chunked under --schedule continuous "
+                          "or compress, whole prompts at admission with full or fused)")
     run.add_argument("--chunk-size", type=int, default=512, help="tokens per chunk for --prefill chunked")
     run.add_argument("--max-new-tokens", type=int, default=32)
     run.add_argument("--prompt-file", action="append", default=[], help="raw text prompt (repeat for a batch)")
@@ -74,8 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="static: prefill each prompt, then decode the batch; continuous: requests join and leave "
                           "between decode steps (a full pool preempts a request, as vLLM does); compress: as "
                           "continuous, but a full pool first compacts a running request's cache by its policy's "
-                          "scores (h2o, snapkv; compress_h2o, H2O at budget 1.0, serves under it in the serving "
-                          "experiment)")
+                          "scores (h2o, snapkv; compress_h2o, every entry until then and never below its budget, serves "
+                          "under it in the serving experiment)")
     run.add_argument("--compress-share", type=float, default=None,
                      help="with --schedule compress: the share of its entries a compacted request keeps (default: the "
                           "policy's compress_share setting where it has one, as compress_h2o does, else 0.5)")
@@ -103,7 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--limit", type=int, default=None, help="items per task")
     ev.add_argument("--batch-size", type=int, default=8)
     ev.add_argument("--device", default=None)
-    sub.add_parser("policies", help="list the registered policies and their settings")
+    pol = sub.add_parser("policies", help="list the registered policies and their settings")
+    pol.add_argument("--fidelity", action="store_true",
+                     help="each policy's rules against its official code: same, or differs and why")
+    pol.add_argument("--markdown", action="store_true", help="with --fidelity: the methods page's table")
     study = sub.add_parser("study", help="run a profile's experiments (resumable) and execute the notebooks")
     study.add_argument("--profile", default="embedded",
                        help="a profile's name (params/<name>.yaml) or a path to your own YAML file (its results go "
@@ -254,10 +259,11 @@ def cmd_run(args) -> int:
 
         sequences = [Sequence(p, args.max_new_tokens, arrival_step=i * args.arrival_interval,
                               arrival_s=arrivals[i] if arrivals else None) for i, p in enumerate(prompts)]
-        result = run(engine, sequences, args.schedule, "chunked", args.chunk_size, stop_at_eos=not args.ignore_eos,
+        result = run(engine, sequences, args.schedule, args.prefill or "chunked", args.chunk_size,
+                     stop_at_eos=not args.ignore_eos,
                      slo=slo(args), compress_share=args.compress_share)
     else:
-        result = engine.generate(prompts, args.max_new_tokens, prefill_mode=args.prefill,
+        result = engine.generate(prompts, args.max_new_tokens, prefill_mode=args.prefill or "fused",
                                  chunk_size=args.chunk_size, stop_at_eos=not args.ignore_eos)
     return print_result(args, result)
 
@@ -302,6 +308,17 @@ def cmd_policies(args) -> int:
     from dataclasses import fields
 
     from kvlib.study.runners import runner_class, runners
+
+    if args.fidelity:
+        from kvlib.policies import REGISTRY, fidelity
+
+        if args.markdown:
+            print(fidelity.markdown(REGISTRY), end="")
+        else:
+            for row in fidelity.rows(REGISTRY):
+                print(f"{row['policy']}: {row['rule']}: official {row['official']}; kvlib {row['kvlib']}"
+                      f"{' (' + row['setting'] + ')' if row['setting'] else ''}: {row['verdict']}")
+        return 0
 
     for name in runners():
         cls = runner_class(name)

@@ -18,6 +18,7 @@ from kvlib.errors import UserError
 from kvlib.kernels.decode import DecodeReads, decode_attention, kernel_for, workspace_bytes
 from kvlib.memory.ledger import MemoryLedger
 from kvlib.memory.timing import Timers
+from kvlib.policies.fidelity import Fidelity
 from kvlib.models import LoadedModel
 
 if TYPE_CHECKING:  # what adopt_pass reads; the engine makes it
@@ -135,6 +136,9 @@ class KVPolicy:
     keeps: ClassVar[str] = "every entry"
     reads: ClassVar[str] = "all it keeps"
     evicts: ClassVar[str] = "nothing"
+    # its official source and rules, each `same` or `differs: why` (kvlib.policies.fidelity); declared by each
+    # registered class itself
+    fidelity: ClassVar[Fidelity | None] = None
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

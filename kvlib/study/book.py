@@ -61,6 +61,16 @@ def write_overview(profile: str, validity_gate: float) -> Path:
     return out
 
 
+def write_fidelity() -> Path:
+    """The methods page's fidelity table (book/fidelity.md, included there), from the policies' declarations."""
+    from kvlib.policies import REGISTRY, fidelity
+
+    path = repo_root() / "book" / "fidelity.md"
+    path.write_text(fidelity.markdown(REGISTRY))
+    return path
+
+
 def build() -> None:
+    write_fidelity()
     subprocess.run(["jupyter-book", "build", str(repo_root() / "book")], check=True,
                    env={**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})
