@@ -41,7 +41,9 @@ def test_skewing_is_orthogonal_and_leaves_scores_unchanged(tiny):
             assert torch.allclose(a.T @ a, eye, atol=1e-5)
             q, k = queries[layer][h * group], keys[layer][h]
             assert torch.allclose((q @ a) @ (k @ a).T, q @ k.T, atol=1e-4, rtol=1e-4)
-    assert skew.columns.shape[-1] == 4  # ceil(0.25 * 16)
+    kept = (skew.columns >= 0).sum(-1)  # the official union: int(0.25 x 16) columns by |QA|, as many by |KA|
+    assert ((4 <= kept) & (kept <= 8)).all()
+    assert compute_skew(tiny, prompt, partial_ratio=0.25, basis="joint").columns.shape[-1] == 4  # ceil(0.25 x 16)
 
 
 def test_tiers_and_bytes_moved_match_the_selection(tiny):

@@ -50,6 +50,7 @@ class KVLibLM(TemplateLM):
         self.tokens_attended = self.tokens_seen = 0  # by decode steps, over every request so far
         self.bytes_held: int | None = 0  # device KV bytes after each decode step, and the tokens seen then
         self.tokens_held = 0
+        self.speculation = [0, 0.0, 0.0]  # InfiniGen's measure_coverage: samples, speculated mass, oracle mass
 
     def _generate(self, prompts, max_new_tokens, **kwargs):
         result = self.engine.generate(prompts, max_new_tokens, prefill_mode=self.engine.policy.preferred_prefill,
@@ -64,6 +65,18 @@ class KVLibLM(TemplateLM):
         held = usage.get("kv_device_bytes_held_total")
         self.bytes_held = None if held is None or self.bytes_held is None else self.bytes_held + held
         self.tokens_held += usage.get("kv_tokens_held_total") or 0
+        if usage.get("speculation_samples"):
+            for i, key in enumerate(("speculation_samples", "speculation_mass_sum", "oracle_mass_sum")):
+                self.speculation[i] += usage[key]
+
+    @property
+    def speculation_columns(self) -> dict:
+        """InfiniGen with measure_coverage, over every request so far: the true attention mass its speculated picks
+        carried, the mass the oracle's best picks of the same count would have, and their ratio (its recall)."""
+        n, mass, oracle = self.speculation
+        if not n:
+            return {}
+        return {"speculation_coverage": mass / n, "oracle_coverage": oracle / n, "speculation_recall": mass / oracle}
 
     @property
     def kv_share_attended(self) -> float | None:

@@ -20,9 +20,14 @@ another of them to append the new token): there a sparse layer reads the selecte
 index list per row and KV head into the host tier, which the one decode kernel reads as it reads any block table, and
 nothing is counted as moved. `fetch=True` keeps the copy on a CPU too (the GPU's path, which the tests run here).
 
-The budget is a cap, as in the official code: a head fetches as many tokens as speculation finds candidates (within
-`alpha` of its best approximate score), at most budget x cached tokens. What a run actually attended is reported
-(`kv_share_attended`), and the book places InfiniGen there, next to the configured cap.
+The budget is a cap, as in the official code: a row fetches the mean over its heads of the tokens speculation finds
+candidates (within `alpha` of a head's best approximate score), truncated, at most int(budget x cached tokens). So
+alpha, not the budget, decides what it fetches wherever the candidates are fewer than the cap: what a run actually
+attended is reported (`kv_share_attended`) and the book places InfiniGen there, next to the configured cap;
+`alpha=inf` makes the budget bind (every head fetches its cap), as the official code's figure-13 runs do with alpha 99.
+`measure_coverage` also reads each step's true attention: the mass speculation's picks carry against the mass the
+oracle's best picks of the same count carry, per layer (`speculation_recall`). Where kvlib follows the official code
+and where it departs, rule by rule: `fidelity` below.
 """
 
 from __future__ import annotations
@@ -39,7 +44,8 @@ from kvlib.kernels.attention import prefill_attention
 from kvlib.kernels.decode import DecodeReads, rows_view
 from kvlib.models.llama_forward import FusedAttention, QueryProjection
 from kvlib.policies.base import BudgetedPolicy, Step
-from kvlib.policies.infinigen_skew import load_or_compute_skew
+from kvlib.policies.fidelity import Fidelity, Rule, Source
+from kvlib.policies.infinigen_skew import BASES, load_or_compute_skew
 from kvlib.policies.registry import register
 
 
@@ -51,10 +57,42 @@ class InfiniGenPolicy(BudgetedPolicy):
     adopts_prefill = True
     host_tensors = ("host_k", "host_v")
     reads = "the entries a speculation of each layer's attention selects, each step"
+    fidelity = Fidelity(
+        Source("snu-comparch/InfiniGen", "3754f52d131c30ab7a310e3c4cf356e8e3326ac3",
+               "accuracy/src/modeling_llama_ours.py, accuracy/setup/*, speedup/infinigen/kv_selection_controller.py"),
+        rules=(
+            Rule("candidates", "approximate logit within alpha of the head's max",
+                 kvlib="approximate logit within alpha of the head's max"),
+            Rule("alpha", 5.0, setting="alpha"),
+            Rule("fetch count", "int(mean over heads of the candidates), at most int(budget x tokens)",
+                 kvlib="int(mean over heads of the candidates), at most int(budget x tokens)"),
+            Rule("cap's tokens", "the whole sequence (lm-eval's one pass: context + continuation)",
+                 kvlib="the tokens cached at the step",
+                 differs="kvlib selects at each decode step, as a deployed system does; the cap then grows with "
+                         "the row"),
+            Rule("where it selects", "every query position past int(budget x tokens) (lm-eval: one dense pass)",
+                 kvlib="decode steps (the context prefilled dense)",
+                 differs="kvlib scores continuations by decode steps (kvlib.evaluation.lm), as the speedup code runs"),
+            Rule("fewest fetched", "0 (the official mask then attends everything)", kvlib="1 and the new token",
+                 differs="a row always reads its best entry"),
+            Rule("partial ratio", 0.2, setting="partial_ratio"),
+            Rule("skewing basis", "query", setting="skew_basis"),
+            Rule("partial columns", "int(r x D) by |QA| united with int(r x D) by |KA|",
+                 kvlib="int(r x D) by |QA| united with int(r x D) by |KA|"),
+            Rule("heads", "multi-head: one A and one count per query head",
+                 kvlib="one A and one selection per KV head (max over its query group)",
+                 differs="grouped-query models share a KV head's entries across its group"),
+            Rule("dense layers", 2, setting="dense_layers"),
+            Rule("speculation input", "layer i's attention input x layer i+1's query weights",
+                 kvlib="layer i's attention input x layer i+1's query weights"),
+        ))
 
     partial_ratio: float = 0.2  # share of each head's dimensions speculation uses (the official default)
-    alpha: float = 4.0  # candidates: approximate logit within alpha of the head's max (weight within e^-alpha)
+    # candidates: approximate logit within alpha of the head's max (weight within e^-alpha); the official runs use 5 on
+    # Llama (4 on OPT); alpha=inf makes the budget bind, every head fetching its cap (the official figure 13: alpha 99)
+    alpha: float = 5.0
     skew: bool = True
+    skew_basis: str = "query"  # the official basis and columns; "joint": kvlib's earlier rule (infinigen_skew)
     dense_layers: int = 2
     calibration_tokens: int = 512
     measure_coverage: bool = False  # also compute the true attention, to report speculation quality
@@ -66,6 +104,8 @@ class InfiniGenPolicy(BudgetedPolicy):
             raise UserError(f"partial_ratio must be in (0, 1], got {self.partial_ratio}")
         if self.alpha < 0:
             raise UserError(f"alpha must be >= 0, got {self.alpha}")
+        if self.skew_basis not in BASES:
+            raise UserError(f"skew_basis must be one of {BASES}, got {self.skew_basis!r}")
         if self.dense_layers < 1:
             raise UserError(f"dense_layers must be >= 1 (layer 0 has no earlier layer to speculate from), "
                             f"got {self.dense_layers}")
@@ -92,10 +132,9 @@ class InfiniGenPolicy(BudgetedPolicy):
         return self.fetch
 
     def calibrate(self, prompt):
-        skew = load_or_compute_skew(self.model, prompt[:self.calibration_tokens], self.partial_ratio, self.skew)
-        # skewing then keeping r columns is one product with the kept columns of A: [L, Hkv, D, r]
-        cut = skew.columns[:, :, None, :].expand(-1, -1, skew.matrices.shape[-2], -1)
-        self.skew_cut = skew.matrices.gather(-1, cut).contiguous().to(self.device)
+        skew = load_or_compute_skew(self.model, prompt[:self.calibration_tokens], self.partial_ratio, self.skew,
+                                    self.skew_basis)
+        self.skew_cut = skew.cut().to(self.device)
 
     # -- lifecycle -----------------------------------------------------------------------------------------------
     def start(self, batch_size, prompt_lens, max_new_tokens):
@@ -258,15 +297,23 @@ class InfiniGenPolicy(BudgetedPolicy):
             self.fetched[nxt] = (table, count, k_sel, v_sel)
         self.bytes_moved += moved
 
+    def fetch_cap(self, cached: int) -> int:
+        """The most a head fetches from a row of `cached` tokens: int(budget x cached) as the official code's
+        fetch_max (truncated, where the other sparse policies' tokens_allowed rounds), at least one."""
+        if self.budget_tokens is not None:
+            return min(self.budget_tokens, cached)
+        return min(cached, max(1, int(self.budget * cached)))
+
     def _select(self, layer: int, q_part: torch.Tensor, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
         """What each (row, KV head) of `layer` reads this step: (index list [B, Hkv, W] on the CPU, its picks first,
         then the row's new token at position step.start; picks a head [B]). On kvlib's C kernels one call
         (kvlib.kernels.cpu_kernel.infinigen_select); elsewhere the PyTorch ops below, which choose the same."""
         rows, cached = step.rows, step.start  # tokens already in the cache per row (the current one is not)
-        cap = torch.tensor([self.tokens_allowed(int(n)) for n in cached])
+        cap = torch.tensor([self.fetch_cap(int(n)) for n in cached])
         keys = self.partial_k[layer - self.dense]
         if self.decode_kernel == "c":
-            return cpu_kernel.infinigen_select(q_part, keys, rows, cached, cap, self.scale, self.alpha,
+            # alpha=inf (every token a candidate) as a finite float: the C kernel takes fp32 numbers
+            return cpu_kernel.infinigen_select(q_part, keys, rows, cached, cap, self.scale, min(self.alpha, 1e30),
                                                int(cap.max()) + 1)
         k_part = rows_view(keys, rows)[..., :int(cached.max())]  # [B, Hkv, r, L]
         approx = torch.matmul(q_part, k_part).amax(dim=2) * self.scale  # [B, Hkv, L]
@@ -274,8 +321,8 @@ class InfiniGenPolicy(BudgetedPolicy):
             valid = (torch.arange(approx.shape[-1])[None, :] < cached[:, None]).to(self.device)
             approx = approx.masked_fill(~valid[:, None, :], float("-inf"))
         peak = approx.amax(dim=-1, keepdim=True)
-        candidates = (approx > peak - self.alpha).sum(dim=-1).float().mean(dim=-1).cpu()  # [B]
-        count = torch.minimum(candidates.round().long(), cap).clamp(min=1)
+        candidates = (approx > peak - self.alpha).sum(dim=-1).sum(dim=-1).cpu() // approx.shape[1]  # [B]: int(mean)
+        count = torch.minimum(candidates, cap).clamp(min=1)
         # best first, equal scores the earlier token first: the C selection's order
         chosen = approx.sort(dim=-1, descending=True, stable=True).indices[..., :int(count.max())].cpu()
         table = torch.cat([chosen, cached[:, None, None].expand(-1, chosen.shape[1], 1)], dim=-1)
@@ -283,7 +330,8 @@ class InfiniGenPolicy(BudgetedPolicy):
         return table, count
 
     def _record_coverage(self, layer, query, key, step, chosen, count):
-        """Share of layer's true attention mass (over the whole cache) that the selected entries carry."""
+        """Share of layer's true attention mass (over the whole cache) that the selected entries carry, and the share
+        the best `count` entries of the true attention (the oracle's pick of the same size) would carry."""
         keep = (torch.arange(chosen.shape[-1])[None, None, :] < count[:, None, None]).to(self.device)
         chosen = chosen.to(self.device)
         rows, i = step.rows, layer - self.dense
@@ -297,7 +345,10 @@ class InfiniGenPolicy(BudgetedPolicy):
         picked = torch.zeros_like(valid[:, None, :].expand(-1, chosen.shape[1], -1).clone())
         picked.scatter_(-1, chosen.masked_fill(~keep, kv_len), True)
         picked[..., -1] = True
-        self.coverage.append(float((probs * picked[:, :, None, :]).sum(-1).mean()))
+        mass = probs.mean(dim=2)  # [B, Hkv, L + 1]: a KV head's entries serve its group's queries alike
+        cached = mass[..., :-1].sort(dim=-1, descending=True).values.cumsum(dim=-1)
+        best = cached.gather(-1, (count.to(self.device) - 1)[:, None, None].expand(-1, mass.shape[1], 1))
+        self.coverage.append((layer, float((mass * picked).sum(-1).mean()), float((best[..., 0] + mass[..., -1]).mean())))
 
     def fork(self, src, dst):
         n = int(self.lengths[src])
@@ -328,9 +379,25 @@ class InfiniGenPolicy(BudgetedPolicy):
         self.ledger.set("device", "infinigen dense layers", kv=tokens * self.dense * per_layer,
                         kv_reserved=self.dense_k.nbytes + self.dense_v.nbytes - tokens * self.dense * per_layer)
 
+    def _coverage_stats(self) -> dict:
+        """With measure_coverage: the true attention mass speculation's picks carried, the mass the oracle's pick of
+        the same count would have carried, and their ratio (speculation's recall), over all steps and per layer."""
+        if not self.coverage:
+            return {"speculation_coverage": None}
+        layers = sorted({layer for layer, _, _ in self.coverage})
+        per = {layer: [(c, o) for at, c, o in self.coverage if at == layer] for layer in layers}
+        mean = lambda xs: sum(xs) / len(xs)
+        return {"speculation_samples": len(self.coverage),  # (layer, step)s: with the sums, totals over runs add up
+                "speculation_mass_sum": sum(c for _, c, _ in self.coverage),
+                "oracle_mass_sum": sum(o for _, _, o in self.coverage),
+                "speculation_coverage": mean([c for _, c, _ in self.coverage]),
+                "oracle_coverage": mean([o for _, _, o in self.coverage]),
+                "speculation_recall": mean([c for _, c, _ in self.coverage]) / mean([o for _, _, o in self.coverage]),
+                "coverage_by_layer": {layer: (mean([c for c, _ in v]), mean([o for _, o in v])) for layer, v in per.items()}}
+
     def stats(self):
         return {"bytes_moved_host_to_device": self.bytes_moved,
                 "bytes_moved_per_step": self.bytes_moved / max(self.decode_steps, 1),
-                "speculation_coverage": sum(self.coverage) / len(self.coverage) if self.coverage else None,
+                **self._coverage_stats(),
                 "transfer": ("pcie" if self.device.type == "cuda" else "host memory copy (no bus crossed)")
                 if self.fetches else "read in place (host and device tiers are one memory)"}

@@ -166,6 +166,26 @@ def accuracy_table(df: pd.DataFrame) -> pd.DataFrame:
 
 
 
+SPECULATION = {"kv_share_attended": "share of the seen entries attended", "speculation_coverage":
+               "attention mass its picks carried", "oracle_coverage": "mass the best picks of that count carry",
+               "speculation_recall": "recall (picks / best)"}
+
+
+def speculation_markdown(df: pd.DataFrame) -> str:
+    """InfiniGen's selection as it ran, per task and budget (its cap): the share of the seen entries its decode steps
+    attended (the dense layers and each step's new token included), the true attention mass of a sparse layer its
+    speculated picks carried, the mass the oracle's best picks of the same count would carry, and their ratio
+    (measure_coverage; kvlib.policies.infinigen). Each point's value over all its items."""
+    rows = df[df["policy"] == "infinigen"] if "policy" in df else df.iloc[:0]
+    if rows.empty or "speculation_recall" not in rows or rows["speculation_recall"].isna().all():
+        return "InfiniGen's speculation was not measured in these results (`measure_coverage` unset)."
+    table = rows.groupby(["task", "budget"])[list(SPECULATION)].median().reset_index()
+    lines = ["| task | budget (cap) | " + " | ".join(SPECULATION.values()) + " |", "|---|---|" + "---|" * len(SPECULATION)]
+    for r in table.itertuples(index=False):
+        lines.append(f"| {r.task} | {r.budget:g} | " + " | ".join(f"{getattr(r, c):.1%}" for c in SPECULATION) + " |")
+    return "\n".join(lines)
+
+
 def retention_table(df: pd.DataFrame) -> pd.DataFrame:
     """Share of questions answered correctly per policy and protocol (two measurements, never pooled) with its 95 %
     Wilson interval over the questions and the KV share attended."""

@@ -1,8 +1,8 @@
 /* InfiniGen's selection on a CPU (kvlib.policies.infinigen): during layer i of a decode step, which entries layer
  * i+1 reads. For each (row, KV head), approximate scores of its cached tokens from the partial query and the partial
  * keys (scale x the largest over the head's query group of q_part . k_part); the candidates are the tokens whose
- * score is above the head's best minus alpha; a row fetches the mean of its heads' candidate counts (rounded half to
- * even, as torch.round), at most cap[b] and at least one, and each head its best-scored that many. Written as the
+ * score is above the head's best minus alpha; a row fetches the mean of its heads' candidate counts (truncated, as the
+ * official code's int(mean)), at most cap[b] and at least one, and each head its best-scored that many. Written as the
  * index list the decode kernel reads (decode_attention.c, one table per row and KV head): the picks in position
  * order, then the row's new token (at position cached[b]), repeated to the table's width. In PyTorch this is ~15 ops
  * a layer (a matmul, the masks, the counts, a top-k, the table), whose dispatch and top-k were a sixth of a step.
@@ -79,7 +79,7 @@ int infinigen_select(const float *q, const float *keys, int64_t n_rows, int64_t 
     for (int64_t b = 0; b < batch; b++) {
         int64_t sum = 0;
         for (int64_t h = 0; h < kv_heads; h++) sum += candidates[b * kv_heads + h];
-        const int64_t mean = (int64_t)nearbyintf((float)sum / (float)kv_heads);
+        const int64_t mean = sum / kv_heads;
         out_count[b] = mean < cap[b] ? (mean > 1 ? mean : 1) : cap[b];
     }
 

@@ -64,11 +64,13 @@ def run_point(point) -> list[dict]:
 
 def held_columns(lm: KVLibLM, full_bytes_per_token: int) -> dict:
     """What the policy held on the device while it answered (KVUsage): its KV bytes per token seen, and as a share of
-    the full cache's at the model's dtype; for duo, the retrieval ratio its budget came to and how stable its heads
+    the full cache's at the model's dtype; for InfiniGen with measure_coverage, its speculation's share of the true
+    attention mass against the oracle's (KVLibLM.speculation_columns); for duo, the retrieval ratio its budget came to and how stable its heads
     are (kvlib.policies.duo_heads.stability)."""
     per_token = lm.kv_device_bytes_per_token
     columns = {"kv_device_bytes_per_token": per_token,
-               "kv_share_held": None if per_token is None else per_token / full_bytes_per_token}
+               "kv_share_held": None if per_token is None else per_token / full_bytes_per_token,
+               **lm.speculation_columns}
     policy = lm.engine.policy
     if policy.name == "duo" and policy.ratio is not None:
         columns.update(retrieval_ratio_used=policy.ratio,
