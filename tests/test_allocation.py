@@ -1,5 +1,5 @@
-"""Budgets split across layers and KV heads (kvlib.policies.allocation) on the scored-eviction mechanism: the same
-total as uniform, each head's own count read, booked and evicted."""
+"""Budgets split across layers and KV heads (kvlib.policies.allocation) on the scored-eviction mechanism: each rule's
+counts, each head's own count read, booked and evicted."""
 
 import types
 
@@ -27,33 +27,50 @@ def tokens(result):
 
 @pytest.mark.parametrize("alpha", [0.0, 0.2, 0.5])
 @pytest.mark.parametrize("heavy", [0, 1, 7, 30, 40])
-def test_adaptive_counts_sum_to_the_uniform_total_above_their_floor(heavy, alpha):
+def test_adaptive_counts_stay_above_their_floor_kvpresss_at_the_uniform_total(heavy, alpha):
     torch.manual_seed(heavy)
     scores = torch.rand(3, 4, 40)
     scores[:, 1] *= 10  # one head's scores dominate: it gets more than its uniform share
-    counts = adaptive_counts(scores, heavy, alpha)
-    assert counts.sum(dim=1).tolist() == [4 * heavy] * 3
-    assert (counts >= int(alpha * heavy)).all() and (counts <= 40).all()
-    if 0 < heavy < 40 and alpha < 1:
-        assert (counts[:, 1] > heavy).all()
+    floor = int(alpha * heavy)
+    for formula in ("adakv", "kvpress"):
+        counts = adaptive_counts(scores, heavy, alpha, formula)
+        assert (counts >= floor).all() and (counts <= 40).all()
+        if 0 < heavy < 40 and alpha < 1:
+            assert (counts[:, 1] > heavy).all()
+    assert adaptive_counts(scores, heavy, alpha, "kvpress").sum(dim=1).tolist() == [4 * heavy] * 3
+    # Ada-KV's: round(c x (1 - alpha) + floor) head by head, c summing to 4 x heavy: off by the floor's rounding
+    # down and half an entry a head at most
+    ada = adaptive_counts(scores, heavy, alpha, "adakv").sum(dim=1)
+    assert ((ada - 4 * heavy).abs() <= 4 * (alpha * heavy - floor) + 2).all()
 
 
 def test_adaptive_counts_are_each_heads_share_of_the_layers_top_scores():
-    scores = torch.tensor([[[9., 8., 7., 1.], [6., 0., 0., 0.]]])  # the top 4 pairs: three of head 0, one of head 1
-    assert adaptive_counts(scores, 2, 0.0).tolist() == [[3, 1]]
-    assert adaptive_counts(scores, 2, 0.5).tolist() == [[3, 1]]  # floor 1 each: head 1's best, then 8 and 7
-    assert adaptive_counts(scores, 2, 1.0).tolist() == [[2, 2]]  # all floor: uniform
+    """The two rules on one layer whose top 4 pairs are three of head 0's and one of head 1's: Ada-KV's (FFY0) scales
+    those shares toward the floor, round(c x (1 - alpha) + floor); kvpress's shape gives the floor first, then the
+    best pairs left."""
+    scores = torch.tensor([[[9., 8., 7., 1.], [6., 0., 0., 0.]]])
+    assert adaptive_counts(scores, 2, 0.0, "adakv").tolist() == [[3, 1]]
+    assert adaptive_counts(scores, 2, 0.0, "kvpress").tolist() == [[3, 1]]
+    assert adaptive_counts(scores, 2, 0.5, "adakv").tolist() == [[2, 2]]  # round(2.5), round(1.5): half to even
+    assert adaptive_counts(scores, 2, 0.5, "kvpress").tolist() == [[3, 1]]  # floor 1 each: head 1's best, then 8, 7
+    assert adaptive_counts(scores, 2, 1.0, "adakv").tolist() == [[2, 2]]  # all floor: uniform
+    assert adaptive_counts(scores, 2, 1.0, "kvpress").tolist() == [[2, 2]]
 
 
 @pytest.mark.parametrize("layers, heavy, n", [(4, 10, 40), (30, 50, 60), (4, 10, 12), (5, 12, 12), (1, 9, 20)])
-def test_pyramid_counts_fall_with_depth_and_sum_to_the_uniform_total(layers, heavy, n):
-    counts = pyramid_counts(layers, 3, heavy, n, beta=20)
-    assert counts.shape == (layers, 3) and (counts == counts[:, :1]).all()
-    per_layer = counts[:, 0]
-    assert int(per_layer.sum()) == layers * heavy and (per_layer <= n).all()
-    if 2 * heavy <= n and layers > 1:  # nothing capped: the linear profile down to heavy / beta
-        assert (per_layer[:-1] >= per_layer[1:]).all() and per_layer[0] > heavy > per_layer[-1]
-        assert int(per_layer[-1]) <= heavy / 20 + 1
+def test_pyramid_counts_fall_with_depth_and_kvlibs_sum_to_the_uniform_total(layers, heavy, n):
+    for schedule in ("pyramidkv", "kvlib"):
+        counts = pyramid_counts(layers, 3, heavy, n, beta=20, schedule=schedule)
+        assert counts.shape == (layers, 3) and (counts == counts[:, :1]).all()
+        per_layer = counts[:, 0]
+        assert (per_layer <= n).all() and (per_layer[:-1] >= per_layer[1:]).all()
+        if schedule == "kvlib":
+            assert int(per_layer.sum()) == layers * heavy
+        else:  # PyramidKV's step is rounded down: the deeper layers keep more than the line, never less
+            assert int(per_layer.sum()) >= layers * heavy
+        if 2 * heavy <= n and layers > 1:  # nothing capped: the linear profile down to heavy / beta
+            assert per_layer[0] > heavy > per_layer[-1]
+            assert int(per_layer[-1]) <= heavy / 20 + (1 if schedule == "kvlib" else layers - 1)
 
 
 def test_select_per_head_keeps_each_heads_count_then_its_window_in_position_order():
@@ -147,20 +164,21 @@ def test_bad_allocation_settings_are_one_clear_error(name, settings, message):
 
 
 @pytest.mark.model
-def test_on_smollm_adaptive_moves_tokens_between_heads_at_the_same_total(smollm):
-    """SmolLM2's heads attend differently: Ada-KV's counts differ from head to head, the total does not."""
+def test_on_smollm_adaptive_moves_tokens_between_heads(smollm):
+    """SmolLM2's heads attend differently: Ada-KV's counts differ from head to head; kvpress's shape keeps the
+    uniform total, FFY0's rounds each head's count (kvlib.policies.allocation)."""
     from kvlib.models.workloads import prompt_of_length
     prompt = prompt_of_length(smollm.tokenizer, 300)
-    kv = {}
-    for allocation in ("uniform", "adaptive"):
-        policy = make_policy("snapkv", budget=0.2, window=16, allocation=allocation)
-        engine = Engine(smollm, policy)
-        with engine.session([300], 2) as session:
+    for formula in ("adakv", "kvpress"):
+        policy = make_policy("adakv", budget=0.2, window=16, formula=formula)
+        with Engine(smollm, policy).session([300], 2) as session:
             session.prefill(0, prompt, "chunked", chunk_size=128)
-            kv[allocation] = engine.ledger.current[("device", "kv")]
-            if allocation == "adaptive":
-                assert policy.delta[:, 0].abs().sum() > 0 and (policy.delta[:, 0].sum(dim=1) == 0).all()
-    assert kv["adaptive"] == kv["uniform"]
+            delta = policy.delta[:, 0]
+            assert delta.abs().sum() > 0
+            if formula == "kvpress":
+                assert (delta.sum(dim=1) == 0).all()
+            else:
+                assert (delta.sum(dim=1).abs() <= smollm.spec.num_kv_heads).all()
 
 
 @pytest.mark.parametrize("name", ["adakv", "pyramidkv"])

@@ -18,11 +18,12 @@ Decode reads each row's slots in place through its block table, with the decode 
 left, or the next slot), so a row's length is all the kernel needs, the same for each of its KV heads.
 
 `allocation` (kvlib.policies.allocation) splits the prompt's budget unevenly across heads (`adaptive`, Ada-KV) or
-layers (`pyramid`, PyramidKV) at the same total. A head then keeps `delta` more (or fewer) entries than the row's
+layers (`pyramid`, PyramidKV), at about the same total (each rounds its own way). A head then keeps `delta` more (or fewer) entries than the row's
 uniform count, fixed from its compaction on; the row's blocks cover its widest head, every head keeps its entries in
 its own first slots, and decode reads a length per (row, KV head) (the kernel's per-head lengths). Since every head of a
 row is over budget when the row is, decode eviction is unchanged. The blocks are the widest head's, so an uneven
-allocation holds the same entries (booked as `kv`) in more reserved slots (`kv_reserved`). A later turn of a
+allocation holds its entries in the slots of its widest (layer, head) for every head: all of them are booked as `kv`,
+padding included, since that is what the device holds for the row (and what the frontier compares). A later turn of a
 conversation under an uneven allocation is refused: its prefill would attend heads of different lengths.
 
 A subclass gives `limits` (tokens kept and protected-recent for a row) and, where it scores, the hooks: the score a new
@@ -166,8 +167,8 @@ class ScoredEvictionPolicy(BudgetedPolicy):
         self.write_slot = torch.zeros((s.num_layers, batch_size, s.num_kv_heads), dtype=torch.long)  # where next
         self.prompt_of = torch.zeros(batch_size, dtype=torch.long)  # tokens seen when the row's last prefill ended
         # what each (layer, row, KV head) keeps beyond the row's uniform count (`kept`), set when the prompt is
-        # compacted under an allocation other than uniform; it sums to zero over a row's heads and layers, so the
-        # row's total is uniform's, and it stays fixed while decode evicts (each head evicts when the row does)
+        # compacted under an allocation other than uniform; it sums to about zero over a row's heads and layers (Ada-KV's
+        # formula rounds head by head), and it stays fixed while decode evicts (each head evicts when the row does)
         self.delta = torch.zeros((s.num_layers, batch_size, s.num_kv_heads), dtype=torch.long)
         self.head_lengths: torch.Tensor | None = None  # [L, B, Hkv] a decode step's reads, where delta is used
         self.filling: dict[int, int] = {}  # a prefilling row: the entries its slots hold so far
@@ -446,7 +447,10 @@ class ScoredEvictionPolicy(BudgetedPolicy):
 
     def _book(self):
         s = self.spec
-        held = int(self.kept.sum()) + sum(self.filling.values())
+        # a row's slots serve every layer and head: its heads are as wide as its widest (layer, head), so the slots
+        # its entries occupy, padding included, are what the device holds for it (the frontier reads them)
+        widest = self.kept + self.delta.amax(dim=(0, 2)).clamp(min=0)
+        held = int(widest.sum()) + sum(self.filling.values())
         counters = sum(x.nbytes for x in (self.kept, self.region, self.seen, self.prompt_of, self.write_slot,
                                           self.delta))
         kv, pool_kv = held * s.kv_bytes_per_token, self.kv.kv_bytes()

@@ -1,21 +1,23 @@
 """SnapKV (Li et al., 2024): at the end of a prompt, its last queries vote for the prefix entries each head keeps.
 
 When a row's prompt is in, the queries of its last `window` tokens (the observation window) attend over the whole
-buffer; the attention each earlier entry receives is summed over the window's queries, smoothed along the sequence
-with a 1-D pooling of `kernel_size` (`pooling`: avgpool or maxpool, stride 1, padding kernel_size // 2, so a token
-next to a voted one comes along), and the best-scored entries are kept together with the window itself:
-`tokens_allowed(prompt)` per KV head in all (the one budget rule of kvlib.policies.base), of which the window. Decode
-appends every new token and evicts nothing, so a row holds its compressed prompt plus its output. Storage, compaction
-and freeing are the scored-eviction mechanism's.
+buffer; the attention each earlier entry receives is summed over the window's queries, averaged over the query heads
+of a KV head's group, smoothed along the sequence with a 1-D pooling of `kernel_size` (`pooling`: avgpool or maxpool,
+stride 1, padding kernel_size // 2, so a token next to a voted one comes along), and the best-scored entries are kept
+together with the window itself: `tokens_allowed(prompt)` per KV head in all (the one budget rule of
+kvlib.policies.base), of which the window. Decode appends every new token and evicts nothing, so a row holds its
+compressed prompt plus its output. Storage, compaction and freeing are the scored-eviction mechanism's.
 
 Read: FasterDecoding/SnapKV `snapkv/monkeypatch/snapkv_utils.py` (SnapKVCluster.update_kv: window_size,
-max_capacity_prompt, kernel_size=5, pooling; the causal mask within the window; `attn_weights[..., -window:, :-window]
-.sum(-2)`, pooling, topk of max_capacity_prompt - window_size, the window concatenated after) and NVIDIA/kvpress's
-snapkv_press.py for the scorer / mechanism split. Deviations:
+max_capacity_prompt, kernel_size, pooling; init_snapkv's defaults 32, 5, avgpool, which kvlib keeps; the repository's
+LongBench ablation configs run 32, 7, maxpool; the causal mask within the window; `attn_weights[..., -window:,
+:-window].sum(-2)`, pooling, topk of max_capacity_prompt - window_size, the window concatenated after) and
+NVIDIA/kvpress's snapkv_press.py for the scorer / mechanism split. Deviations (the `fidelity` entry's rows):
 - Per KV head under GQA. The official code repeats K/V to every query head (`repeat_kv`) before selecting, so a
   KV head is stored kv_groups times, each copy with its own selection, and the cache is no smaller than the query heads
-  make it. Here a KV head's score is the mean of its group's query heads' pooled votes (as kvpress does) and one copy
-  is kept per KV head: the memory saving the method promises, at the cost of one selection shared by the group.
+  make it. Here a KV head's votes are the mean of its group's query heads', pooled after (the order of FFY0/AdaKV's
+  gqa_support and of KVCache-Factory's kv_head layout), and one copy is kept per KV head: the memory saving the method
+  promises, at the cost of one selection shared by the group.
 - The budget is kvlib's share of the prompt (or `budget_tokens`) instead of an absolute max_capacity_prompt; a prompt
   is still compressed when it is shorter than the window (the official code leaves prompts below max_capacity_prompt
   alone, which at a share < 1 is never), and a budget smaller than the window keeps the last `budget` tokens only.
@@ -24,7 +26,6 @@ snapkv_press.py for the scorer / mechanism split. Deviations:
 - A later turn of a conversation is compressed again at its end, its window voting over the entries kept of earlier
   turns and the new turn together; the official code compresses only the first prefill.
 """
-
 from __future__ import annotations
 
 import math
@@ -36,6 +37,7 @@ import torch.nn.functional as F
 from kvlib.errors import UserError
 from kvlib.kernels.attention import causal_mask, grouped_scores
 from kvlib.policies.base import Step
+from kvlib.policies.fidelity import Fidelity, Rule, Source
 from kvlib.policies.registry import register
 from kvlib.policies.scored_eviction import ScoredEvictionPolicy
 
@@ -52,6 +54,24 @@ class SnapKVPolicy(ScoredEvictionPolicy):
     window: int = 32  # observation window (the official default window_size)
     kernel_size: int = 5
     pooling: str = "avgpool"
+
+    fidelity = Fidelity(Source("FasterDecoding/SnapKV", "e216ddc84c5bd210378cbdbbba12ba02102aa640",
+                               "snapkv/monkeypatch/snapkv_utils.py"), rules=(
+        Rule("budget", "max_capacity_prompt tokens a head, the window in it", kvlib="budget x prompt, the window in it",
+             differs="a share of each prompt, kvlib's one budget rule (budget_tokens: absolute)"),
+        Rule("observation window", 32, setting="window"),
+        Rule("pooling kernel", 5, setting="kernel_size"),
+        Rule("pooling", "avgpool", setting="pooling"),
+        Rule("votes", "window queries' attention summed, causal in the window",
+             kvlib="window queries' attention summed, causal in the window"),
+        Rule("under GQA", "per query head (K/V repeated)", kvlib="per KV head: group mean, then pooled",
+             differs="one copy per KV head, the memory GQA saves"),
+        Rule("what is kept", "top votes, then the window", kvlib="top votes, then the window"),
+        Rule("decode", "appends, evicts nothing", kvlib="appends, evicts nothing"),
+        Rule("later turns", "first prefill only", kvlib="each turn's end",
+             differs="a conversation's turns are prompts too"),
+    ), note="init_snapkv's defaults (window 32, kernel 5, avgpool); the repository's LongBench ablation configs run "
+            "kernel 7 with maxpool (`--set kernel_size=7 pooling=maxpool`).")
 
     def __post_init__(self):
         super().__post_init__()
@@ -117,11 +137,11 @@ class SnapKVPolicy(ScoredEvictionPolicy):
             logits = grouped_scores(window_q[None], keys[None], self.scale)[0]  # [Hkv, G, w, end]
             logits = logits.masked_fill(~causal_mask(w, end, self.device), float("-inf"))
             probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-            votes = probs[..., :prefix].sum(dim=-2)  # [Hkv, G, prefix]
+            # the group's mean, then pooled: the order of FFY0's gqa_support and KVCache-Factory's kv_head layout
+            votes = probs[..., :prefix].sum(dim=-2).mean(dim=1)  # [Hkv, prefix]
             pool = F.avg_pool1d if self.pooling == "avgpool" else F.max_pool1d
-            pooled = pool(votes.flatten(0, 1)[:, None], kernel_size=self.kernel_size, padding=self.kernel_size // 2,
-                          stride=1)[:, 0]
-            scores[:, :prefix] = pooled.view(*votes.shape).mean(dim=1)
+            scores[:, :prefix] = pool(votes[:, None], kernel_size=self.kernel_size, padding=self.kernel_size // 2,
+                                      stride=1)[:, 0]
 
     def after_pass(self, step: Step):
         if step.phase == "prefill":

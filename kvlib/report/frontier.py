@@ -3,10 +3,14 @@ uniform policies at equal KV bytes?
 
 Every accuracy row records what its policy held on the device while it answered (KVUsage: device KV bytes per token
 seen, `kv_share_held` as a share of the full cache's), so each (policy, budget) is a point of score change from the full
-cache against bytes held, measured rather than read off a setting. The hybrids (`HYBRIDS`: DuoAttention's retrieval
-and streaming heads, Ada-KV's and PyramidKV's budgets moved across heads and layers) are read against the uniform
+cache against bytes held, measured rather than read off a setting. The bytes are what the device holds for the rows'
+cache, for every runner alike (the ledger's `kv`): for Ada-KV and PyramidKV the slots of a row's widest head or layer
+in every head and layer, since a policy that holds its entries in padded slots pays for the padding
+(kvlib.policies.scored_eviction); a block pool's free blocks are no one's. The hybrids (`HYBRIDS`: DuoAttention's retrieval and
+streaming heads, Ada-KV's and PyramidKV's budgets moved across heads and layers) are read against the uniform
 policies (`UNIFORM`: the same count of entries in every head) at the same budget, which the budget rules make about
-the same bytes (kvlib.policies.base.BudgetedPolicy.tokens_allowed; duo's mapping in kvlib.policies.duo). A hybrid is
+the same count of entries (kvlib.policies.base.BudgetedPolicy.tokens_allowed; duo's mapping in kvlib.policies.duo),
+not always the same bytes. A hybrid is
 compared with the uniform policy that lost least there (by its point estimate) among those whose measured bytes are
 within a factor EQUAL_BYTES of its own (all of them where none is, and the sentence says so), item by item
 (kvlib.report.stats.paired_drop), the intervals of the page adjusted together (Bonferroni); the bytes both held are
