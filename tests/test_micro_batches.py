@@ -48,16 +48,16 @@ def test_micro_batches_keep_h2os_tokens_and_forks_across_them(fused, tmp_path, w
     reference = generate(fused, make_policy("h2o", budget=0.2, budget_rule="flexgen"), prompts, 12)
 
     def placed():
-        return make_policy("flexgen_h2o", budget=0.2, percent=PLACEMENTS[where], offload_dir=str(tmp_path),
-                           gpu_batch_size=2)
+        return make_policy("flexgen_h2o", budget=0.2, eviction="h2o", percent=PLACEMENTS[where],
+                           offload_dir=str(tmp_path), gpu_batch_size=2)
     assert tokens(generate(fused, placed(), prompts, 12)) == tokens(reference)
     context, other = prompts_of(40, 30, seed=5)
     forked = [context, context, other, context]  # row 3 forks off row 0, in the other micro-batch
     forced = [t.tolist() for t in (torch.randint(100, 5000, (n,)) for n in (3, 5, 4, 2))]
     h2o = Engine(fused, make_policy("h2o", budget=0.5, budget_rule="flexgen")).generate(
         forked, 1, prefill_mode="full", forced=forced, share_prompts=True)
-    cut = make_policy("flexgen_h2o", budget=0.5, percent=PLACEMENTS[where], offload_dir=str(tmp_path),
-                      gpu_batch_size=2)
+    cut = make_policy("flexgen_h2o", budget=0.5, eviction="h2o", percent=PLACEMENTS[where],
+                      offload_dir=str(tmp_path), gpu_batch_size=2)
     result = Engine(fused, cut).generate(forked, 1, prefill_mode="full", forced=forced, share_prompts=True)
     for mine, theirs in zip(result.outputs, h2o.outputs):
         assert mine["logprobs"] == pytest.approx(theirs["logprobs"], abs=1e-4)

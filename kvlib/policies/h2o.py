@@ -1,13 +1,19 @@
 """H2O (Zhang et al., 2023): keep the heavy hitters and a recent window, evict the rest for good.
 
-Per KV head (the query heads of a GQA group summed), each cached token accumulates the attention it receives from every
-later query. After a prompt is prefilled, and after every decode step, a row keeps `recent` newest tokens plus the
-`heavy` tokens with the highest accumulated score among the others; the evicted entries are dropped and their memory
-is released. What the budget means (`budget_rule`, tokens kept per KV head):
-- `seen` (default): heavy + recent = round(budget x tokens seen so far), split by `recent_ratio`; it grows with the
-  generated tokens, so budget 1.0 keeps everything. `budget_tokens` fixes the total instead.
-- `flexgen`: the H2O authors' FlexGen implementation, which the paper ran ("heavy-hitter ratio 0.3"): heavy = recent =
-  int(budget x prompt length) (or `budget_tokens` each), fixed during decode, so ratio 0.3 keeps ~60 % of the prompt.
+As the H2O authors' real-eviction cache does (FMInference/H2O h2o_hf/utils_real_drop, `H2OKVCache_LayerWise`): each
+cached token accumulates the attention it receives from every later query, the prompt's included; after a prompt is
+prefilled, and after every decode step, a row keeps the `recent` newest tokens (the new one included) plus the `heavy`
+tokens with the highest accumulated score among the others; the evicted entries are dropped and their memory is
+released. There the scores are per attention head (an MHA model: its cache cannot drop a GQA cache) and summed over
+the batch (run at batch 1); here per KV head, the query heads of a GQA group summed, and per row. What the budget
+means (`budget_rule`, tokens kept per KV head):
+- `seen` (default, kvlib's): heavy + recent = round(budget x tokens seen so far), split by `recent_ratio`; it grows
+  with the generated tokens, so budget 1.0 keeps everything. `budget_tokens` fixes the total instead.
+- `flexgen`: the budget the H2O authors' experiments set from the prompt (h2o_hf's heavy_ratio and recent_ratio, and
+  the FlexGen port's hh_ratio, "heavy-hitter ratio 0.3" in the paper's runs): heavy = recent = int(budget x prompt length)
+  (or `budget_tokens` each), fixed during decode, so ratio 0.3 keeps ~60 % of the prompt. Under it `h2o` keeps 2 hh_k
+  entries and reads the new token beside them; the FlexGen port keeps one fewer (hh_k - 1 recent): that rule is
+  `flexgen_h2o`'s (eviction "port"), not this one.
 
 Prefill needs attention probabilities, so it runs with a materialized attention matrix: `full` builds the L x L matrix
 (the memory wall the paper hits), `chunked` builds C x L per chunk. With `chunk_scoring="accumulate"` every chunk's
@@ -24,6 +30,7 @@ from dataclasses import dataclass
 from kvlib.errors import UserError
 from kvlib.kernels.attention import causal_mask, matrix_attention, matrix_bytes
 from kvlib.policies.base import tokens_allowed
+from kvlib.policies.fidelity import Fidelity, Rule, Source
 from kvlib.policies.registry import register
 from kvlib.policies.scored_eviction import ScoredEvictionPolicy
 
@@ -57,6 +64,30 @@ class HeavyHitterPolicy(ScoredEvictionPolicy):
     recent_ratio: float = 0.5  # share of the budget given to the recent window (the H2O paper splits it evenly)
     chunk_scoring: str = "accumulate"
     budget_rule: str = "seen"
+
+    fidelity = Fidelity(Source("FMInference/H2O", "ac75c2a", "h2o_hf/utils_real_drop/modify_llama.py, "
+                                                         "utils_hh/modify_llama.py"), rules=(
+        Rule("budget rule", "flexgen", setting="budget_rule",
+             differs="a share of the tokens seen, as every budgeted policy here counts its budget; `flexgen` is "
+                     "the official: heavy = recent, fixed, int(ratio x prompt) or a token count"),
+        Rule("recent share of the budget", 0.5, setting="recent_ratio"),
+        Rule("kept after each step", "top heavy by score older than the window, and the last recent",
+             kvlib="top heavy by score older than the window, and the last recent"),
+        Rule("recent window", "the newest tokens, the new one included",
+             kvlib="the newest tokens, the new one included"),
+        Rule("when it evicts", "after prefill and after every decode step",
+             kvlib="after prefill and after every decode step"),
+        Rule("score", "attention received, summed over queries, per attention head (MHA only)",
+             kvlib="attention received, summed over queries and a GQA group's query heads",
+             differs="one score per stored KV head, so a GQA cache can be dropped; the same on an MHA model"),
+        Rule("batch", "scores summed over the batch (run at batch 1)", kvlib="per row",
+             differs="a batch's rows are separate sequences"),
+        Rule("prefill", "full: one L x L pass", kvlib="chunked (preferred; full is a mode)",
+             differs="chunks bound the attention matrix's memory; under accumulate the scores are the same sums"),
+        Rule("prompt scored by every later query", "accumulate", setting="chunk_scoring"),
+        Rule("score precision", "the model's (fp16)", kvlib="fp32", differs="sums of many probabilities round in fp16"),
+    ), note="the authors' real-eviction cache (fixed token counts); their accuracy runs (utils_hh) simulate it "
+             "with attention masks, the counts int(ratio x prompt)")
 
     def __post_init__(self):
         super().__post_init__()
