@@ -79,6 +79,10 @@ def adopts(name: str, mode: str, prompts) -> bool:
     return all(policy.prefill_arithmetic(mode, len(prefill_passes(len(p), mode, CHUNK))) is not None for p in prompts)
 
 
+def untimed(stats: dict) -> dict:
+    return {k: v for k, v in stats.items() if not k.endswith("_s")}
+
+
 def same_booking(mine: dict, theirs: dict) -> None:
     """What the policy holds, now and at its peak; transient activations aside (an adopted prefill computes no
     attention, so its working buffers are not booked: kvlib.engine.prefill_record)."""
@@ -100,7 +104,8 @@ def test_adopted_prefill_generates_and_scores_as_the_policys_own(tiny, prompts, 
             torch.testing.assert_close(torch.tensor(mine), torch.tensor(theirs), rtol=0, atol=1e-4)
         same_booking(shared[2], own[2])
         same_booking(shared[4], own[4])
-        assert shared[3] == own[3] and shared[5] == own[5], (name, mode)  # policy statistics and KV usage
+        # policy statistics and KV usage, the seconds a copy thread timed aside (FlexGen's 4-bit coding, its flushes)
+        assert untimed(shared[3]) == untimed(own[3]) and untimed(shared[5]) == untimed(own[5]), (name, mode)
         if adopts(name, mode, prompts):
             # two runs of two prompts: the first run's prompts are recorded, the second adopts them (paged's second
             # run on its engine starts from the blocks its prefix cache kept: its own prefill extends them, as

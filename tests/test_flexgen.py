@@ -15,11 +15,11 @@ import torch
 from kvlib.engine import Engine
 from kvlib.errors import UserError
 from kvlib.memory import quant4
-from kvlib.memory.placement import Placement, split_counts, weight_tiers
+from kvlib.memory.placement import Placement, kv_split
 from kvlib.policies import make_policy
 
-# KV placements (device, host; the disk takes the rest), weights on the device
-PLACEMENTS = {"device": (100, 0), "device+host": (50, 50), "three tiers": (30, 30), "host": (0, 100),
+# KV placements (device, host; the disk takes the rest), weights on the device; at 3 rows of 2 KV heads, whole rows
+PLACEMENTS = {"device": (100, 0), "device+host": (50, 50), "three tiers": (34, 34), "host": (0, 100),
               "device+disk": (50, 0), "disk": (0, 0)}
 
 
@@ -57,15 +57,9 @@ def test_a_bad_percent_is_one_clear_error(bad, match):
 
 def test_kv_segments_cover_every_row_and_head_once():
     for n in (1, 5, 6, 17):
-        for shares in [(1, 0, 0), (0.3, 0.3, 0.4), (0, 0, 1), (0.5, 0.5, 0), (0.34, 0.33, 0.33)]:
-            cut = split_counts(n, shares)
-            assert sum(cut) == n and min(cut) >= 0
-
-
-def test_a_layers_weights_go_whole_to_the_tier_of_their_midpoint():
-    # four layers of 10 bytes, shares 25 / 50 / 25: midpoints 5, 15, 25, 35 against bounds 10 and 30
-    assert weight_tiers([10, 10, 10, 10], (0.25, 0.5, 0.25)) == ["device", "host", "host", "disk"]
-    assert weight_tiers([10, 30], (0.5, 0.5, 0.0)) == ["device", "host"]  # the big layer's midpoint (25) is past 20
+        for kv in [(100, 0), (30, 30), (0, 0), (50, 50), (34, 33)]:
+            cut = kv_split(n, 3, *kv)
+            assert sum(cut) == 3 * n and min(cut) >= 0 and all(c % 3 == 0 for c in cut)  # whole rows
 
 
 # -- 4-bit codes --------------------------------------------------------------------------------------------------
@@ -112,13 +106,14 @@ def test_every_placement_generates_the_full_caches_tokens(tiny, tmp_path, where,
 @pytest.mark.parametrize("where", sorted(PLACEMENTS))
 @pytest.mark.parametrize("rule", ["flexgen", "seen"])
 def test_every_placement_generates_h2os_tokens(tiny, tmp_path, where, rule):
-    """FlexGen + H2O is H2O under either budget rule (the paper's, and the share of the tokens seen), wherever its
-    cache lies; the budget is small enough that rows evict at every step."""
+    """FlexGen + H2O under kvlib's eviction (`eviction="h2o"`; the port's: tests/test_fidelity_port.py) is H2O under
+    either budget rule (the paper's, and the share of the tokens seen), wherever its cache lies; the budget is small
+    enough that rows evict at every step."""
     prompts = prompts_of(40, 65, 23, seed=1)
     reference = Engine(tiny, make_policy("h2o", budget=0.2, budget_rule=rule)).generate(
         prompts, 16, prefill_mode="full", stop_at_eos=False)
-    placed = make_policy("flexgen_h2o", budget=0.2, budget_rule=rule, percent=percent(*PLACEMENTS[where]),
-                         offload_dir=str(tmp_path))
+    placed = make_policy("flexgen_h2o", budget=0.2, budget_rule=rule, eviction="h2o",
+                         percent=percent(*PLACEMENTS[where]), offload_dir=str(tmp_path))
     result = Engine(tiny, placed).generate(prompts, 16, prefill_mode="full", stop_at_eos=False)
     assert tokens(result) == tokens(reference)
     assert result.stats["kv_share_attended"] < 0.6
@@ -138,7 +133,7 @@ def test_compressed_cache_holds_4bit_records_on_every_tier_and_stays_close(tiny,
     for kv in [(100, 0), (0, 0)]:
         policy = make_policy("flexgen", percent=percent(*kv), compress_cache=True, offload_dir=str(tmp_path))
         result = Engine(tiny, policy).generate(prompts, 8, prefill_mode="full", stop_at_eos=False)
-        assert result.stats["kv_bits"] == 4
+        assert result.stats["kv_bits"] == 6  # 4-bit codes and a 16-wide group's fp16 scale and minimum
         s = tiny.spec
         held = s.num_layers * 2 * policy.capacity * 3 * s.num_kv_heads * quant4.record_bytes(s.head_dim)
         tier = "device" if kv == (100, 0) else "disk"
@@ -157,7 +152,7 @@ def test_the_bytes_moved_are_what_the_placement_implies(tiny, tmp_path, kv):
     s = tiny.spec
     policy = make_policy("flexgen", percent=percent(*kv), offload_dir=str(tmp_path))
     result = Engine(tiny, policy).generate(prompts_of(*lengths), new, prefill_mode="full", stop_at_eos=False)
-    dev, host, disk = split_counts(len(lengths) * s.num_kv_heads, Placement.parse(percent(*kv)).kv)
+    dev, host, disk = kv_split(len(lengths), s.num_kv_heads, *kv)
     record = s.head_dim * s.dtype_bytes * 2 * s.num_layers  # keys and values of one token of one head, every layer
     read_tokens = sum(max(lengths) + i for i in range(new - 1))  # the first token comes from the prefill
     written = [n + new - 1 for n in lengths]  # each row's tokens, per head
@@ -294,11 +289,11 @@ def test_weights_off_the_device_generate_the_full_caches_tokens(fused, tmp_path,
     policy = make_policy("flexgen", percent=WEIGHT_PLACEMENTS[where], offload_dir=str(tmp_path))
     result = Engine(fused, policy).generate(prompts, 8, prefill_mode="full", stop_at_eos=False)
     assert tokens(result) == tokens(reference)
-    from kvlib.models.offloaded_weights import decoder_layers, layer_bytes
+    from kvlib.models.offloaded_weights import decoder_layers, placed_parts
 
-    layers = [layer_bytes(layer) for layer in decoder_layers(fused.model)]
-    tiers = weight_tiers(layers, Placement.parse(WEIGHT_PLACEMENTS[where]).weights)
-    off = {t: sum(n for n, tier in zip(layers, tiers) if tier == t) for t in ("host", "disk")}
+    w_dev, w_host = Placement.parse(WEIGHT_PLACEMENTS[where]).percents[0:2]
+    parts = [p for layer in decoder_layers(fused.model) for p in placed_parts(layer, w_dev, w_host)]
+    off = {t: sum(part.nbytes() for part, tier in parts if tier == t) for t in ("host", "disk")}
     assert result.memory["disk"]["peak_components"]["weights"] == off["disk"]
     assert result.memory["host"]["peak_components"]["weights"] == off["host"]
     passes = len(prompts) + 8 - 1  # a prefill a prompt, then a decode step a token after the first

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvlib.engine import Engine
-from kvlib.engine.run_result import CACHE_OPS, wall_split
+from kvlib.engine.run_result import CACHE_OPS, PHASE_SECTIONS, wall_split
 from kvlib.memory.timing import Timers
 from kvlib.policies import available, make_policy
 
@@ -41,7 +41,7 @@ def test_every_policy_reports_sections_that_add_up_to_its_run(tiny, name):
     assert m["wall_split_s"]["other"] >= -1e-6
     assert all(key.partition(".")[0] in ("setup", "prefill", "decode") for key in m["sections_s"])
     names = {key.partition(".")[2] for key in m["sections_s"]}
-    assert names <= {"allocate", "compute", *CACHE_OPS}, names  # sections are named by what they are
+    assert names <= {*PHASE_SECTIONS, *CACHE_OPS}, names  # sections are named by what they are
     assert m["setup_s"] > 0 and m["ttft_s"] < m["total_s"]
     if name not in ("full", "flexgen"):  # (flexgen's cache wholly on the device, its default, is full's)
         assert m["wall_split_s"]["cache_ops"] > 0

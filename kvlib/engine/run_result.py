@@ -19,6 +19,9 @@ from kvlib.errors import DeviceOOM
 # The timer sections that are cache operations (book/methods.md): work a policy does to manage its cache, as opposed
 # to computing the model. Attention over what a policy keeps is compute, whoever computes it.
 CACHE_OPS = ("block_management", "fork", "eviction", "selection", "fetch", "offload")
+# sections that are no cache operation, counted in their phase's time: allocation, the model's compute, and the wait
+# for a layer's weights that a placement streams (FlexGen's; kvlib.models.offloaded_weights), a cost of the placement
+PHASE_SECTIONS = ("allocate", "compute", "weights_wait")
 
 
 @dataclass

@@ -10,7 +10,16 @@ end of every forward pass (`settle`) each file is flushed to the disk (fdatasync
 Where that cannot hold (a platform without posix_fadvise, a file system that ignores it), the kernel's own count of
 bytes this process fetched from storage (/proc/self/io `read_bytes`) is read around the run: `Transfers.summary`
 reports it beside the bytes kvlib read, and their difference as what the page cache served. That count is the whole
-process's, so it bounds what the tier fetched from above; where the tier read nothing it is reported as 0.
+process's, so it bounds what the tier fetched from above; where the tier read nothing it is reported as 0. The flush
+is kvlib's, a cost FlexGen never pays (its disk tier writes through numpy files and never syncs, so the page cache
+may serve its reads): its seconds are counted apart (`disk_flush_s`), and a pass's time includes them.
+
+A run killed outright (SIGKILL, a lost machine) leaves its folder behind; the next OffloadFolder made in the same root
+sweeps the folders left there by this user's processes that are no longer alive (the folder's name carries its pid).
+
+On CUDA the copy threads issue their host<->device copies on a side stream (CopyStream: FlexGen's load and store
+streams), from pinned host memory (a host weight is pinned once, as FlexGen's `pin_weight`; a pageable buffer is
+relayed through a pinned copy, as FlexGen's general_copy relays its unpinned KV), so that they overlap compute.
 """
 
 from __future__ import annotations
@@ -22,9 +31,11 @@ import shutil
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from kvlib.errors import UserError
 
@@ -58,6 +69,8 @@ class Transfers:
         # for and waited on within it), so that what decoding reads off the disk is told apart from the prompt's
         self.phase = "prefill"
         self.disk_read_in_decode = 0
+        # 4-bit coding and the disk flush: seconds apart from the copies' (kvlib's costs, not a tier's bandwidth)
+        self.apart = {"kv_encode_s": 0.0, "kv_decode_s": 0.0, "disk_flush_s": 0.0}
 
     def add(self, direction: str, nbytes: int, seconds: float) -> None:
         with self.lock:
@@ -65,6 +78,10 @@ class Transfers:
             self.seconds[direction] += seconds
             if direction == "disk_to_host" and self.phase == "decode":
                 self.disk_read_in_decode += nbytes
+
+    def add_apart(self, what: str, seconds: float) -> None:
+        with self.lock:
+            self.apart[what] += seconds
 
     def summary(self) -> dict:
         now = storage_read_bytes()
@@ -81,6 +98,7 @@ class Transfers:
         # the kernel's count of what really came off the disk (whole pages: a little above the bytes asked for where
         # reads are small), and what the page cache served (what was asked for beyond it)
         out["disk_to_host_bytes_in_decode"] = self.disk_read_in_decode
+        out.update(self.apart)
         out["disk_read_bytes_from_storage"] = fetched
         out["disk_read_bytes_page_cache"] = None if fetched is None else max(0, self.bytes["disk_to_host"] - fetched)
         return out
@@ -144,11 +162,11 @@ class DiskFile:
             drop(self.fd, 0, 0)
 
     def settle(self) -> None:
-        """Flush what was written to the disk and drop the file's pages from the page cache (timed as writing)."""
+        """Flush what was written to the disk and drop the file's pages from the page cache (timed apart)."""
         t = time.perf_counter()
         os.fdatasync(self.fd)
         drop(self.fd, 0, 0)
-        self.transfers.add("host_to_disk", 0, time.perf_counter() - t)
+        self.transfers.add_apart("disk_flush_s", time.perf_counter() - t)
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -165,14 +183,45 @@ def drop(fd: int, offset: int, nbytes: int) -> None:
         os.posix_fadvise(fd, start, end - start if end else 0, os.POSIX_FADV_DONTNEED)
 
 
+FOLDER_PREFIX = "kvlib-offload-"
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
+def sweep(root: Path) -> list[Path]:
+    """Remove the offload folders in root that this user's dead processes left (a run killed before it could remove
+    its own); returns them. Another user's folder, or a live process's, is left alone."""
+    swept = []
+    for folder in root.glob(f"{FOLDER_PREFIX}*"):
+        pid = folder.name[len(FOLDER_PREFIX):].split("-")[0]
+        try:
+            mine = folder.is_dir() and folder.stat().st_uid == os.getuid()
+        except OSError:
+            continue
+        if mine and pid.isdigit() and not alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+            swept.append(folder)
+    return swept
+
+
 class OffloadFolder:
-    """A private folder inside `root` for one run's files, removed on close (and at exit, whatever happened)."""
+    """A private folder inside `root` for one run's files, removed on close (and at exit, whatever happened); the
+    folders that killed runs left in root are swept first."""
 
     def __init__(self, root: str | Path, transfers: Transfers):
         root = Path(root).expanduser()
         try:
             root.mkdir(parents=True, exist_ok=True)
-            self.path = Path(tempfile.mkdtemp(prefix=f"kvlib-offload-{os.getpid()}-", dir=root))
+            sweep(root)
+            self.path = Path(tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{os.getpid()}-", dir=root))
         except OSError as e:
             raise UserError(f"the offload folder {root} is not writable ({e.strerror}); give another with "
                             f"--offload-dir") from None
@@ -201,9 +250,11 @@ class OffloadFolder:
 
 
 def read_bandwidth(root: str | Path, nbytes: int, chunk: int) -> dict:
-    """The disk's sequential read rate through the tier's own reads: one file written, flushed and dropped from the
-    page cache, then read in chunks (each dropped after it). Returns bytes per second, with what the kernel says came
-    off the storage and so what the page cache served (a folder on tmpfs: all of it)."""
+    """The disk's sequential read rate through the tier's read call (DiskFile.read: positioned reads, each dropped
+    from the page cache after it), in `chunk`-byte reads of one file written, flushed and dropped first. The tier's
+    own reads are a unit's segment at a time (sizes set by the placement, often smaller than `chunk`), so this is the
+    rate of large sequential reads, an upper bound on what the tier's reads can get. Returns bytes per second, with
+    what the kernel says came off the storage and so what the page cache served (a folder on tmpfs: all of it)."""
     transfers = Transfers()
     folder = OffloadFolder(root, transfers)
     try:
@@ -221,6 +272,80 @@ def read_bandwidth(root: str | Path, nbytes: int, chunk: int) -> dict:
     return {"bytes": nbytes, "chunk_bytes": chunk, "seconds": seconds, "read_bytes_per_s": nbytes / seconds,
             "read_bytes_from_storage": summary["disk_read_bytes_from_storage"],
             "read_bytes_page_cache": summary["disk_read_bytes_page_cache"]}
+
+
+def pins(device: torch.device) -> bool:
+    """Whether host buffers are pinned: where the device is CUDA (an asynchronous copy needs page-locked memory)."""
+    return torch.device(device).type == "cuda"
+
+
+def host_copy(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """t in host memory to be copied to `device` again and again: pinned where pins(device)."""
+    t = t.cpu()
+    return t.pin_memory() if pins(device) else t
+
+
+class CopyStream:
+    """Where a copy thread's host<->device copies run. On CUDA: a side stream of their own (FlexGen's load and store
+    streams); a job first waits, on the copy thread, for the compute marked when it was asked for (`mark`, on the
+    compute thread: what that compute wrote or freed is then safe to read or reuse), and ends with its copies done, so
+    the compute thread may use what it loaded as soon as the job returns. Elsewhere copies are synchronous and these
+    do nothing."""
+
+    def __init__(self, device: torch.device):
+        self.stream = torch.cuda.Stream(device) if pins(device) else None
+
+    def mark(self):
+        if self.stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    def submit(self, copier, fn, *args):
+        """fn(*args) on the copy thread (copier, an executor), as a job after the compute issued so far."""
+        return copier.submit(self._run, self.mark(), fn, args)
+
+    def _run(self, after, fn, args):
+        with self.job(after):
+            return fn(*args)
+
+    @contextmanager
+    def job(self, after=None):
+        if self.stream is None:
+            yield
+            return
+        if after is not None:
+            after.synchronize()
+        with torch.cuda.stream(self.stream):
+            yield
+        self.stream.synchronize()
+
+    def sync(self) -> None:
+        """The copies issued so far done (so that a timing of them is their time, not their issuing's)."""
+        if self.stream is not None:
+            self.stream.synchronize()
+
+    def into(self, dst: torch.Tensor, src: torch.Tensor, transfers: Transfers | None) -> torch.Tensor:
+        """Host tensor src copied into device tensor dst, counted host->device (transfers None: uncounted); on CUDA
+        asynchronously on the side stream, a pageable src relayed through a pinned copy (as FlexGen's general_copy)."""
+        start = time.perf_counter()
+        if self.stream is not None and not src.is_pinned():
+            src = src.pin_memory()
+        dst.copy_(src, non_blocking=self.stream is not None)
+        self.sync()
+        if transfers is not None:
+            transfers.add("host_to_device", src.nbytes, time.perf_counter() - start)
+        return dst
+
+    def to_device(self, t: torch.Tensor, device: torch.device, transfers: Transfers | None) -> torch.Tensor:
+        """Host tensor t on the device; where the device is the host, t itself (nothing moves; its bytes are
+        counted, in no time)."""
+        if torch.device(device).type == "cpu":
+            if transfers is not None:
+                transfers.add("host_to_device", t.nbytes, 0.0)
+            return t
+        return self.into(torch.empty(t.shape, dtype=t.dtype, device=device), t, transfers)
 
 
 @atexit.register

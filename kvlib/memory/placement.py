@@ -1,10 +1,13 @@
 """Where FlexGen puts things: its `--percent W_DEV W_HOST KV_DEV KV_HOST ACT_DEV ACT_HOST` (the disk takes the rest of
-each pair), read and checked once, and the two rules that turn percentages into a placement:
+each pair), read and checked once, and FlexGen's two rules that turn percentages into a placement
+(FMInference/FlexLLMGen@004ffef):
 
-- weights: a layer's weights go whole to one tier, the tier in whose share the midpoint of the layer's bytes falls
-  (layers laid end to end by size, the shares laid end to end device, host, disk);
-- KV: each layer's cache is cut along batch x heads (never along tokens) into a device, a host and a disk segment of
-  the given shares, rounded so that the segments cover every (row, head) exactly once.
+- weights (`flex_opt.py` init_weight_list): within each of FlexGen's layers (a decoder layer's attention, its MLP), the
+  tensors are laid end to end in their order by size, the tiers end to end disk, host, device by their percents, and
+  each tensor goes whole to the tier in whose share its midpoint falls; so every layer is split the same way;
+- KV (`pytorch_backend.py` TorchMixedDevice.init_cache_one_gpu_batch): each GPU batch's cache is cut along batch x
+  heads (never along tokens) into a device, a host and a disk segment, the device's and (where the disk has a share)
+  the host's rounded down to whole rows, the last tier with a share taking the rest.
 
 Activations are computed on the device: ACT_DEV must be 100 here (FlexGen too keeps the activations of the layer it
 computes on the compute device; its CPU/disk activation shares only park hidden states between layers of a large
@@ -14,6 +17,8 @@ batch, which kvlib's one forward pass per step never holds).
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import numpy as np
 
 from kvlib.errors import UserError
 
@@ -25,6 +30,7 @@ KV_CODECS = ("none", "int4")
 class Placement:
     weights: tuple[float, float, float]  # shares (device, host, disk), summing to 1
     kv: tuple[float, float, float]
+    percents: tuple[float, ...] = (100, 0, 100, 0, 100, 0)  # the six numbers as given (FlexGen rounds from these)
 
     @classmethod
     def parse(cls, percent) -> Placement:
@@ -52,29 +58,34 @@ class Placement:
         def shares(a, b):
             return a / 100, b / 100, max(0.0, 1 - (a + b) / 100)
 
-        return cls(shares(*values[0:2]), shares(*values[2:4]))
+        return cls(shares(*values[0:2]), shares(*values[2:4]), tuple(values))
 
     @property
     def all_on_device(self) -> bool:
         return self.weights[0] == 1 and self.kv[0] == 1
 
 
-def split_counts(n: int, shares: tuple[float, float, float]) -> tuple[int, int, int]:
-    """n items (rows x heads) cut into device, host and disk segments of these shares; the cut points are rounded
-    to the nearest item, so the segments sum to n."""
-    first = round(n * shares[0])
-    second = round(n * (shares[0] + shares[1]))
-    first, second = min(first, n), min(max(second, first), n)
-    return first, second - first, n - second
+def kv_split(rows: int, heads: int, dev_percent: float, host_percent: float) -> tuple[int, int, int]:
+    """A GPU batch's rows x heads cut into device, host and disk segments (counts of (row, head)s, row-major), as
+    TorchMixedDevice.init_cache_one_gpu_batch cuts them: the device's int(n x percent / 100) rounded down to whole
+    rows; with no disk share the host takes the rest, else the host's rounded down the same way and the disk the
+    rest (so at 1 row, `KV_DEV 0 KV_HOST 50` puts the whole row on disk)."""
+    n = rows * heads
+    dev = int(n * dev_percent / 100) // heads * heads
+    if 100 - dev_percent - host_percent == 0:
+        return dev, n - dev, 0
+    host = int(n * host_percent / 100) // heads * heads
+    return dev, host, n - dev - host
 
 
-def weight_tiers(layer_bytes: list[int], shares: tuple[float, float, float]) -> list[str]:
-    """The tier of each layer: the one in whose share the midpoint of the layer's bytes falls."""
-    total = sum(layer_bytes)
-    bounds = (shares[0] * total, (shares[0] + shares[1]) * total)
-    tiers, before = [], 0
-    for size in layer_bytes:
-        mid = before + size / 2
-        tiers.append("device" if mid < bounds[0] else "host" if mid < bounds[1] else "disk")
+def tensor_tiers(sizes: list[int], dev_percent: float, host_percent: float) -> list[str]:
+    """The tier of each tensor of one layer, as init_weight_list places them: the tensor's midpoint within the
+    layer's elements, as a percent, against the cumulative percents of disk, host and device (in that order; a
+    midpoint below a bound goes to that tier)."""
+    bounds = np.cumsum([100 - dev_percent - host_percent, host_percent, dev_percent])
+    total, before, tiers = sum(sizes), 0, []
+    for size in sizes:
+        mid = (before + size / 2) / total * 100
         before += size
+        tiers.append(next((t for t, b in zip(("disk", "host", "device"), bounds) if mid < b), "device"))
     return tiers

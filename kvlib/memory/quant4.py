@@ -1,5 +1,8 @@
-"""FlexGen's `--compress-cache` format: 4-bit codes in groups along the head dimension (64 values a group, or the whole
-head where it is narrower), asymmetric min-max, each group's scale and minimum in fp16 stored beside its codes.
+"""FlexGen's `--compress-cache` format (FMInference/FlexLLMGen@004ffef compression.py: 4 bits, groups of 64 along the
+head dimension, asymmetric): 4-bit codes, each group's scale and minimum in fp16 stored beside its codes. Where kvlib
+departs (the fidelity table's `flexgen` rows): FlexGen zero-pads the head dimension to a multiple of 64 (the zeros join the group's min-max) and
+stores 15 / range; here a head narrower than 64 is one group of its own width, a wider one that is no multiple of 64
+is refused, and the step range / 15 is stored (the same at head_dim 64 and 128).
 
 A record is one vector of `dim` values (one token of one KV head) as bytes: dim/2 bytes of codes (two per byte, low
 nibble first), then the groups' scales, then their minima (fp16 each), so a record sits on a tier, and moves between

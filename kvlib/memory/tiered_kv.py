@@ -1,11 +1,11 @@
 """A KV cache streamed layer by layer from three tiers, as FlexGen holds it.
 
 The cache is a set of per-layer arrays (keys and values; H2O adds each slot's score and position), each
-[rows, heads, capacity, *tail]. Every layer's arrays are cut along rows x heads (kvlib.memory.placement.split_counts)
-into a device, a host and a disk segment; a segment is stored token-major ([capacity, its rows x heads, record]), so
-the first `n` tokens of a segment are one run of bytes, as in FlexGen's (seq_len, batch x heads, head_dim) layout.
-A record is a token of one (row, head): its raw bytes, or its 4-bit codes with their fp16 scales and minima
-(kvlib.memory.quant4), on whatever tier it lies.
+[rows, heads, capacity, *tail]. Every layer's arrays are cut along rows x heads, in whole rows (FlexGen's rule:
+kvlib.memory.placement.kv_split), into a device, a host and a disk segment; a segment is stored token-major
+([capacity, its rows x heads, record]), so the first `n` tokens of a segment are one run of bytes, as in FlexGen's
+(seq_len, batch x heads, head_dim) layout. A record is a token of one (row, head): its raw bytes, or its 4-bit codes
+with their fp16 scales and minima (kvlib.memory.quant4), on whatever tier it lies.
 
 The rows are cut into groups of `group_rows` consecutive rows, FlexGen's GPU batches (the whole batch, one group, unless
 a policy asks for micro-batches); each group is its own unit of every layer, cut into tiers and laid out on them by
@@ -22,7 +22,9 @@ in the order they were asked for, so a load always sees the stores before it. A 
 uncompressed is not streamed: the policy computes on it in place (a group is a view of its rows).
 
 Every byte moved is counted per direction (kvlib.memory.disk.Transfers): a host segment's load is host->device, a disk
-segment's disk->host then host->device; a store the reverse. Device segments move nothing across tiers.
+segment's disk->host then host->device; a store the reverse. Device segments move nothing across tiers. A 4-bit
+cache's encoding and decoding are timed apart from the copies (kv_encode_s, kv_decode_s). On CUDA the copy thread's
+copies run on a side stream from pinned memory (kvlib.memory.disk.CopyStream).
 """
 
 from __future__ import annotations
@@ -35,8 +37,8 @@ from time import perf_counter as perf_now
 import torch
 
 from kvlib.memory import quant4
-from kvlib.memory.disk import OffloadFolder, Transfers
-from kvlib.memory.placement import TIERS, split_counts
+from kvlib.memory.disk import CopyStream, OffloadFolder, Transfers
+from kvlib.memory.placement import TIERS, kv_split
 
 
 @dataclass(frozen=True)
@@ -80,13 +82,13 @@ class Group:
         return e - b
 
 
-def groups_of(rows: int, heads: int, group_rows: int, shares: tuple[float, float, float]) -> list[Group]:
+def groups_of(rows: int, heads: int, group_rows: int, kv_percents: tuple[float, float]) -> list[Group]:
     """The batch's rows cut into groups of group_rows (the last may be smaller), each group's rows x heads cut into
-    tiers by the shares (kvlib.memory.placement.split_counts)."""
+    tiers by FlexGen's KV_DEV and KV_HOST percents (kvlib.memory.placement.kv_split: whole rows)."""
     out, disk_before = [], 0
     for first in range(0, rows, group_rows):
         n = min(group_rows, rows - first)
-        dev, host, disk = split_counts(n * heads, shares)
+        dev, host, disk = kv_split(n, heads, *kv_percents)
         segments = {"device": (0, dev), "host": (dev, dev + host), "disk": (dev + host, n * heads)}
         out.append(Group(first, n, segments, disk_before))
         disk_before += disk
@@ -127,6 +129,7 @@ class TieredKV:
                 self.files[a.name] = folder.file(f"{a.name}.bin", layers * self.layer_disk_bytes(a))
         self.staging = {a.name: [torch.full((self.group_rows, heads, capacity, *a.tail), a.fill, dtype=a.dtype,
                                             device=device) for _ in range(2)] for a in arrays}
+        self.copy = CopyStream(device)
         self.copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvlib-kv-copy")
         self.pending: dict[int, Future] = {}
         self.stores: list[Future] = []
@@ -182,7 +185,7 @@ class TieredKV:
 
     def prefetch(self, i: int) -> None:
         if not self.resident and 0 <= i < len(self.schedule) and i not in self.pending:
-            self.pending[i] = self.copier.submit(self._load, i, *self.schedule[i])
+            self.pending[i] = self.copy.submit(self.copier, self._load, i, *self.schedule[i])
 
     def layer(self, layer: int, group: int) -> dict[str, torch.Tensor]:
         """A unit's arrays on the device, [its group's rows, heads, capacity, *tail] (the group's rows at 0.., in
@@ -198,6 +201,8 @@ class TieredKV:
 
     @torch.inference_mode(False)
     def _load(self, i: int, layer: int, group: int, length: int) -> None:
+        """Unit i's first `length` tokens into its staging buffer (a copy job: after the compute before it, which
+        used the buffer last). The copy is timed as host->device, 4-bit decoding apart (kv_decode_s)."""
         if length == 0:
             return
         g = self.groups[group]
@@ -211,10 +216,20 @@ class TieredKV:
                     records = torch.from_numpy(raw).view(length, e - b, a.record_bytes)
                 else:
                     records = self.home[a.name, tier][layer][group][:length]
-                t = perf_now()
-                flat[b:e, :length] = a.from_records(records.to(self.device)).transpose(0, 1)
+                if not a.compress:
+                    into = flat[b:e, :length]
+                    values = a.from_records(records).transpose(0, 1)
+                    if tier == "device":
+                        into.copy_(values)
+                    else:
+                        self.copy.into(into, values, self.transfers)
+                    continue
                 if tier != "device":
-                    self.transfers.add("host_to_device", records.nbytes, perf_now() - t)
+                    records = self.copy.to_device(records, self.device, self.transfers)
+                t = perf_now()
+                flat[b:e, :length] = a.from_records(records).transpose(0, 1)
+                self.copy.sync()
+                self.transfers.add_apart("kv_decode_s", perf_now() - t)
 
     # -- stores --------------------------------------------------------------------------------------------------
     def store_range(self, layer: int, group: int, names, begin: int, end: int,
@@ -224,16 +239,16 @@ class TieredKV:
         if self.resident or end <= begin:
             return
         r0, r1 = rows or (0, self.groups[group].rows)
-        self.stores.append(self.copier.submit(self._store_range, (self.unit[layer, group], layer, group), list(names),
-                                              begin, end, r0 * self.heads, r1 * self.heads))
+        self.stores.append(self.copy.submit(self.copier, self._store_range, (self.unit[layer, group], layer, group),
+                                            list(names), begin, end, r0 * self.heads, r1 * self.heads))
 
     def store_points(self, layer: int, group: int, names, flats: torch.Tensor, slots: torch.Tensor) -> None:
         """After a unit's compute: one token, slots[i], of the group's (row x head) flats[i], for each i, back to its
         tier."""
         if self.resident or len(flats) == 0:
             return
-        self.stores.append(self.copier.submit(self._store_points, (self.unit[layer, group], layer, group),
-                                              list(names), flats.cpu().clone(), slots.cpu().clone()))
+        self.stores.append(self.copy.submit(self.copier, self._store_points, (self.unit[layer, group], layer, group),
+                                            list(names), flats.cpu().clone(), slots.cpu().clone()))
 
     @staticmethod
     def _segments_of(g: Group, f0: int, f1: int):
@@ -247,6 +262,15 @@ class TieredKV:
         """The staging buffer of unit i (of group g) of array a as [the group's rows x heads, capacity, *tail]."""
         return self.staging[a.name][i % 2][:g.rows].view(g.rows * self.heads, self.capacity, *a.tail)
 
+    def _records(self, a: CacheArray, x: torch.Tensor) -> torch.Tensor:
+        """x as records on the device, 4-bit encoding timed apart (kv_encode_s)."""
+        t = perf_now()
+        records = a.to_records(x)
+        if a.compress:
+            self.copy.sync()
+            self.transfers.add_apart("kv_encode_s", perf_now() - t)
+        return records
+
     @torch.inference_mode(False)
     def _store_range(self, unit, names, begin, end, f0, f1):
         i, layer, group = unit
@@ -255,7 +279,7 @@ class TieredKV:
             a = self.arrays[name]
             flat = self._staged(i, g, a)
             for tier, lo, hi in self._segments_of(g, f0, f1):
-                records = a.to_records(flat[lo:hi, begin:end]).transpose(0, 1).cpu()  # [T, hi - lo, record]
+                records = self._records(a, flat[lo:hi, begin:end]).transpose(0, 1)  # [T, hi - lo, record]
                 self._put(layer, group, a, tier, lo, hi, begin, records)
 
     @torch.inference_mode(False)
@@ -266,7 +290,7 @@ class TieredKV:
         flats, slots = flats[order], slots[order]
         for name in names:
             a = self.arrays[name]
-            records = a.to_records(self._staged(i, g, a)[flats.to(self.device), slots.to(self.device)]).cpu()
+            records = self._records(a, self._staged(i, g, a)[flats.to(self.device), slots.to(self.device)])
             j = 0
             while j < len(flats):  # runs of consecutive (row x head)s at one slot: one write each
                 k = j + 1

@@ -1,12 +1,15 @@
 """FlexGen (Sheng et al., 2023): the full cache, placed across device, host and disk and streamed layer by layer.
 
 Every key and value is kept, as `full` keeps them (one contiguous reservation per row, the longest prompt plus
-max_new_tokens), but each layer's cache is cut along rows x heads into a device, a host and a disk segment by
-FlexGen's percentages (`percent`: W_DEV W_HOST KV_DEV KV_HOST ACT_DEV ACT_HOST, the disk taking the rest), optionally
-4-bit compressed on every tier (`compress_cache`, FlexGen's group format: kvlib.memory.quant4). A layer computes on a
-device staging buffer into which its cache was loaded while the unit before computed (kvlib.memory.tiered_kv); what
-it wrote (a prompt's tokens, a decode step's one token) goes back to the tiers after it. The disk segment lives in
-files of a private folder inside `offload_dir` (kvlib.memory.disk: counted, out of the page cache, removed at the end).
+max_new_tokens), but each layer's cache is cut along rows x heads, in whole rows as FlexGen cuts it, into a device, a
+host and a disk segment by FlexGen's percentages (`percent`: W_DEV W_HOST KV_DEV KV_HOST ACT_DEV ACT_HOST, the disk
+taking the rest; kvlib.memory.placement), optionally 4-bit compressed on every tier (`compress_cache`, FlexGen's group
+format: kvlib.memory.quant4). Below 100 % W_DEV each decoder layer's tensors are placed as FlexGen places them, every
+layer split the same way, and streamed to the device around the layer (kvlib.models.offloaded_weights). A layer
+computes on a device staging buffer into which its cache was loaded while the unit before computed
+(kvlib.memory.tiered_kv); what it wrote (a prompt's tokens, a decode step's one token) goes back to the tiers after
+it. The disk segment lives in files of a private folder inside `offload_dir` (kvlib.memory.disk: counted, out of the
+page cache, removed at the end; a killed run's folder swept by the next run).
 
 `gpu_batch_size` (FlexGen's word) cuts the batch into micro-batches of that many rows: a decode pass runs each layer on
 each micro-batch in turn (kvlib.models.llama_forward), the layer's weights loaded once for the block and the next
@@ -28,15 +31,19 @@ import torch
 from kvlib.errors import UserError
 from kvlib.kernels.attention import prefill_attention
 from kvlib.kernels.decode import DecodeReads
+from kvlib.memory import quant4
 from kvlib.memory.disk import OffloadFolder, Transfers
-from kvlib.memory.placement import Placement, weight_tiers
+from kvlib.memory.placement import Placement
 from kvlib.memory.tiered_kv import CacheArray, TieredKV, groups_of
-from kvlib.models.offloaded_weights import WeightStreamer, decoder_layers, layer_bytes
+from kvlib.models.offloaded_weights import WeightStreamer, decoder_layers, placed_parts
 from kvlib.paths import cache_dir
 from kvlib.policies.base import KVPolicy, Step
+from kvlib.policies.fidelity import Fidelity, Rule, Source
 from kvlib.policies.registry import register
 
 ALL_ON_DEVICE = "100 0 100 0 100 0"
+FLEXGEN = Source("FMInference/FlexLLMGen", "004ffef82b46e8dc8685c55d0cdda650bdaf1269",
+                 "flexllmgen/flex_opt.py, flexllmgen/pytorch_backend.py, flexllmgen/compression.py")
 
 
 def default_offload_dir() -> str:
@@ -56,11 +63,41 @@ class FlexGenPolicy(KVPolicy):
     compress_cache: bool = False
     gpu_batch_size: int | None = None  # rows a micro-batch (None: the batch is one)
 
+    fidelity = Fidelity(FLEXGEN, rules=(
+        Rule("percent", "100 0 100 0 100 0", setting="percent"),
+        Rule("weight placement", "each tensor of a layer to the tier of its midpoint, disk-host-device",
+             kvlib="each tensor of a layer to the tier of its midpoint, disk-host-device"),
+        Rule("a layer placed", "attention, MLP (each by itself)", kvlib="attention, MLP (each by itself)"),
+        Rule("weights streamed as", "attention, then MLP (sep_layer)", kvlib="a decoder layer: attention and MLP",
+             differs="kvlib's forward hooks a decoder layer; each split the same, a load twice FlexGen's"),
+        Rule("embedding and head", "placed by the same rule", kvlib="on the device",
+             differs="kvlib's forward streams decoder layers only"),
+        Rule("a layer's device tensors", "used in place",
+             kvlib="used in place; a fused Q/K/V or gate/up with a part off the device put together, its device "
+                   "part copied", differs="kvlib fuses Q, K, V (and gate, up) into one matmul"),
+        Rule("KV split", "batch x heads, device and host rounded down to whole rows, the last tier the rest",
+             kvlib="batch x heads, device and host rounded down to whole rows, the last tier the rest"),
+        Rule("GPU batches a block (default)", 1, kvlib=1),
+        Rule("host weights", "pinned (pin_weight)", kvlib="pinned (pin_weight)"),
+        Rule("host KV", "pageable, copied through a pinned relay", kvlib="pageable, copied through a pinned relay"),
+        Rule("copy streams", "3: weight loads, cache loads, cache stores", kvlib="2: weights; cache loads and stores",
+             differs="one copy thread orders a cache's loads and stores, so a load sees the stores before it"),
+        Rule("disk flush", "none (the page cache may serve reads)", kvlib="fdatasync and page drop each pass",
+             differs="a disk read is then the disk's; timed apart (disk_flush_s)"),
+        Rule("compress_cache", False, setting="compress_cache"),
+        Rule("4-bit format", "min-max, fp16 min and 15 / range a group",
+             kvlib="min-max, fp16 min and range / 15 a group",
+             differs="the same bytes; the step rounded, not its inverse; a constant group decodes, not NaN"),
+        Rule("4-bit group", "64 along head_dim, zero-padded", kvlib="64, or a narrower head whole; others refused",
+             differs="the same at head_dim 64 and 128; no padding codes at 16"),
+        Rule("4-bit cache on several tiers", "refused", kvlib="allowed", differs="kvlib's extension"),
+    ), note="FlexGen's OPT engine; kvlib runs its placement and schedule on Llama-family models")
+
     def __post_init__(self):
         if not isinstance(self.percent, str):  # six numbers from a params file
             self.percent = " ".join(f"{float(v):g}" for v in self.percent)
         self.placement = Placement.parse(self.percent)
-        self.weights = None
+        self.weights = self.store = self.folder = self.transfers = None  # (finish may run before start made them)
         if not isinstance(self.compress_cache, bool):
             raise UserError(f"compress_cache must be true or false, got {self.compress_cache!r}")
         if self.gpu_batch_size is not None and (not isinstance(self.gpu_batch_size, int) or self.gpu_batch_size < 1):
@@ -70,8 +107,12 @@ class FlexGenPolicy(KVPolicy):
         unit = "a row reserved whole, split by rows x heads across tiers"
         return unit if self.gpu_batch_size is None else f"{unit}, in micro-batches of {self.gpu_batch_size} rows"
 
-    def kv_bits(self) -> int:
-        return 4 if self.compress_cache else super().kv_bits()
+    def kv_bits(self) -> float:
+        """Bits a stored key or value element costs: a 4-bit record's codes with its groups' fp16 scale and minimum
+        (4.5 at a 64-wide group, 6 at a 16-wide head)."""
+        if not self.compress_cache:
+            return super().kv_bits()
+        return 8 * quant4.record_bytes(self.spec.head_dim) / self.spec.head_dim
 
     # -- what a subclass adds to the cache -------------------------------------------------------------------------
     def cache_arrays(self) -> list[CacheArray]:
@@ -88,43 +129,39 @@ class FlexGenPolicy(KVPolicy):
             raise UserError(f"policy {self.name!r} {what} only in kvlib's own forward pass (a Llama-family model in "
                             f"fp32 on a CPU); {keep} for {self.model.name!r}")
 
-    def weight_tiers(self) -> list[str]:
-        """Each decoder layer's tier (the embedding, final norm and head stay on the device); [] where every weight
-        stays on the device."""
+    def weight_parts(self) -> list:
+        """Each decoder layer's tensors with their tiers (offloaded_weights.placed_parts: FlexGen's init_weight_list
+        within its attention and its MLP; the embedding, final norm and head stay on the device); [] where every
+        weight stays on the device."""
         if self.placement.weights[0] == 1:
             return []
         self.needs_own_forward("places weights off the device", "keep W_DEV at 100")
-        layers = decoder_layers(self.model.model)
-        return weight_tiers([layer_bytes(layer) for layer in layers], self.placement.weights)
+        return [placed_parts(layer, *self.placement.percents[0:2]) for layer in decoder_layers(self.model.model)]
 
     def weights_off_device(self) -> int:
-        tiers = self.weight_tiers()
-        if not tiers:
-            return 0
-        return sum(layer_bytes(layer) for layer, tier in zip(decoder_layers(self.model.model), tiers)
-                   if tier != "device")
+        return sum(part.nbytes() for parts in self.weight_parts() for part, tier in parts if tier != "device")
 
     # -- lifecycle ---------------------------------------------------------------------------------------------------
     def start(self, batch_size, prompt_lens, max_new_tokens):
         s = self.spec
+        self.weights = self.store = self.folder = None  # what finish undoes, none of it made yet
+        self.transfers = Transfers()
         self.capacity = capacity = self.cache_capacity(prompt_lens, max_new_tokens)
         arrays = self.cache_arrays()
         per_row = capacity * s.num_kv_heads * s.num_layers * sum(a.record_bytes for a in arrays)
         rows = self.row_capacity(batch_size, max(1, round(per_row * self.placement.kv[0])))
-        self.transfers = Transfers()
-        self.folder = None
-        self.store = None
         group_rows = min(self.gpu_batch_size or rows, rows)
         if group_rows < rows:
             self.needs_own_forward("runs micro-batches", "leave gpu_batch_size unset")
-        groups = groups_of(rows, s.num_kv_heads, group_rows, self.placement.kv)
+        groups = groups_of(rows, s.num_kv_heads, group_rows, self.placement.percents[2:4])
         dev, disk = (sum(g.size(t) for g in groups) for t in ("device", "disk"))
-        tiers = self.weight_tiers()
+        parts = self.weight_parts()
+        tiers = {tier for layer in parts for _, tier in layer}
         if disk or "disk" in tiers:
             self.folder = OffloadFolder(self.offload_dir or default_offload_dir(), self.transfers)
         try:
-            if any(t != "device" for t in tiers):
-                self.weights = WeightStreamer(decoder_layers(self.model.model), tiers, self.folder, self.transfers)
+            if tiers - {"device"}:
+                self.weights = WeightStreamer(parts, self.folder, self.transfers, self.device, self.timers)
                 self.model.kvlib_forward.streamer = self.weights
                 # a layer computing and the next one loading: FlexGen's two weight buffers on the device
                 self.ledger.add("device", "weights", 2 * self.weights.largest_layer_bytes(), where="weights staging")
@@ -243,6 +280,7 @@ class FlexGenPolicy(KVPolicy):
                             **extra)
 
     def finish(self):
+        """Undo what start made, however far it got (an error in start is never replaced by one here)."""
         try:
             if self.store is not None:
                 self.store.close()

@@ -51,7 +51,7 @@ def table(frames: dict[str, pd.DataFrame]) -> pd.DataFrame:
         row["share of seen entries decode read"] = pd.to_numeric(share, errors="coerce").median()
         for col, label in TRAITS.items():
             values = g[col].dropna().unique() if col in g else []
-            shown = [f"{v:.0f}" if isinstance(v, float) else str(v) for v in values]  # (bits: a float once merged)
+            shown = [f"{v:g}" if isinstance(v, float) else str(v) for v in values]  # (bits: 4.5 for 4-bit records)
             row[label] = "; ".join(shown) or "not recorded"
         out.append(row)
     return pd.DataFrame(out).set_index("runner")
