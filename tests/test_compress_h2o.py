@@ -1,6 +1,7 @@
-"""Compress instead of preempt (issue 45): the `compress_h2o` runner, H2O at budget 1.0 that serves under the
-scheduler's `compress` schedule; the serving experiment replays it so and records whom it compressed and every
-request's output tokens; the serving report reads what compression cost those requests against paged's tokens."""
+"""Compress instead of preempt (issue 45): the `compress_h2o` runner, H2O holding every entry, that serves under the
+scheduler's `compress` schedule, never compressed below its budget (tests/test_fidelity_compress.py); the serving
+experiment replays it so and records whom it compressed and every request's output tokens; the serving report reads
+what compression cost those requests against paged's tokens."""
 
 import json
 
@@ -23,7 +24,7 @@ from kvlib.study.runners import make_runner, runner_class
 def test_it_is_registered_and_declares_the_schedule_it_serves_under():
     assert "compress_h2o" in available()
     policy = make_policy("compress_h2o")
-    assert policy.serving_schedule == "compress" and policy.budget == 1.0 and policy.compress_share == 0.5
+    assert policy.serving_schedule == "compress" and policy.budget == 0.3 and policy.compress_share == 0.5
     assert policy.label == "compress_h2o" and "instead of preempting" in policy.evicts
     for name in ("paged", "h2o", "full", "vllm"):  # everyone else: vLLM's continuous batching
         assert runner_class(name).serving_schedule == "continuous"

@@ -50,9 +50,10 @@ RESERVE_ROWS = {"full", "kivi", "infinigen", "flexgen", "flexgen_h2o", "duo"}
 WHOLE_PROMPT = {"flexgen_h2o"}
 
 
-def serves_continuously(name):
-    if name in WHOLE_PROMPT:
-        pytest.skip(f"{name} prefills a prompt in one pass; continuous batching prefills in chunks")
+def prefill_of(name):
+    """How the schedules prefill a policy's prompts: whole at admission for one that prefills a prompt in one pass (as
+    vLLM without chunked prefill), in chunks otherwise."""
+    return "full" if name in WHOLE_PROMPT else "chunked"
 
 
 def test_every_policy_is_named_here():
@@ -70,12 +71,12 @@ def prompts_of(*lengths, seed=0):
 
 @pytest.mark.parametrize("name", sorted(BUDGETED))
 def test_continuous_with_every_request_at_the_start_gives_the_static_schedules_tokens(tiny, name):
-    serves_continuously(name)
+    mode = prefill_of(name)
     prompts = prompts_of(40, 25, 33)
-    static = Engine(tiny, make_policy(name, **BUDGETED[name])).generate(prompts, 12, prefill_mode="chunked",
+    static = Engine(tiny, make_policy(name, **BUDGETED[name])).generate(prompts, 12, prefill_mode=mode,
                                                                         chunk_size=16, stop_at_eos=False)
     served = run(Engine(tiny, make_policy(name, **BUDGETED[name])), [Sequence(p, 12) for p in prompts],
-                 "continuous", "chunked", chunk_size=16, stop_at_eos=False)
+                 "continuous", mode, chunk_size=16, stop_at_eos=False)
     assert tokens(served) == tokens(static)
     assert served.metrics["preemptions"] == 0
     assert (static.stats["batching"], served.stats["batching"]) == (BATCHING["static"], BATCHING["continuous"])
@@ -92,12 +93,12 @@ def test_a_capacity_too_small_for_every_request_gives_the_same_tokens(tiny, name
     """A pool sized from a small device capacity (about 110 tokens) holds the prompts but not their growing outputs:
     requests are preempted, recomputed from their tokens, and end as they would have with room to spare. A policy
     that reserves whole rows holds fewer rows instead, and requests wait for one."""
-    serves_continuously(name)
+    mode = prefill_of(name)
     prompts = prompts_of(40, 40, 36)
     roomy = run(Engine(tiny, make_policy(name, **KEEPS_ALL[name])), [Sequence(p, 30) for p in prompts],
-                "continuous", "chunked", chunk_size=16, stop_at_eos=False)
+                "continuous", mode, chunk_size=16, stop_at_eos=False)
     tight = run(Engine(tiny, make_policy(name, **KEEPS_ALL[name]), device_capacity_bytes=capacity_for(tiny, 110)),
-                [Sequence(p, 30) for p in prompts], "continuous", "chunked", chunk_size=16, stop_at_eos=False)
+                [Sequence(p, 30) for p in prompts], "continuous", mode, chunk_size=16, stop_at_eos=False)
     assert tokens(tight) == tokens(roomy)
     assert roomy.metrics["preemptions"] == 0
     if name in RESERVE_ROWS:  # each row reserved whole: a request waits for a free row and is never preempted

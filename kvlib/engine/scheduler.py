@@ -1,4 +1,4 @@
-"""The one loop that serves requests on the engine, under one of two schedules.
+"""The one loop that serves requests on the engine, under one of three schedules.
 
 `static` is the paper's schedule for H2O and InfiniGen, applied to every policy: each prompt is prefilled in turn (whole,
 or chunk by chunk), then all requests decode together; finished rows stay allocated until the run ends; running out of
@@ -6,7 +6,8 @@ device memory ends the run as a recorded OOM point.
 
 `continuous` is vLLM's: requests arrive at given decode steps, or at given times (a request rate: an open loop,
 kvlib.engine.arrivals, each request joining when the clock passes its arrival); each iteration prefills one chunk of the oldest waiting
-request and then runs one decode step for every running request; finished requests leave and free their rows at once.
+request (under `chunked` prefill; its whole prompt under `full` or `fused`, as vLLM without chunked prefill) and then
+runs one decode step for every running request; finished requests leave and free their rows at once.
 Every registered policy serves so. A policy that holds its cache in blocks (paged, Quest, H2O, StreamingLLM, SnapKV:
 kvlib.memory.paged_kv) sizes its pool from the device capacity, as vLLM does; when the pool runs out, the newest
 running request is preempted (its blocks freed, queued again, recomputed from its prompt and the tokens it had
@@ -14,13 +15,15 @@ generated, under its policy). A policy that reserves each row's whole length up 
 as many rows as the capacity affords, and a request waits for a free row (KVPolicy.row_capacity). It needs a policy
 that can release single rows.
 
-`compress` is `continuous` with another answer to a full pool: where vLLM preempts a request (or a waiting one waits
-for room), a running request (the least compressed so far, then the longest-running) is compacted to
-`compress_share` of its cache, chosen by
-its policy's scores (a scored-eviction policy: H2O's accumulated attention, SnapKV's votes; at budget 1.0 it holds
-everything, as `paged` does, until then), its freed blocks let the step go on or the waiting request in, and it goes
-on decoding from what it kept (a request may be compressed again, the least compressed first). Only when no running
-request can shrink any more does it preempt, as vLLM does.
+`compress` is `continuous` with another answer to a full pool: where vLLM preempts a running request because a decode
+step finds no free block, a running request (the least compressed so far, then the longest-running) is compacted to
+`compress_share` of its cache, chosen by its policy's scores (a scored-eviction policy: H2O's accumulated attention,
+SnapKV's votes; compress_h2o holds everything, as `paged` does, until then, and is never compressed below its budget
+of its prompt), its freed blocks let the step go on, and it goes on decoding from what it kept (a request may be
+compressed again, the least compressed first). Only when no running request can shrink any more does it preempt, as
+vLLM does. Compression lets running requests continue; a waiting request finding no room waits, as in vLLM, unless
+the policy's `compress_to_admit` says to compress a running request to let it in, and after a compression, as after a
+preemption, waiting requests are admitted once a running one has left (the blocks freed are the running ones' room).
 Which requests were compressed, at which step and time, and from how many entries a head to how many, is in the
 run's stats (`compressions`), so that the accuracy they lost can be told apart. A policy declares the schedule it
 serves under (`serving_schedule`: `compress` for compress_h2o, kvlib.policies.compress_h2o, whose `compress_share`
@@ -106,8 +109,6 @@ def run(engine: Engine, sequences: list[Sequence], schedule: str = "static", pre
         if not engine.policy.can_release:
             raise UserError(f"continuous batching needs a policy that can release single rows; "
                             f"{engine.policy.name!r} cannot")
-        if prefill_mode != "chunked":
-            raise UserError("continuous batching prefills in chunks: use prefill mode 'chunked'")
         if prefill_store is not None:
             raise ValueError("a prefill store serves the static schedule: continuous batching interleaves a prompt's "
                              "chunks with decode steps, and an adopted prefill would take them all at once")
@@ -150,6 +151,8 @@ class _Loop:
         self.clock = TokenClock(len(sequences))  # restarted when serving starts
         self.preemptions = 0
         self.compress_share = compress_share  # the compress schedule's; None: preempt as vLLM does
+        # the compress schedule compacts running requests so that they continue, not to admit a waiting one
+        self.compress_to_admit = getattr(engine.policy, "compress_to_admit", False)
         self.compressions: list[dict] = []
 
     def serve(self, session) -> dict | None:
@@ -200,9 +203,9 @@ class _Loop:
                     if not running:
                         raise UserError(f"the block pool cannot hold request {seq.index} ({len(tokens)} tokens) even "
                                         f"alone: {exc}") from exc
-                    if self._compress_one(session, running, step, "admission"):
+                    if self.compress_to_admit and self._compress_one(session, running, step, "admission"):
                         continue  # the same chunk again, with the blocks a running request gave back
-                    # never preempt running requests for a new one (they would take turns forever): wait for room
+                    # never preempt (or, by default, compress) running requests for a new one: it waits for room
                     self._leave(session, seq, free_rows)
                     waiting.appendleft(seq)
                     prefilling, blocked = None, True
@@ -226,6 +229,9 @@ class _Loop:
                     if not (self.continuous and isinstance(exc, OutOfBlocks)):
                         return oom_record(exc, "decode")
                     if self._compress_one(session, running, step, "decode"):
+                        # what it gave back is for the running requests to grow into: as after a preemption, a
+                        # waiting request is admitted once one has left
+                        blocked = True
                         continue
                     if len(running) == 1:
                         raise UserError(f"the block pool cannot hold request {running[0].index} even alone: "
