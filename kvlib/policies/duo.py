@@ -24,12 +24,14 @@ a layer, over each kind of head's cache with the query heads of its groups: each
 every head, the whole row for retrieval heads, the ring's filled slots for streaming heads (attention does not depend
 on the order its entries lie in).
 
-Read: mit-han-lab/duo-attention (retrieval and streaming heads per (layer, KV head), sink and recent sizes, the
-streaming heads' cache a sink part and a recent part) and NVIDIA/kvpress's DuoAttentionPress. Deviations: heads are
-chosen by a training-free score, not the learned gates (see duo_heads); the streaming heads' prefill attends the
-whole prompt (the official code's prefill runs streaming attention on them, which saves prefill compute but not
-memory), so that the policy differs from full and from StreamingLLM only in what decode reads; sink and window are
-kvlib's StreamingLLM defaults scaled to the study's prompts, not the official 64 sinks and 256 recent tokens.
+Read: mit-han-lab/duo-attention (`duo_attn/patch/llama.py`, the evaluation path: a prompt prefilled densely on every
+head, then the streaming heads' cache cut to sink + recent, each decode step attending those and the new token;
+`duo_attn/utils.py`: retrieval heads per (layer, KV head), the `sparsity` quantile of the gates model-wide, sink 64
+and recent 256) and NVIDIA/kvpress's DuoAttentionPress. Deviations (each a row of the fidelity table): heads are chosen
+by a training-free score, not the learned gates (see duo_heads); the knob is the budget, a share of the KV entries,
+rather than the share of streaming heads; `sink` is StreamingLLM's 4, not the official 64, which with the official 256
+recent tokens would keep most of the study's 512-token items on every streaming head (the profiles scale `window` to
+their prompts too); a prompt is prefilled whole (the official LongBench runs feed its last 50 tokens as decode steps).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from kvlib.kernels.attention import prefill_attention
 from kvlib.kernels.decode import DecodeReads
 from kvlib.policies.base import BudgetedPolicy, Step
 from kvlib.policies.duo_heads import choose_retrieval, head_scores, retrieval_count
+from kvlib.policies.fidelity import Fidelity, Rule, Source
 from kvlib.policies.registry import register
 
 
@@ -58,8 +61,31 @@ class DuoAttentionPolicy(BudgetedPolicy):
     budget: float = 0.5  # the share of the KV entries kept, when retrieval_ratio is not given (the module's mapping)
     retrieval_ratio: float | None = None  # share of (layer, KV head) pairs that keep every entry; may be 0
     sink: int = 4
-    window: int = 252  # a streaming head holds sink + window tokens (plus the new one during a step)
+    window: int = 256  # the official recent_size: a streaming head holds sink + window tokens (plus the new one
+    # during a step)
     calibration_tokens: int = 2048
+
+    fidelity = Fidelity(Source("mit-han-lab/duo-attention", "fe93c314ae87306ef6629dc16713250b4718ffe7",
+                               "duo_attn/utils.py, duo_attn/patch/llama.py, eval/LongBench/pred.py"), rules=(
+        Rule("heads", "per (layer, KV head): retrieval or streaming", kvlib="per (layer, KV head): retrieval or "
+             "streaming"),
+        Rule("which heads", "learned gates (distilled on passkey text)",
+             kvlib="attention mass lost to sinks + window on a calibration text",
+             differs="training the gates does not fit the study's CPU budget (kvlib.policies.duo_heads)"),
+        Rule("how many", "the sparsity quantile of the gates, model-wide",
+             kvlib="the sparsity quantile of the gates, model-wide"),
+        Rule("knob", "sparsity, the share of streaming heads (0.5)", kvlib="budget, the share of KV entries (0.5)",
+             differs="compared with the other policies at equal KV entries; retrieval_ratio sets the heads' share"),
+        Rule("sink tokens", 64, setting="sink",
+             differs="StreamingLLM's 4: 64 + 256 would keep most of a 512-token item on every streaming head"),
+        Rule("recent tokens", 256, setting="window"),
+        Rule("streaming heads at decode", "sinks, recent window and the new token",
+             kvlib="sinks, recent window and the new token"),
+        Rule("retrieval heads", "every entry", kvlib="every entry"),
+        Rule("prefill", "dense on every head; LongBench feeds a prompt's last 50 tokens as decode steps",
+             kvlib="dense on every head, the whole prompt", differs="every policy here prefills the whole prompt"),
+    ), note="the evaluation path (enable_duo_attention_eval); the embedded and confirmatory profiles set window 28 "
+            "for their 512-token items")
 
     def __post_init__(self):
         super().__post_init__()

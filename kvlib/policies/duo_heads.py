@@ -6,7 +6,7 @@ attention mass a streaming head would lose: for every query of the text that has
 sink + window), the probability it puts on positions sink .. q - window - 1 (neither a sink nor in its recent window,
 the query itself included in the window), averaged over the queries and over the KV head's group of query heads. The
 heads with the highest scores are the retrieval heads; `ratio` of all (layer, KV head) pairs, chosen across layers,
-as DuoAttention thresholds its gates model-wide.
+as DuoAttention thresholds its gates model-wide (at the same count: retrieval_count).
 
 Read: mit-han-lab/duo-attention (a gate per head, learned by distilling the full model's outputs on passkey text, so
 that streaming heads are those whose output changes least under the streaming pattern) and NVIDIA/kvpress's
@@ -20,6 +20,7 @@ attention matrix a layer) and is computed once per model, text and (sink, window
 from __future__ import annotations
 
 import hashlib
+import math
 
 import torch
 
@@ -71,9 +72,17 @@ def head_scores(model: LoadedModel, prompt: list[int], sink: int, window: int) -
 
 
 def retrieval_count(ratio: float, layers: int, kv_heads: int) -> int:
+    """How many heads keep every entry at `ratio` (1 - the official sparsity). The official sparsify_attention_heads
+    (duo_attn/utils.py) thresholds the gates at their `sparsity` quantile (numpy's linear one, at index sparsity x
+    (n - 1)) and keeps the heads at or above it: n - ceil(sparsity x (n - 1)) of n distinct gates; sparsity 1 keeps
+    none."""
     if not 0 <= ratio <= 1:
         raise ValueError(f"ratio must be in [0, 1], got {ratio}")
-    return round(ratio * layers * kv_heads)
+    n = layers * kv_heads
+    if ratio == 0:
+        return 0
+    # rounded first: 1 - ratio carries float noise that the sparsity the official code is given does not
+    return n - math.ceil(round((1 - ratio) * (n - 1), 9))
 
 
 def choose_retrieval(scores: torch.Tensor, ratio: float) -> torch.Tensor:
@@ -85,7 +94,7 @@ def choose_retrieval(scores: torch.Tensor, ratio: float) -> torch.Tensor:
     return chosen.view(scores.shape)
 
 
-def retrieval_heads(model: LoadedModel, prompt: list[int], ratio: float, sink: int = 4, window: int = 252
+def retrieval_heads(model: LoadedModel, prompt: list[int], ratio: float, sink: int = 4, window: int = 256
                     ) -> set[tuple[int, int]]:
     """The (layer, KV head) pairs chosen as retrieval heads on this calibration text."""
     chosen = choose_retrieval(head_scores(model, prompt, sink, window), ratio)

@@ -16,6 +16,7 @@ import torch
 from kvlib.kernels.attention import prefill_attention
 from kvlib.kernels.decode import DecodeReads
 from kvlib.policies.base import KVPolicy, Step
+from kvlib.policies.fidelity import Fidelity, Rule, Source
 from kvlib.policies.registry import register
 
 
@@ -25,6 +26,20 @@ class FullPolicy(KVPolicy):
     name = "full"
     lossless = True
     adopts_prefill = True
+
+    fidelity = Fidelity(Source("huggingface/transformers", "67dd5524d384fdf6b20f6123e7a9d74e6ed96345",
+                               "src/transformers/cache_utils.py"), rules=(
+        Rule("what is kept", "every key and value", kvlib="every key and value"),
+        Rule("reservation", "max_cache_len slots a row, zeroed, up front",
+             kvlib="max_cache_len slots a row, zeroed, up front"),
+        Rule("max_cache_len", "the longest prompt + max_new_tokens", kvlib="the longest prompt + max_new_tokens"),
+        Rule("a new token", "written in place at its position", kvlib="written in place at its position"),
+        Rule("decode reads", "all max_cache_len slots, the unfilled masked", kvlib="each row's filled slots",
+             differs="the same output; every policy here decodes with one kernel over what a row holds"),
+        Rule("serving", "none: one batch at a time", kvlib="as many rows as the device capacity holds",
+             differs="the study serves it under continuous batching, a request waiting for a free row as servers "
+                     "before paging did"),
+    ), note="StaticCache (StaticLayer): the dense cache transformers' generate keeps for a fixed-size run")
 
     def start(self, batch_size, prompt_lens, max_new_tokens):
         s = self.spec

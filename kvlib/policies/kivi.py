@@ -27,7 +27,8 @@ tie).
 Read: jy-yuan/KIVI `quant/new_pack.py` (quant_and_pack_kcache / vcache: min-max asymmetric quantization, scale =
 (max - min) / (2^bits - 1), codes packed into int32 along tokens for keys and channels for values) and
 `models/llama_kivi.py` (prefill quantizes all but T mod residual keys and all but the last residual values; at decode a
-full key residual is quantized at once, one value token at a time). Deviations:
+full key residual is quantized at once after the step's attention, so the step that fills it attends it in full
+precision, as here; one value token at a time). Deviations:
 - Keys are scored as the official fused kernels score them, the key scales folded into the query and the packed codes
   multiplied directly (a group's channel at a time, 16 tokens to a vector); values are dequantized a token at a time
   into an L1-resident vector and weighted as every policy's are.
@@ -53,6 +54,7 @@ from kvlib.kernels.attention import prefill_attention
 from kvlib.kernels.decode import DecodeReads
 from kvlib.kernels.quantized import BITS, QuantizedKV, dequantize, encode_keys, encode_values
 from kvlib.policies.base import KVPolicy, Step
+from kvlib.policies.fidelity import Fidelity, Rule, Source
 from kvlib.policies.registry import register
 
 CACHES = ("key_codes", "key_scale", "key_zero", "value_codes", "value_scale", "value_zero", "key_residual",
@@ -69,6 +71,28 @@ class KIVIPolicy(KVPolicy):
     group_size: int = 32  # tokens a key scale covers; channels a value scale covers (the official default)
     residual: int = 128  # most recent tokens kept in full precision (the official residual_length)
     quantize: bool = True  # False: the same groups, residual and byte layout holding each value's raw bytes
+
+    fidelity = Fidelity(Source("jy-yuan/KIVI", "876b4d2d08e3b1d5f70d0969c299d8c7c42ddfb6",
+                               "models/llama_kivi.py, quant/new_pack.py"), rules=(
+        Rule("bits (keys and values)", 2, setting="bits"),
+        Rule("group size", 32, setting="group_size"),
+        Rule("residual (full-precision tokens)", 128, setting="residual"),
+        Rule("quantized", True, setting="quantize"),
+        Rule("keys", "per channel over group_size tokens, min-max", kvlib="per channel over group_size tokens, "
+             "min-max"),
+        Rule("values", "per token over group_size channels, min-max",
+             kvlib="per token over group_size channels, min-max"),
+        Rule("prefill", "keys: all but T mod residual coded; values: all but the last residual",
+             kvlib="keys: all but T mod residual coded; values: all but the last residual"),
+        Rule("a key residual that fills", "attended in full precision, then coded",
+             kvlib="attended in full precision, then coded"),
+        Rule("values at decode", "residual + 1 in full precision, the oldest coded after",
+             kvlib="residual in full precision, the oldest coded before",
+             differs="a ring of residual slots, the new value in the leaving one's; one value coded a step early"),
+        Rule("a constant group", "divides by a zero scale", kvlib="code 0, scale 0",
+             differs="the official's 0 / 0 would make the group NaN"),
+    ), note="the paper's KIVI-2 setting (group 32, residual 128); utils/process_args.py defaults to group 128, "
+            "example.py to residual 32")
 
     def kv_bits(self) -> int:
         return self.bits if self.quantize else super().kv_bits()  # (the last `residual` tokens at full precision)
@@ -220,16 +244,20 @@ class KIVIPolicy(KVPolicy):
             self._write_key_codes(layer, row, last + 1 - r, self.key_residual[layer, row])
 
     # -- reading ---------------------------------------------------------------------------------------------------
-    def _coded(self, layer: int, lengths: torch.Tensor | None = None) -> QuantizedKV:
-        """One layer's codes, as held by rows of these lengths (None: a writer's view, the counts unset)."""
-        counts = (None, None) if lengths is None else (self.keys_quantized(lengths), self.values_quantized(lengths))
+    def _coded(self, layer: int, lengths: torch.Tensor | None = None, keys_coded: torch.Tensor | None = None
+               ) -> QuantizedKV:
+        """One layer's codes, as held by rows of these lengths (None: a writer's view, the counts unset); keys_coded:
+        the keys read as codes, where not all those held are."""
+        counts = (None, None) if lengths is None else (
+            self.keys_quantized(lengths) if keys_coded is None else keys_coded, self.values_quantized(lengths))
         return QuantizedKV(*(getattr(self, name)[layer] for name in CACHES[:6]), *counts, bits=self.code_bits,
                            group=self.group_size, value_group=self.value_group)
 
-    def _reads(self, layer: int, rows: torch.Tensor, lengths: torch.Tensor) -> DecodeReads:
+    def _reads(self, layer: int, rows: torch.Tensor, lengths: torch.Tensor,
+               keys_coded: torch.Tensor | None = None) -> DecodeReads:
         """What rows holding `lengths` tokens read: their codes in place, the rest in the residual ring."""
         return DecodeReads(self.key_residual[layer], self.value_residual[layer], lengths, rows=rows,
-                           quantized=self._coded(layer, lengths))
+                           quantized=self._coded(layer, lengths, keys_coded))
 
     # -- the contract ----------------------------------------------------------------------------------------------
     def prefill_arithmetic(self, mode, passes):
@@ -261,7 +289,9 @@ class KIVIPolicy(KVPolicy):
         with self.timers.section("offload"):
             self._store_token(layer, rows, step.start, key[:, :, 0], value[:, :, 0])
         self.usage.add(layer, step.tokens_seen, step.tokens_seen, len(rows))
-        return self.decode_attention(layer, query, self._reads(layer, rows, n))[0]
+        # the keys coded before this step: a key residual that filled now is attended in full precision (still in
+        # its ring) and read as codes from the next step on, as the official step quantizes it after its attention
+        return self.decode_attention(layer, query, self._reads(layer, rows, n, self.keys_quantized(step.start)))[0]
 
     def after_pass(self, step: Step):
         self.lengths[step.rows] = step.start + step.q_len

@@ -23,6 +23,7 @@ from kvlib.kernels.decode import DecodeReads
 from kvlib.memory.block_pool import BlockTable
 from kvlib.memory.paged_kv import PagedKV, check_pool_settings
 from kvlib.policies.base import KVPolicy, Step
+from kvlib.policies.fidelity import Fidelity, Rule, Source
 from kvlib.policies.registry import register
 
 
@@ -38,6 +39,30 @@ class PagedPolicy(KVPolicy):
     num_blocks: int | None = None  # None: enough for every row's prompt plus max_new_tokens, without sharing (or,
     # when serving under a device capacity, what the capacity leaves: KVPolicy.pool_blocks)
     prefix_caching: bool = True
+
+    fidelity = Fidelity(Source("vllm-project/vllm", "003df2961dd8830c317a61f9745ccd557da9fa06",
+                               "vllm/v1/core/kv_cache_manager.py, vllm/v1/core/block_pool.py, "
+                               "vllm/v1/core/sched/scheduler.py"), rules=(
+        Rule("block size", 16, setting="block_size"),
+        Rule("prefix caching", True, setting="prefix_caching"),
+        Rule("prefix hit", "full blocks by chained hash, never the prompt's last token",
+             kvlib="full blocks by chained hash, never the prompt's last token"),
+        Rule("hash check", "none (sha256 or the builtin hash)", kvlib="the builtin hash, tokens compared on a hit",
+             differs="Python's hash can collide; a verified hit is the same hit"),
+        Rule("freed blocks", "LRU free queue, findable until reused", kvlib="LRU free queue, findable until reused"),
+        Rule("forks", "share full blocks through the prefix cache (V1)",
+             kvlib="share every block, the partial one copied on write",
+             differs="kvlib forks rows (answer choices, questions off a conversation) as vLLM V0's block manager did"),
+        Rule("preemption", "recompute, the newest running request first",
+             kvlib="recompute, the newest running request first"),
+        Rule("pool size", "gpu_memory_utilization (0.9) of the device less weights and activations",
+             kvlib="the batch's prompts + max_new_tokens, or what a configured capacity leaves",
+             differs="the study sizes the pool to its batch, or to the device capacity a profile configures"),
+        Rule("decode kernel", "PagedAttention / FlashAttention (CUDA)",
+             kvlib="kvlib's one decode kernel through the block table (C on a CPU)",
+             differs="one kernel for every policy, so a difference is a policy's"),
+    ), note="vLLM V1's KV cache manager and scheduler (the continuous schedule is kvlib.engine.scheduler's); the "
+            "real vLLM runs beside it as the outside baseline")
 
     def __post_init__(self):
         check_pool_settings(self.block_size, self.num_blocks)

@@ -3,24 +3,26 @@
 Keys and values live in a paged pool (kvlib.memory.block_pool: fixed-size blocks, a block table per row, blocks allocated as
 a row grows). For every block Quest also keeps, per KV head, the channel-wise minimum and maximum of its keys. At each
 decode step, in every layer after the first `dense_layers`, the query bounds each block's attention logit from above:
-sum over channels of max(q_d x max_d, q_d x min_d) >= q.k for any key of the block. Each KV head reads the top
-ceil(tokens_allowed(seen) / block_size) blocks by that bound (the row's last block, which holds the new token, always
-among them) and attention runs over those blocks only. Prefill is dense.
+sum over channels of max(q_d x max_d, q_d x min_d) >= q.k for any key of the block. Each KV head reads
+tokens_allowed(seen) // block_size blocks (at least one), as the official kernels' page budget is token_budget //
+page_size: the row's last block, which holds the new token, and the best of the others by that bound; a budget that
+covers the row reads all of it. Attention runs over those blocks only. Prefill is dense.
 
 Memory is not saved: every key and value stays in the pool, plus 2 x head_dim numbers a block and KV head of
 metadata (booked as overhead). What Quest saves is what a decode step reads: `stats()` reports the KV bytes a step's
 attention read (the selected blocks of the sparse layers, every token of the dense ones, and the metadata of every
 block the estimate scanned) against what a full read would be, and `kv_share_attended` the tokens attended.
 
-Read: mit-han-lab/Quest (`quest/utils/...`, the `approx_attn` / page selection in its Llama attention: page_size 16,
-token_budget, criticality max(q * max_key, q * min_key).sum(-1), top-k pages with the last page always included,
-layers 0 and 1 dense). Deviations:
+Read: mit-han-lab/Quest (`quest/models/llama.py` and `quest/utils/controller.py`, the kernels' path: page_size 16,
+page budget token_budget // page_size with the last page always one of them, criticality max(q * max_key, q *
+min_key).sum(-1), layers 0 and 1 dense; `evaluation/quest_attention.py`, the accuracy scripts' emulation, selects per
+query head, at least 3 pages, the last page not forced). Deviations:
 - One selection per KV head under GQA: a block's bound is the largest over the query heads of its group, so the
   block is read if any of them may need it. The official code targets multi-head attention (one selection per query
   head); for a grouped KV head a per-query-head selection would read the union of the group's picks, which the budget
   would then not bound.
-- The budget is kvlib's share of the tokens seen (or `budget_tokens`), rounded up to whole blocks, instead of an
-  absolute token_budget; budget 1.0 reads every block.
+- The budget is kvlib's share of the tokens seen (or `budget_tokens`) instead of an absolute token_budget, cut to
+  whole blocks as the kernels cut theirs; budget 1.0 reads every block.
 - The pool is head-major (each KV head's slots one stretch, as `paged`'s): decode attention (kvlib.kernels.decode, the
   kernel every policy shares) reads each KV head's selected blocks in place through a block list per row and head,
   as the official CUDA kernels read only the selected pages; the dense layers read each row's whole block table.
@@ -43,6 +45,7 @@ from kvlib.kernels.attention import prefill_attention
 from kvlib.kernels.decode import DecodeReads
 from kvlib.memory.paged_kv import PagedKV, PerBlock, check_pool_settings
 from kvlib.policies.base import BudgetedPolicy, Step
+from kvlib.policies.fidelity import Fidelity, Rule, Source
 from kvlib.policies.registry import register
 
 
@@ -57,6 +60,27 @@ class QuestPolicy(BudgetedPolicy):
     block_size: int = 16  # the official page_size
     dense_layers: int = 2
     num_blocks: int | None = None  # None: enough for the batch (or, when serving, what the device capacity leaves)
+
+    fidelity = Fidelity(Source("mit-han-lab/Quest", "01c1623bf9395009520874e989e29f683203b357",
+                               "quest/models/llama.py, quest/utils/controller.py, evaluation/quest_attention.py"),
+                        rules=(
+        Rule("page size", 16, setting="block_size"),
+        Rule("dense layers", 2, setting="dense_layers"),
+        Rule("budget", "token_budget tokens", kvlib="budget x tokens seen (budget_tokens: absolute)",
+             differs="a share of the tokens seen, kvlib's one budget rule"),
+        Rule("pages read", "token_budget // page_size, the last page one of them",
+             kvlib="token_budget // page_size, the last page one of them"),
+        Rule("a budget that covers the row", "token_budget // page_size pages (all if no more)", kvlib="every page",
+             differs="budget 1.0 is the full cache, as for every policy"),
+        Rule("page bound", "sum over channels of max(q x min, q x max)",
+             kvlib="sum over channels of max(q x min, q x max)"),
+        Rule("selection per", "attention head (MHA)", kvlib="KV head, the largest bound of its query heads",
+             differs="under GQA a query head's own picks would read their union, which no budget bounds"),
+        Rule("prefill", "dense", kvlib="dense"),
+        Rule("what is kept", "every entry", kvlib="every entry"),
+    ), note="the kernels' path (a budget under one page reads the last page, where the kernels need one page); the "
+            "accuracy scripts' emulation (evaluation/quest_attention.py) selects per query head, at least 3 pages, "
+            "the last page not forced")
 
     def __post_init__(self):
         super().__post_init__()
@@ -106,13 +130,22 @@ class QuestPolicy(BudgetedPolicy):
             self.row_blocks, self.scanned = torch.tensor(counts), sum(counts)
             if step.phase == "decode":
                 seen = [start + 1 for start in starts]
-                pages = [-(-self.tokens_allowed(n) // bs) for n in seen]
+                pages = [self.pages_read(n) for n in seen]
                 self.seen, self.pages = torch.tensor(seen), torch.tensor(pages)
                 # each KV head of a row reads min(pages, blocks) blocks, the last one up to the row's length, in
                 # every sparse layer: the block lists' width, and the tokens a layer attends per KV head
                 picks = [min(p, c) for p, c in zip(pages, counts)]
                 self.picks = max(picks)
                 self.attended = sum((p - 1) * bs + n - (c - 1) * bs for p, n, c in zip(picks, seen, counts))
+
+    def pages_read(self, seen: int) -> int:
+        """The blocks a KV head reads in a row of `seen` tokens: the official page budget token_budget // page_size
+        (quest/models/llama.py), the last page one of them; at least that page, and the whole row where the budget
+        covers it (the kernels read every page while the row is within its page budget)."""
+        budget = self.tokens_allowed(seen)
+        if budget >= seen:
+            return -(-seen // self.block_size)
+        return max(1, budget // self.block_size)
 
     def _write(self, layer, key, value):
         """Store the pass's keys/values and fold them into their blocks' channel-wise min/max."""
@@ -177,7 +210,7 @@ class QuestPolicy(BudgetedPolicy):
 
     def select_blocks(self, query, table, kmin, kmax) -> torch.Tensor:
         """Boolean [B, Hkv, blocks]: per KV head the blocks whose upper bound of q.k ranks in the row's top
-        ceil(budget / block_size), the row's last block always among them. table [B, blocks]; kmin/kmax: the
+        pages_read, the row's last block always among them. table [B, blocks]; kmin/kmax: the
         layer's [pool blocks, Hkv, D]."""
         b, s = table.shape[0], self.spec
         lo, hi = kmin.index_select(0, table.flatten()), kmax.index_select(0, table.flatten())

@@ -39,6 +39,7 @@ import torch
 
 from kvlib.errors import UserError
 from kvlib.kernels.decode import DecodeReads
+from kvlib.policies.fidelity import Fidelity, Rule, Source
 from kvlib.policies.registry import register
 from kvlib.policies.scored_eviction import ScoredEvictionPolicy
 
@@ -64,6 +65,25 @@ class StreamingPolicy(ScoredEvictionPolicy):
 
     sink: int = 4  # attention sinks kept at the start (the official start_size)
     position_scheme: str = "original"
+
+    fidelity = Fidelity(Source("mit-han-lab/streaming-llm", "2e5042606d69933d88fbf909bd77907456b9b4dd",
+                               "streaming_llm/kv_cache.py, streaming_llm/enable_streaming_llm.py, "
+                               "examples/eval_long_ppl.py"), rules=(
+        Rule("attention sinks", 4, setting="sink"),
+        Rule("budget", "start_size + recent_size tokens, fixed", kvlib="budget x tokens seen (budget_tokens: fixed)",
+             differs="a share of the tokens seen, kvlib's one budget rule; budget_tokens = sink + window is the "
+                     "official fixed cache"),
+        Rule("what is kept", "the first sinks and the most recent tokens",
+             kvlib="the first sinks and the most recent tokens"),
+        Rule("decode attends", "the kept tokens and the new one", kvlib="the kept tokens and the new one"),
+        Rule("when it cuts", "after each token (eval_long_ppl)", kvlib="after the prefill and each decode step",
+             differs="the prompt is prefilled densely, then cut, as every eviction policy here; the chat demo cuts "
+                     "only between turns"),
+        Rule("positions", "cache", setting="position_scheme",
+             differs="the text's positions, as every other policy here keeps them: the book compares what is kept; "
+                     "no run goes past the context, the reason for the official shift"),
+    ), note="enable_streaming_llm applies the position shift on Llama models; eval_long_ppl cuts the cache after "
+            "every token")
 
     def __post_init__(self):
         super().__post_init__()
