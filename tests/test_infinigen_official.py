@@ -11,6 +11,7 @@ import torch
 
 from kvlib.engine import Engine
 from kvlib.policies import make_policy
+from kvlib.policies.infinigen_coverage import coverage
 from kvlib.policies.infinigen_skew import capture_qk, compute_skew
 from test_infinigen_select import policy_for, select
 
@@ -92,3 +93,12 @@ def test_speculation_coverage_is_read_against_the_oracle(tiny):
     every = coverage_run(tiny, budget=1.0, alpha=float("inf"))
     assert every["speculation_coverage"] == pytest.approx(1.0, abs=1e-5)
     assert every["oracle_coverage"] == pytest.approx(1.0, abs=1e-5)
+
+
+def test_the_oracle_takes_the_heaviest_entries_of_the_same_count():
+    """One row, one KV head of two queries attending [0.5, 0.1, 0.3] and [0.3, 0.3, 0.3] over the cache and 0.1 each
+    on the new token (mean [0.4, 0.2, 0.3], 0.1); speculation picked entry 1 (count 1): its picks carry 0.2 + 0.1, the
+    oracle's (entry 0) 0.4 + 0.1."""
+    probs = torch.tensor([[[[0.5, 0.1, 0.3, 0.1], [0.3, 0.3, 0.3, 0.1]]]])
+    picks, oracle = coverage(probs, torch.tensor([[[1, 3]]]), torch.tensor([1]))
+    assert (picks, oracle) == pytest.approx((0.2 + 0.1, 0.4 + 0.1))

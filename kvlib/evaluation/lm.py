@@ -181,7 +181,7 @@ class KVLibLM(TemplateLM):
         with engine.session([len(p) for p in prompts], max_new) as session:
             tokens = answer_rows(session, list(range(len(prompts))), prompts, max_new, self.protocol, mode,
                                  eos=self.eot_token_id, prefill_store=self.prefill_store)
-            self._count(engine.policy.usage.summary())
+            self._count({**engine.policy.usage.summary(), **engine.policy.stats()})  # (stats: InfiniGen's coverage)
         return [_cut(self.tokenizer.decode(t, skip_special_tokens=True), until) for t in tokens]
 
 

@@ -45,6 +45,8 @@ from kvlib.kernels.decode import DecodeReads, rows_view
 from kvlib.models.llama_forward import FusedAttention, QueryProjection
 from kvlib.policies.base import BudgetedPolicy, Step
 from kvlib.policies.fidelity import Fidelity, Rule, Source
+from kvlib.policies.infinigen_coverage import coverage as speculation_coverage
+from kvlib.policies.infinigen_coverage import summary as coverage_summary
 from kvlib.policies.infinigen_skew import BASES, load_or_compute_skew
 from kvlib.policies.registry import register
 
@@ -151,7 +153,7 @@ class InfiniGenPolicy(BudgetedPolicy):
         shape = (rows, s.num_kv_heads, cap, s.head_dim)
         self.fetches = self._fetches()
         self.bytes_moved = self.decode_steps = 0
-        self.coverage: list[float] = []
+        self.coverage: list[tuple[int, float, float]] = []  # measure_coverage: (layer, picks' mass, oracle's)
         self.ledger.add("device", "kv_reserved", self.dense * 2 * math.prod(shape) * s.dtype_bytes,
                         where="infinigen dense layers")
         self.ledger.add("device", "overhead", sparse * math.prod(shape[:3]) * r * s.dtype_bytes + skew_bytes
@@ -330,10 +332,7 @@ class InfiniGenPolicy(BudgetedPolicy):
         return table, count
 
     def _record_coverage(self, layer, query, key, step, chosen, count):
-        """Share of layer's true attention mass (over the whole cache) that the selected entries carry, and the share
-        the best `count` entries of the true attention (the oracle's pick of the same size) would carry."""
-        keep = (torch.arange(chosen.shape[-1])[None, None, :] < count[:, None, None]).to(self.device)
-        chosen = chosen.to(self.device)
+        """The true attention of layer over the whole cache, and the mass the picks and the oracle's carry of it."""
         rows, i = step.rows, layer - self.dense
         kv_len = int(step.start.max())
         k_full = torch.cat([self.host_k[i][rows, :, :kv_len].to(self.device), key], dim=2)
@@ -342,13 +341,7 @@ class InfiniGenPolicy(BudgetedPolicy):
         valid = (torch.arange(kv_len + 1)[None, :] < step.start[:, None]).to(self.device)
         valid[:, -1] = True
         probs = torch.softmax((logits * self.scale).masked_fill(~valid[:, None, None, :], float("-inf")), dim=-1)
-        picked = torch.zeros_like(valid[:, None, :].expand(-1, chosen.shape[1], -1).clone())
-        picked.scatter_(-1, chosen.masked_fill(~keep, kv_len), True)
-        picked[..., -1] = True
-        mass = probs.mean(dim=2)  # [B, Hkv, L + 1]: a KV head's entries serve its group's queries alike
-        cached = mass[..., :-1].sort(dim=-1, descending=True).values.cumsum(dim=-1)
-        best = cached.gather(-1, (count.to(self.device) - 1)[:, None, None].expand(-1, mass.shape[1], 1))
-        self.coverage.append((layer, float((mass * picked).sum(-1).mean()), float((best[..., 0] + mass[..., -1]).mean())))
+        self.coverage.append((layer, *speculation_coverage(probs, chosen.to(self.device), count)))
 
     def fork(self, src, dst):
         n = int(self.lengths[src])
@@ -379,25 +372,9 @@ class InfiniGenPolicy(BudgetedPolicy):
         self.ledger.set("device", "infinigen dense layers", kv=tokens * self.dense * per_layer,
                         kv_reserved=self.dense_k.nbytes + self.dense_v.nbytes - tokens * self.dense * per_layer)
 
-    def _coverage_stats(self) -> dict:
-        """With measure_coverage: the true attention mass speculation's picks carried, the mass the oracle's pick of
-        the same count would have carried, and their ratio (speculation's recall), over all steps and per layer."""
-        if not self.coverage:
-            return {"speculation_coverage": None}
-        layers = sorted({layer for layer, _, _ in self.coverage})
-        per = {layer: [(c, o) for at, c, o in self.coverage if at == layer] for layer in layers}
-        mean = lambda xs: sum(xs) / len(xs)
-        return {"speculation_samples": len(self.coverage),  # (layer, step)s: with the sums, totals over runs add up
-                "speculation_mass_sum": sum(c for _, c, _ in self.coverage),
-                "oracle_mass_sum": sum(o for _, _, o in self.coverage),
-                "speculation_coverage": mean([c for _, c, _ in self.coverage]),
-                "oracle_coverage": mean([o for _, _, o in self.coverage]),
-                "speculation_recall": mean([c for _, c, _ in self.coverage]) / mean([o for _, _, o in self.coverage]),
-                "coverage_by_layer": {layer: (mean([c for c, _ in v]), mean([o for _, o in v])) for layer, v in per.items()}}
-
     def stats(self):
         return {"bytes_moved_host_to_device": self.bytes_moved,
                 "bytes_moved_per_step": self.bytes_moved / max(self.decode_steps, 1),
-                **self._coverage_stats(),
+                **coverage_summary(self.coverage),
                 "transfer": ("pcie" if self.device.type == "cuda" else "host memory copy (no bus crossed)")
                 if self.fetches else "read in place (host and device tiers are one memory)"}
