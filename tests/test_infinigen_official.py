@@ -8,12 +8,12 @@ import random
 
 import pytest
 import torch
+from test_infinigen_select import policy_for, select
 
 from kvlib.engine import Engine
 from kvlib.policies import make_policy
 from kvlib.policies.infinigen_coverage import coverage
 from kvlib.policies.infinigen_skew import capture_qk, compute_skew
-from test_infinigen_select import policy_for, select
 
 
 def official_selection(approx: torch.Tensor, budget: float, alpha: float) -> tuple[int, list[set[int]]]:

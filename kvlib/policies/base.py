@@ -18,8 +18,8 @@ from kvlib.errors import UserError
 from kvlib.kernels.decode import DecodeReads, decode_attention, kernel_for, workspace_bytes
 from kvlib.memory.ledger import MemoryLedger
 from kvlib.memory.timing import Timers
-from kvlib.policies.fidelity import Fidelity
 from kvlib.models import LoadedModel
+from kvlib.policies.fidelity import Fidelity
 
 if TYPE_CHECKING:  # what adopt_pass reads; the engine makes it
     from kvlib.engine.prefill_record import RecordedPass

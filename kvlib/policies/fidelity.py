@@ -99,8 +99,8 @@ def markdown(registry: dict[str, type]) -> str:
     """The table as the methods page includes it: the counts, then one small table a policy under its source."""
     table = rows(registry)
     n = counts(table)
-    lines = [f"{n['same']} rules as the official code has them, {n['differs']} where kvlib departs (each departure a "
-             f"named setting where it is a choice)."]
+    lines = [(f"{n['same']} rules as the official code has them, {n['differs']} where kvlib departs (each departure "
+              f"a named setting where it is a choice).")]
     for name in sorted(registry):
         fid = registry[name].__dict__["fidelity"]
         own = [r for r in table if r["policy"] == name]

@@ -27,7 +27,7 @@ def summary(samples: list[tuple[int, float, float]]) -> dict:
     the sums a caller adds up over runs (kvlib.evaluation.lm)."""
     if not samples:
         return {"speculation_coverage": None}
-    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    mean = lambda xs: sum(xs) / len(xs)
     picks, oracle = [c for _, c, _ in samples], [o for _, _, o in samples]
     layers = sorted({layer for layer, _, _ in samples})
     return {"speculation_samples": len(samples), "speculation_mass_sum": sum(picks), "oracle_mass_sum": sum(oracle),

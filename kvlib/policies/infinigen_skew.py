@@ -27,7 +27,6 @@ from kvlib.models import LoadedModel
 from kvlib.paths import cache_dir
 from kvlib.policies.base import KVPolicy, Step
 
-
 BASES = ("query", "joint")
 
 
