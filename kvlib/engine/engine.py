@@ -23,6 +23,7 @@ from kvlib.errors import UserError
 from kvlib.memory.ledger import MemoryLedger, NoLedger
 from kvlib.memory.paged_kv import serving_pool_bytes
 from kvlib.memory.timing import NoTimers, Timers
+from kvlib.memory.work import Work
 from kvlib.models import LoadedModel
 from kvlib.models.workloads import calibration_prompt
 from kvlib.policies.base import PREFILL_MODES, KVPolicy, KVUsage, Step
@@ -62,6 +63,7 @@ class Engine:
                                        f"{step.phase} forward"):
                 logits = self.model.forward(input_ids, positions, step)
             self.policy.after_pass(step)
+        self.policy.work.forward_pass(step.phase, len(step.rows), step.q_len, step.start)
         return logits.float()
 
     def validate(self, prompts, max_new_tokens, prefill_mode, chunk_size):
@@ -136,6 +138,7 @@ class Session:
         self.timers.reset()
         self.closed = True  # until the policy has started: nothing to finish
         self.policy.usage = KVUsage(engine.model.spec.num_layers)
+        self.policy.work = Work(engine.model.pass_shape)
         with self.timers.section("allocate"):
             engine.ledger.add("device", "weights", engine.model.weights_bytes - self.policy.weights_off_device(),
                               where="model weights")
@@ -215,6 +218,7 @@ class Session:
                     for layer in range(layers):
                         self.policy.adopt_pass(layer, recorded, step)
                     self.policy.after_pass(step)
+                self.policy.work.forward_pass("prefill", 1, length, step.start)  # its own prefill's work
                 self.lengths[row] = begin + length
         return record.logits
 

@@ -132,7 +132,7 @@ def run(engine: Engine, sequences: list[Sequence], schedule: str = "static", pre
         oom = loop.serve(session)
         memory, stats = engine.ledger.snapshot(), {**engine.policy.stats(), **engine.policy.traits(),
                                                  "batching": BATCHING[schedule], **engine.policy.usage.summary(),
-                                                 "decode_attention": engine.policy.decode_kernel}
+                                                 **engine.policy.work.summary(), "decode_attention": engine.policy.decode_kernel}
         if schedule == "compress":
             stats.update(compress_share=loop.compress_share, compressions=loop.compressions)
     finally:

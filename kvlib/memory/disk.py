@@ -59,8 +59,10 @@ def storage_read_bytes() -> int | None:
 class Transfers:
     """Bytes moved and seconds spent, per direction; thread-safe (the copy thread adds to it)."""
 
-    def __init__(self):
+    def __init__(self, work=None):
+        """work: the session's counter (kvlib.memory.work), told of every copy."""
         self.lock = threading.Lock()
+        self.work = work
         self.bytes = dict.fromkeys(DIRECTIONS, 0)
         self.seconds = dict.fromkeys(DIRECTIONS, 0.0)
         self.storage_at_start = storage_read_bytes()
@@ -76,6 +78,8 @@ class Transfers:
         with self.lock:
             self.bytes[direction] += nbytes
             self.seconds[direction] += seconds
+            if self.work is not None:
+                self.work.transfer(self.phase, direction, nbytes)
             if direction == "disk_to_host" and self.phase == "decode":
                 self.disk_read_in_decode += nbytes
 

@@ -4,6 +4,7 @@ weights."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -141,6 +142,13 @@ class LoadedModel:
     def weights_bytes(self) -> int:
         """The model's own weights, each once (a packed copy of one apart: packed_copy_bytes)."""
         return sum(p.numel() * p.element_size() for p in self.model.parameters()) - self.packed_copy_bytes
+
+    @functools.cached_property
+    def pass_shape(self):
+        """What a forward pass of this model reads and computes outside attention (kvlib.engine.work)."""
+        from kvlib.models.pass_shape import PassShape
+
+        return PassShape.of(self.model.config, self.spec.dtype_bytes)
 
     @property
     def packed_copy_bytes(self) -> int:

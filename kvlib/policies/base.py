@@ -18,6 +18,7 @@ from kvlib.errors import UserError
 from kvlib.kernels.decode import DecodeReads, decode_attention, kernel_for, workspace_bytes
 from kvlib.memory.ledger import MemoryLedger
 from kvlib.memory.timing import Timers
+from kvlib.memory.work import Work
 from kvlib.models import LoadedModel
 from kvlib.policies.fidelity import Fidelity
 
@@ -153,6 +154,7 @@ class KVPolicy:
         self.device = model.device
         self.scale = self.spec.head_dim ** -0.5
         self.usage = KVUsage(self.spec.num_layers)
+        self.work = Work(None)  # a session's counter replaces it (kvlib.memory.work)
         self.decode_kernel = kernel_for(self.spec, self.device)  # the machine's and model's choice, not the policy's
         self.serving_bytes: int | None = None  # set by a session that serves under a capacity (pool_blocks)
         self.rows = 0  # the cache rows a session holds open (start)
@@ -163,6 +165,8 @@ class KVPolicy:
         (kvlib.kernels.decode), its workspace booked while it lives. Returns (out, probabilities summed over each KV
         head's group where reads.probs, else None)."""
         nbytes = workspace_bytes(self.decode_kernel, reads, query)
+        if self.timers.phase == "decode":  # (a prefill's attention is counted by the engine, dense)
+            self.work.decode_reads("decode", reads, query.shape[1] // reads.keys.shape[-3])
         with self.ledger.transient("device", "activations", nbytes, f"{self.name} decode attention, layer {layer}"):
             return decode_attention(self.decode_kernel, query, reads, self.scale)
 

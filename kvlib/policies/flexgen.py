@@ -145,7 +145,7 @@ class FlexGenPolicy(KVPolicy):
     def start(self, batch_size, prompt_lens, max_new_tokens):
         s = self.spec
         self.weights = self.store = self.folder = None  # what finish undoes, none of it made yet
-        self.transfers = Transfers()
+        self.transfers = Transfers(self.work)
         self.capacity = capacity = self.cache_capacity(prompt_lens, max_new_tokens)
         arrays = self.cache_arrays()
         per_row = capacity * s.num_kv_heads * s.num_layers * sum(a.record_bytes for a in arrays)

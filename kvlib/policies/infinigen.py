@@ -282,15 +282,19 @@ class InfiniGenPolicy(BudgetedPolicy):
             q = self.queries[nxt](hidden, (cos, sin)).reshape(len(rows), s.num_kv_heads, group, s.head_dim)
             q_part = torch.matmul(q, self.skew_cut[nxt])  # [B, Hkv, G, r]
             table, count = self._select(nxt, q_part, step)
+        self._count_speculation(q_part, step)
+        idx = table[..., :int(count.max())]
+        # every row gathers count.max() entries per head (the rest masked): what leaves the host tier, copied to the
+        # device, or read in place where both tiers are one memory (counted alike: the machine's spec says which)
+        moved = 2 * math.prod(idx.shape) * s.head_dim * s.dtype_bytes
+        for _ in range(2):  # the keys, then the values: a copy each
+            self.work.transfer("decode", "host_to_device", moved // 2)
         if not self.fetches:
             self.fetched[nxt] = (table, count, None, None)
             return
         with self.timers.section("fetch"):
             i = nxt - self.dense
             r, heads = rows[:, None, None], torch.arange(s.num_kv_heads)[None, :, None]
-            idx = table[..., :int(count.max())]
-            # every row gathers count.max() entries per head (the rest masked): that is what crosses to the device
-            moved = 2 * math.prod(idx.shape) * s.head_dim * s.dtype_bytes
             self.ledger.add("device", "kv", moved, where=f"infinigen fetch, layer {nxt}")
             stream = torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
             with stream:
@@ -298,6 +302,16 @@ class InfiniGenPolicy(BudgetedPolicy):
                 v_sel = self.host_v[i][r, heads, idx].to(self.device, non_blocking=True)
             self.fetched[nxt] = (table, count, k_sel, v_sel)
         self.bytes_moved += moved
+
+    def _count_speculation(self, q_part: torch.Tensor, step: Step) -> None:
+        """Speculation's work (kvlib.memory.work): the next layer's query projected and skewed, its r columns against
+        every cached token's partial key (read from the device tier), for each query head."""
+        s, r = self.spec, q_part.shape[-1]
+        rows, q_width = len(step.rows), s.num_attention_heads * s.head_dim
+        tokens = int(step.start.sum())
+        self.work.add("decode", select_read_bytes=tokens * s.num_kv_heads * r * s.dtype_bytes,
+                      select_flops=2 * rows * (s.hidden_size * q_width + q_width * r)
+                      + 2 * tokens * s.num_attention_heads * r)
 
     def fetch_cap(self, cached: int) -> int:
         """The most a head fetches from a row of `cached` tokens: int(budget x cached) as the official code's

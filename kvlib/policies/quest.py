@@ -182,6 +182,9 @@ class QuestPolicy(BudgetedPolicy):
             return self.decode_attention(layer, query, reads)[0]
         with self.timers.section("selection"):
             table, lengths = self.choose_blocks(layer, query)
+        blocks = int(self.row_blocks.sum())  # each block's min and max, per KV head, against each query head
+        self.work.add("decode", select_read_bytes=blocks * s.num_kv_heads * 2 * s.head_dim * s.dtype_bytes,
+                      select_flops=4 * blocks * s.num_attention_heads * s.head_dim)
         self.usage.add(layer, self.attended, step.tokens_seen, b)  # per KV head: every head reads as many tokens
         self.bytes_read += (self.attended + self.scanned) * s.num_kv_heads * per_token  # + every block's min/max
         return self.decode_attention(layer, query, DecodeReads(keys, values, lengths, table=table, block_size=bs))[0]
