@@ -5,6 +5,7 @@ import pandas as pd
 
 from kvlib.report import findings
 from kvlib.report.findings import CONFIRMED, INCONCLUSIVE, NOT_RUN, NOT_TESTABLE, REFUTED
+from kvlib.report.verdicts import CONFIRMED_WHERE_TESTABLE
 
 
 def accuracy_rows(full_share=0.9, h2o_lost_at_01=0.3, items=300, seed=0):
@@ -115,3 +116,17 @@ def test_finding_2_is_a_family_of_claims_with_magnitudes_settled_by_holm():
 def test_the_table_renders_as_markdown_with_five_rows():
     text = findings.verdict_markdown(findings.verdict_table({"accuracy": accuracy_rows()}))
     assert text.count("\n") == 6 and "**confirmed**" in text
+
+
+def test_finding_2s_bus_claim_is_not_testable_where_host_and_device_are_one_memory():
+    """The paper puts InfiniGen's order-of-magnitude gap on its per-step copies over PCIe: rows from a CPU (device
+    and host one memory) test the other claims and say the bus claim cannot be tested here."""
+    rows = pd.DataFrame(batch("vllm (real)", 100.0, 0, 3.0, True, 6, 1) + batch("h2o", 90.0, 0, 1.0, repeats=6, seed=2)
+                        + batch("infinigen", 80.0, 2**20, 1.0, repeats=6, seed=3))
+    word, numbers = verdict({"batch_scaling": rows}, 2)
+    assert word == REFUTED and "an order of magnitude (10x" in numbers  # tested where a GPU's bus is
+    on_cpu = rows.assign(device_name="cpu")
+    word, numbers = verdict({"batch_scaling": on_cpu}, 2)
+    assert "order of magnitude (10x" not in numbers and "3 claims, family-wise error held at 5% (Holm)" in numbers
+    assert "an order of magnitude: not testable on this machine (no host-device bus" in numbers
+    assert word == CONFIRMED_WHERE_TESTABLE, numbers
