@@ -128,6 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
                             "Ray on this machine")
     study.add_argument("--gpus-per-point", type=float, default=0, help="with --executor ray: GPUs each worker holds")
     study.add_argument("--cpus-per-point", type=float, default=1, help="with --executor ray: CPUs each worker holds")
+    study.add_argument("--device", default=None,
+                       help="run on this device (cpu, cuda, ...) instead of the profile's; with --compute-only, its "
+                            "results go to results/<profile>-<device>/")
+    study.add_argument("--toy", action="store_true",
+                       help="the profile at its own toy size (its `toy:` values): the same policies and code paths in "
+                            "seconds; with --compute-only, its results go to results/<profile>-toy[-<device>]/")
     pick = sub.add_parser("choose", help="which policy for a workload, read from a profile's results")
     pick.add_argument("--profile", default="embedded", help="a profile's name or YAML file (its results/ are read)")
     pick.add_argument("--prompt-tokens", type=int, default=None, help="required unless --request-rate is given")
@@ -338,7 +344,7 @@ def cmd_study(args) -> int:
     elif args.address is not None or args.gpus_per_point or args.cpus_per_point != 1:
         raise UserError("--address, --gpus-per-point and --cpus-per-point need --executor ray")
     run_study(args.profile, args.experiments, force=args.force, build=args.build, policies=args.policies,
-              notebooks=not args.compute_only, executor=executor)
+              notebooks=not args.compute_only, executor=executor, device=args.device, toy=args.toy)
     return 0
 
 

@@ -17,6 +17,7 @@
         grid: {task: [kvlib_recall], budget: [0.1, 0.5]}   # a setting as an axis: full (no budget) runs once
         exploratory: {policies: [streaming], fixed: {limit: 50}}   # these policies on fewer items, labelled so
         repeats: 1                   # timing experiments: 3 or more (every repeat stored)
+    toy: {model: smollm2-135m}       # optional: what `--toy` lays over the profile (kvlib.study.overrides)
 
 A grid or fixed value named after a runner's setting (`budget`, `budget_rule`) is that runner's setting, for the
 runners that have it; every other value describes the workload. A point's settings are resolved once, here, to the
@@ -41,6 +42,7 @@ import yaml
 from kvlib.errors import UserError
 from kvlib.report.gate import GATE
 from kvlib.settings import capacity_bytes
+from kvlib.study.overrides import overridden
 from kvlib.study.runners import make_runner, runner_class, runners
 from kvlib.study.schema import EXPERIMENT_KEYS, PROFILE_KEYS, check_profile
 
@@ -158,14 +160,20 @@ def profile_path(name_or_path: str, root: Path) -> Path:
     return path
 
 
-def load_profile(name_or_path: str, root: Path) -> Profile:
-    """Results of a profile file go to results/<its file name without .yaml>/."""
+def load_profile(name_or_path: str, root: Path, device: str | None = None, toy: bool = False) -> Profile:
+    """Results of a profile file go to results/<its file name without .yaml>/; run on another device or at its toy
+    size (kvlib.study.overrides), to a folder of their own."""
     path = profile_path(name_or_path, root)
     try:
         raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as exc:
         raise UserError(f"{path}: not valid YAML ({exc})") from None
-    return validate_profile(path.stem, raw, where=str(path))
+    profile = validate_profile(path.stem, raw, where=str(path))
+    if device is None and not toy:
+        return profile
+    name, changed = overridden(path.stem, raw, device, toy)
+    flags = " ".join([*(["--toy"] if toy else []), *([f"--device {device}"] if device else [])])
+    return validate_profile(name, changed, where=f"{path} with {flags}")
 
 
 def validate_profile(name: str, raw: dict, where: str | None = None) -> Profile:

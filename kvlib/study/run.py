@@ -9,20 +9,28 @@ from __future__ import annotations
 
 import pandas as pd
 
+from kvlib.errors import UserError
 from kvlib.study import book, results
 from kvlib.study.executor import Executor, UnitsFailed, run_experiment
 from kvlib.study.profile import EXPERIMENTS, Profile
 from kvlib.study.profile import load_profile as _load_profile
 
 
-def load_profile(name_or_path: str) -> Profile:
-    """params/<name>.yaml of this checkout, or a path to a YAML file."""
-    return _load_profile(name_or_path, results.repo_root())
+def load_profile(name_or_path: str, device: str | None = None, toy: bool = False) -> Profile:
+    """params/<name>.yaml of this checkout, or a path to a YAML file; on another device, or at its toy size
+    (kvlib.study.overrides)."""
+    return _load_profile(name_or_path, results.repo_root(), device, toy)
 
 
 def run_study(profile: str, experiments: list[str] | None = None, force: bool = False, build: bool = False,
-              policies: list[str] | None = None, notebooks: bool = True, executor: Executor | None = None) -> None:
-    prof = load_profile(profile)
+              policies: list[str] | None = None, notebooks: bool = True, executor: Executor | None = None,
+              device: str | None = None, toy: bool = False) -> None:
+    """device, toy: the profile on another device or at its toy size, its results in a folder of their own
+    (kvlib.study.overrides); results only, since the book's notebooks read a profile by its file's name."""
+    prof = load_profile(profile, device, toy)
+    if prof.name != load_profile(profile).name and (notebooks or build):
+        raise UserError("--device and --toy store results only: add --compute-only (the book's notebooks read a "
+                        "profile by its file's name; for a book of your own size, write a profile)")
     names = experiments or [e for e in EXPERIMENTS if e in prof.experiments]
     failed = []
     for name in names:  # a unit that fails stops nothing: the other experiments are computed before the run fails

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from kvlib.models import WEIGHTS
 from kvlib.models.random_weights import check_experiment
+from kvlib.study.overrides import toy_problems, with_toy
 from kvlib.study.runners import make_runner, runner_class, runners
 
 Check = Callable[[object], str | None]  # a value's problem, or None
@@ -137,7 +138,7 @@ REQUIRED = {"ttft": ("prompt_tokens",), "batch_scaling": ("batch_size", "min_pro
             "accuracy": ("task",), "retention": ("query_turns", "buckets", "per_bucket"),
             "offload": ("batch_size", "prompt_tokens", "max_new_tokens")}
 PROFILE_KEYS = {"model", "device_capacity_gb", "policy_settings", "experiments", "description", "device", "weights",
-                "validity_gate"}
+                "validity_gate", "toy"}
 EXPERIMENT_KEYS = {"policies", "grid", "fixed", "model", "device_capacity_gb", "repeats", "exploratory"}
 
 
@@ -180,7 +181,22 @@ def check_profile(raw) -> list[str]:
         experiments = {}
     for exp, spec in experiments.items():
         _check_experiment(problems, exp, spec, settings, raw.get("weights", "pretrained"))
+    if raw.get("toy") is not None:
+        _check_toy(problems, raw)
     return problems
+
+
+def _check_toy(problems: Problems, raw: dict) -> None:
+    """A `toy:` mapping (kvlib.study.overrides): its shape, then the profile with it laid over, whose problems that
+    the profile alone does not have are the toy's."""
+    shape = toy_problems(raw)
+    for path, problem in shape:
+        problems.add(path, problem)
+    if not shape:
+        own = set(problems)
+        for problem in check_profile(with_toy(raw)):
+            if problem not in own:
+                problems.add("toy", f"laid over the profile, {problem}")
 
 
 def _check_experiment(problems: Problems, exp, spec, settings: dict, weights) -> None:
