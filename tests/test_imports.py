@@ -13,11 +13,13 @@ import kvlib
 # lowest first; a module's layer is the entry of its longest matching prefix (a package: every module inside it)
 LAYERS = [
     ["kvlib.errors", "kvlib.paths", "kvlib.settings"],          # leaves: errors, where things live, settings
-    ["kvlib.memory"],                                           # the ledger, the block pool, the timers
+    ["kvlib.hardware"],                                         # machines' specs as data, each figure with its source
+    ["kvlib.memory"],                                           # the ledger, the block pool, the timers, work counts
     ["kvlib.kernels"],                                          # attention paths and the C kernels
     ["kvlib.models"],                                           # loading, kvlib's forward, random weights, prompts
     ["kvlib.policies"],                                         # KV-cache policies (one file each)
     ["kvlib.engine"],                                           # the engine, its scheduler, run results, capacity
+    ["kvlib.projection"],                                       # bounds and GPU estimates from counted work
     ["kvlib.backends", "kvlib.evaluation"],                     # outside engines; lm-eval and retention on the engine
     ["kvlib.report"],                                           # tables, findings, figures, the chooser: pure
                                                                 # functions of results frames, below the study

@@ -1,0 +1,273 @@
+"""The paper's GPU settings, projected: Llama-3.1-8B in bf16 at its published shape, on one H100 SXM over PCIe 5 and
+on GH200 over NVLink-C2C, each policy's decode step and memory by tier at the paper's batch-scaling and decode-length
+settings. Every figure here is projected, never measured: `*_bound_projected` from the roofline (kvlib.projection.
+bound: a ceiling on throughput), `*_projected` from aiconfigurator-core's measured kernels (kvlib.projection.
+gpu_kernels: an estimate), each row naming its hardware spec and kernel data version.
+
+What each policy's step does at the shape (per row and decode step, mean over the run: step work is linear in the
+tokens held, so the mean step is the step at the mean length):
+- `full`, `paged` (vLLM-like, dense): every layer reads every held token.
+- `h2o` under the paper's FlexGen rule (kvlib.policies.h2o budget_rule "flexgen"): heavy = recent = int(0.3 x
+  prompt), fixed during decode, and the new token: ~0.6 of the prompt attended, the attention probabilities read back
+  (fp32) to fold into its scores.
+- `infinigen`: the first `dense_layers` layers dense on the device; each other layer speculates over every held
+  token's partial key (partial_ratio of the head's dimensions) and fetches `fetch_share` of the held tokens from the
+  host over the link (a copy for keys, one for values), attending those and the new token. The share is taken from
+  measured runs (`measured_fetch_share`) and at the paper's 0.3 cap.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvlib.models.pass_shape import PassShape, add
+from kvlib.policies.h2o import heavy_recent
+
+MODEL = "llama-3.1-8b"
+DTYPE_BYTES = 2  # bf16, as the paper ran it
+HARDWARE = ("h100_sxm", "gh200")
+# The paper's batch scaling: "batch sizes from 16 to 96 ... lengths uniformly distributed 1K-10K tokens"; its output
+# length is not stated in the text: 512, as params/paper.yaml's batch_scaling sets max_new_tokens.
+BATCHES = (16, 32, 48, 64, 80, 96)
+PROMPT_RANGE = (1024, 10240)
+BATCH_OUTPUT = 512
+# Its decode length: "from 512 to 8,192 tokens, using a fixed 10K-token input prompt"; one sequence (its ~8 tokens/s
+# and 16 minutes at 8,192 outputs agree only at batch 1).
+DECODE_PROMPT = 10240
+OUTPUTS = (512, 1024, 2048, 4096, 8192)
+DECODE_BATCH = 1
+H2O_RATIO = 0.3  # the paper's heavy-hitter ratio on FlexGen
+INFINIGEN_CAP = 0.3  # the paper's InfiniGen budget
+INFINIGEN_DENSE_LAYERS = 2
+INFINIGEN_PARTIAL_RATIO = 0.2
+SCORE_BYTES = 4  # fp32 probabilities a scorer reads back per attended token (kvlib.memory.work)
+
+
+@dataclass(frozen=True)
+class Runner:
+    name: str
+    policy: str
+    fetch_share: float | None = None  # InfiniGen: the share of held tokens a sparse layer fetches
+    share_source: str = ""
+
+
+@dataclass(frozen=True)
+class Workload:
+    setting: str  # "batch scaling" or "decode length"
+    batch: int
+    prompt: int  # mean prompt tokens per row
+    output: int
+
+    @property
+    def mean_held(self) -> float:
+        """Tokens a row holds at its mean decode step, the new one included."""
+        return self.prompt + (self.output + 1) / 2
+
+    @property
+    def final_held(self) -> int:
+        return self.prompt + self.output
+
+
+def workloads() -> list[Workload]:
+    mean_prompt = sum(PROMPT_RANGE) // 2
+    return ([Workload("batch scaling", b, mean_prompt, BATCH_OUTPUT) for b in BATCHES]
+            + [Workload("decode length", DECODE_BATCH, DECODE_PROMPT, n) for n in OUTPUTS])
+
+
+def partial_dims(shape: PassShape) -> int:
+    # the fewest columns the official rule keeps (the union of the query's int(r x D) and the key's, as
+    # kvlib.policies.infinigen_skew cuts it, is wider where they differ): speculation's reads at least
+    return max(1, int(INFINIGEN_PARTIAL_RATIO * shape.head_dim))
+
+
+def h2o_attended(prompt: int, held: float) -> float:
+    kept, _ = heavy_recent("flexgen", H2O_RATIO, None, 0.5, int(held), prompt)
+    return kept + 1  # the kept entries and the new token beside them
+
+
+@dataclass(frozen=True)
+class StepWork:
+    work: dict  # one decode step's counts (kvlib.memory.work.QUANTITIES)
+    kv_length: float  # what the sparse layers' attention attends, per row
+    full_layers_share: float  # layers that attend every held token instead
+
+
+def step_work(shape: PassShape, hidden_size: int, runner: Runner, load: Workload) -> StepWork:
+    """One mean decode step's work at the shape, counted as kvlib's engine counts it."""
+    b, held = load.batch, load.mean_held
+    if runner.policy == "h2o":
+        attended = h2o_attended(load.prompt, held)
+        work = shape.decode_step(b, attended)
+        work["select_read_bytes"] = b * shape.num_layers * shape.num_kv_heads * attended * SCORE_BYTES
+        return StepWork(with_zeros(work), attended, 0.0)
+    if runner.policy != "infinigen":
+        return StepWork(with_zeros(shape.decode_step(b, held)), held, 0.0)
+    dense = INFINIGEN_DENSE_LAYERS
+    sparse, r = shape.num_layers - dense, partial_dims(shape)
+    fetched = runner.fetch_share * held
+    group = shape.num_attention_heads // shape.num_kv_heads
+    read = b * shape.num_kv_heads * (dense * held + sparse * (fetched + 1))
+    q_width = shape.num_attention_heads * shape.head_dim
+    work = add(shape.pass_work(b, 1), shape.attention_work(read, read * group), {
+        "select_read_bytes": sparse * b * held * shape.num_kv_heads * r * shape.dtype_bytes,
+        "select_flops": sparse * (2 * b * (hidden_size * q_width + q_width * r) + 2 * b * held
+                                  * shape.num_attention_heads * r),
+        "host_to_device_bytes": sparse * b * shape.num_kv_heads * fetched * shape.kv_token_bytes,
+        "host_to_device_transfers": 2 * sparse})
+    return StepWork(with_zeros(work), fetched + 1, dense / shape.num_layers)
+
+
+def with_zeros(work: dict) -> dict:
+    from kvlib.memory.work import QUANTITIES
+
+    return {q: work.get(q, 0) for q in QUANTITIES}
+
+
+def memory_by_tier(shape: PassShape, config, runner: Runner, load: Workload) -> dict:
+    """Bytes held at the run's end (its peak): device weights + KV, host KV."""
+    weights = shape.weight_bytes + (0 if config.tie_word_embeddings else config.vocab_size * shape.row_bytes)
+    per_token = shape.num_kv_heads * shape.kv_token_bytes  # one layer's
+    held = load.batch * load.final_held
+    device_kv, host_kv = held * shape.num_layers * per_token, 0
+    if runner.policy == "h2o":
+        kept = h2o_attended(load.prompt, load.final_held) - 1  # its slots; the new token is attended beside them
+        device_kv = load.batch * kept * shape.num_layers * per_token
+    elif runner.policy == "infinigen":
+        dense, r = INFINIGEN_DENSE_LAYERS, partial_dims(shape)
+        sparse = shape.num_layers - dense
+        device_kv = held * (dense * per_token + sparse * shape.num_kv_heads * r * shape.dtype_bytes)
+        host_kv = held * sparse * per_token
+    return {"device_weights_gb_projected": weights / 1e9, "device_kv_gb_projected": device_kv / 1e9,
+            "device_gb_projected": (weights + device_kv) / 1e9, "host_gb_projected": host_kv / 1e9}
+
+
+def measured_fetch_share(profile: str = "embedded") -> tuple[float | None, str]:
+    """InfiniGen's fetched share in its sparse layers, mean over the measured runs of `profile`'s batch-scaling and
+    decode-length experiments (each row's kv_share_attended_per_layer past its dense layers), with where it is from;
+    (None, why) where there are none."""
+    import numpy as np
+    import pandas as pd
+
+    from kvlib.paths import repo_root
+
+    shares, found = [], []
+    for experiment in ("batch_scaling", "decode_length"):
+        for path in sorted((repo_root() / "results" / profile / experiment).glob("*.parquet")):
+            rows = pd.read_parquet(path)
+            rows = rows[rows["policy"] == "infinigen"] if "policy" in rows else rows.iloc[:0]
+            for _, row in rows.iterrows():
+                layers = row.get("stat_kv_share_attended_per_layer")
+                if layers is None or not len(layers):
+                    continue
+                shares.append(float(np.mean(layers[int(row.get("dense_layers", INFINIGEN_DENSE_LAYERS)):])))
+                found.append(experiment)
+    if not shares:
+        return None, f"no measured InfiniGen rows in results/{profile}/batch_scaling or decode_length"
+    where = ", ".join(sorted(set(found)))
+    return float(np.mean(shares)), f"measured: mean of {len(shares)} InfiniGen runs, results/{profile}/{where}"
+
+
+def runners(fetch_share: float | None = None, profile: str = "embedded") -> list[Runner]:
+    """The projected runners: the dense ones, H2O at the paper's rule, InfiniGen at its measured share (or the share
+    given) and at the paper's cap."""
+    if fetch_share is None:
+        fetch_share, source = measured_fetch_share(profile)
+    else:
+        source = "given"
+    out = [Runner("full", "full"), Runner("paged", "paged"), Runner("h2o", "h2o")]
+    if fetch_share is not None:
+        out.append(Runner("infinigen (measured share)", "infinigen", fetch_share, source))
+    return out + [Runner("infinigen (0.3 cap)", "infinigen", INFINIGEN_CAP, "the paper's budget 0.3, the cap")]
+
+
+def projection(fetch_share: float | None = None, profile: str = "embedded", hardware_names=HARDWARE,
+               kernels: bool = True, model: str = MODEL, loads: list[Workload] | None = None):
+    """Every runner on every hardware at every paper setting (or the workloads given, of `model`): decode step and
+    throughput, bound and aiconfigurator's (serialized and overlapped transfers), memory by tier; one row each, every
+    figure labelled projected."""
+    import pandas as pd
+
+    from kvlib import hardware
+    from kvlib.models import model_config
+    from kvlib.projection import bound, gpu_kernels
+
+    config = model_config(model)
+    shape = PassShape.of(config, DTYPE_BYTES)
+    kernels = kernels and gpu_kernels.available()
+    rows = []
+    for name in hardware_names:
+        spec = hardware.load(name)
+        for runner in runners(fetch_share, profile):
+            for load in loads or workloads():
+                sw = step_work(shape, config.hidden_size, runner, load)
+                times = bound.phase_times(sw.work, spec, "bfloat16")
+                bound_s = bound.combine(times, bound.OVERLAPPED)
+                row = {"setting": load.setting, "hardware": name, "runner": runner.name, "policy": runner.policy,
+                       "batch_size": load.batch, "prompt_tokens": load.prompt, "output_tokens": load.output,
+                       "attended_tokens": sw.kv_length, "fetch_share": runner.fetch_share,
+                       "fetch_share_source": runner.share_source,
+                       "decode_step_ms_bound_projected": 1e3 * bound_s,
+                       "decode_tokens_per_s_bound_projected": load.batch / bound_s,
+                       "transfer_ms_projected": 1e3 * times["transfer_s"],
+                       "decode_minutes_bound_projected": load.output * bound_s / 60,
+                       **memory_by_tier(shape, config, runner, load), "hardware_spec": spec.description}
+                row["fits_device_projected"] = row["device_gb_projected"] * 1e9 <= spec.device_memory.value
+                if kernels and spec.kernel_system and model in gpu_kernels.MODELS:
+                    row |= aiconfigurator_columns(model, spec, sw, load)
+                rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def aiconfigurator_columns(model: str, spec, sw: StepWork, load: Workload) -> dict:
+    from kvlib.projection import gpu_kernels
+
+    step = gpu_kernels.policy_step(model, spec, sw.work, load.batch, max(1, round(sw.kv_length)),
+                                   round(load.mean_held), sw.full_layers_share)
+    serialized, overlapped = step["step_serialized_ms"], step["step_overlapped_ms"]
+    return {"decode_step_ms_projected": serialized, "decode_step_overlapped_ms_projected": overlapped,
+            "decode_tokens_per_s_projected": 1e3 * load.batch / serialized,
+            "decode_tokens_per_s_overlapped_projected": 1e3 * load.batch / overlapped,
+            "decode_minutes_projected": load.output * serialized / 60e3,
+            "kernel_ms_projected": step["kernels_ms"], "select_ms_projected": step["select_ms"],
+            "kernel_silicon_share": step["measured_share"],
+            "aiconfigurator_version": step["aiconfigurator_version"], "kernel_system": step["kernel_system"],
+            "kernel_data_version": step["kernel_data_version"]}
+
+
+def view(table, column: str, setting: str = "batch scaling", hardware: str = "h100_sxm"):
+    """One projected figure as runners x batch sizes (batch scaling) or x output lengths (decode length): what the
+    chapter prints, its name saying it is projected."""
+    rows = table[(table.setting == setting) & (table.hardware == hardware)]
+    across = "batch_size" if setting == "batch scaling" else "output_tokens"
+    out = rows.pivot_table(index="runner", columns=across, values=column, sort=False)
+    out.columns.name = f"{column} on {hardware} ({setting}), by {across}"
+    return out
+
+
+def for_workload(model: str, hardware_name: str, prompt: int, batch: int, output: int, profile: str = "embedded"):
+    """One workload of `model` on one machine, every runner projected (`kvlib choose --hardware`): where no
+    measurement of that model on that machine exists."""
+    from kvlib.projection import gpu_kernels
+
+    return projection(profile=profile, hardware_names=(hardware_name,), kernels=gpu_kernels.available(), model=model,
+                      loads=[Workload("your workload", batch, prompt, output)])
+
+
+def workload_text(table) -> str:
+    """The projection of one workload in words, runner by runner, each figure labelled; no runner ranked (nothing
+    here is measured, so nothing is tested)."""
+    first = table.iloc[0]
+    head = (f"Projected on {first.hardware} ({first.hardware_spec}) at batch {first.batch_size}, "
+            f"{first.prompt_tokens:,}-token prompts, {first.output_tokens:,} new tokens: no measurement exists there; "
+            f"a bound is the most decode throughput the counted work allows on its datasheet figures"
+            + (f", aiconfigurator's an estimate from NVIDIA's measured kernels ({first.kernel_data_version})"
+               if "decode_tokens_per_s_projected" in table else "") + ".")
+    lines = [head]
+    for _, r in table.iterrows():
+        estimate = (f", ~{r.decode_tokens_per_s_projected:,.0f} (aiconfigurator)"
+                    if "decode_tokens_per_s_projected" in table and r.decode_tokens_per_s_projected == r.decode_tokens_per_s_projected
+                    else "")
+        fits = "fits" if r.fits_device_projected else "does not fit"
+        lines.append(f"- {r.runner}: at most {r.decode_tokens_per_s_bound_projected:,.0f} tokens/s (bound){estimate}; "
+                     f"device {r.device_gb_projected:.1f} GB ({fits}), host {r.host_gb_projected:.1f} GB (projected)")
+    return "\n".join(lines)
