@@ -17,3 +17,8 @@ def repo_root() -> Path:
     if "KVLIB_ROOT" in os.environ:
         return Path(os.environ["KVLIB_ROOT"])
     return Path(__file__).resolve().parents[1]
+
+
+def machine_limits(profile: str) -> Path:
+    """The limits of the machine that timed a profile's rows (kvlib.study.limits), stored beside them."""
+    return repo_root() / "results" / profile / "machine.json"
