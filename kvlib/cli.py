@@ -148,6 +148,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="percentage points of accuracy a policy may lose against the full cache")
     pick.add_argument("--device-memory-gb", type=float, default=None,
                       help="rule out points whose measured device peak is above this")
+    pick.add_argument("--hardware", default=None,
+                      help="also project the workload onto this machine (kvlib/hardware/specs: h100_sxm, gh200, ...; or "
+                           "a spec file): bounds and estimates, labelled projected, where no measurement exists")
+    pick.add_argument("--model", default="llama-3.1-8b", help="with --hardware: the model whose published shape is "
+                      "projected")
     pick.add_argument("--json", action="store_true")
     return parser
 
@@ -384,6 +389,13 @@ def cmd_choose(args) -> int:
                             f"them")
         answers["workload"] = choose(frames, args.prompt_tokens, args.batch, args.output_tokens,
                                      args.max_accuracy_drop, args.device_memory_gb, gate)
+    if args.hardware is not None:
+        if None in workload:
+            raise UserError("--hardware projects a workload: give --prompt-tokens, --batch and --output-tokens")
+        from kvlib.report.choose import choose_projected
+
+        answers["projected"] = choose_projected(args.model, args.hardware, args.prompt_tokens, args.batch,
+                                                args.output_tokens, profile)
     if args.json:
         answer = {k: asdict(v) for k, v in answers.items()}
         print(json.dumps(answer["workload"] if list(answer) == ["workload"] else answer))

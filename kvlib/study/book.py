@@ -13,7 +13,8 @@ import nbformat
 
 from kvlib.study.results import repo_root
 
-CHAPTERS = ("ttft", "batch_scaling", "decode_length", "offload", "serving", "accuracy", "retention", "choose", "findings")
+CHAPTERS = ("ttft", "batch_scaling", "decode_length", "offload", "serving", "accuracy", "retention", "paper_scale", "choose",
+            "findings")
 HIDDEN = {"parameters", "injected-parameters"}
 
 
