@@ -130,3 +130,20 @@ def test_finding_2s_bus_claim_is_not_testable_where_host_and_device_are_one_memo
     assert "order of magnitude (10x" not in numbers and "3 claims, family-wise error held at 5% (Holm)" in numbers
     assert "an order of magnitude: not testable on this machine (no host-device bus" in numbers
     assert word == CONFIRMED_WHERE_TESTABLE, numbers
+
+
+def test_a_range_claim_reads_one_widened_range_for_both_words():
+    """Finding 5's 17-27 pp, widened by the 5 pp margin: an interval inside 12-32 pp is confirmed (at 14 and at 30 pp),
+    one outside 12-32 pp refuted, one across its edge inconclusive; never both words for one interval."""
+    from kvlib.report import stats
+    from kvlib.report.verdicts import _in_range
+
+    def drop(low, high):
+        return stats.Drop(reference=1.0, score=1 - (low + high) / 2, drop=(low + high) / 2, low=low, high=high,
+                          items=100, clusters=100, level=0.95, paired=True, verdict=stats.LOWER)
+
+    assert _in_range(drop(0.13, 0.15), 0.17, 0.27) == CONFIRMED  # at 14 pp: within the margin of 17
+    assert _in_range(drop(0.29, 0.31), 0.17, 0.27) == CONFIRMED  # at 30 pp
+    assert _in_range(drop(0.33, 0.40), 0.17, 0.27) == REFUTED
+    assert _in_range(drop(0.02, 0.10), 0.17, 0.27) == REFUTED
+    assert _in_range(drop(0.10, 0.14), 0.17, 0.27) == INCONCLUSIVE  # across 12 pp

@@ -5,6 +5,7 @@ full cache passes (the validity gate), and, against a tolerance, one of three ou
 from __future__ import annotations
 
 import math
+from statistics import NormalDist
 from dataclasses import dataclass
 
 import pandas as pd
@@ -40,14 +41,26 @@ class AccuracyEvidence:
         return measured
 
 
-def items_to_resolve(drop: stats.Drop, tolerance: float) -> str:
-    """About how many items would put the interval on one side of the tolerance, if the measured drop held: an
-    interval's half-width falls as 1 / sqrt(items)."""
-    half = (drop.high - drop.low) / 2
+POWER = 0.8  # the chance the suggested size settles it, if the measured drop is the true one
+
+
+def items_for_power(drop: stats.Drop, tolerance: float, power: float = POWER) -> int | None:
+    """Items at which an interval of the drop's level would exclude the tolerance with probability `power`, if the
+    measured drop held: the half-width falls as 1 / sqrt(items), and the estimate itself scatters by the half-width
+    over its z, so the distance must hold z_level + z_power of that scatter, not z_level alone (50 % power)."""
     distance = abs(drop.drop * 100 - tolerance) / 100
     if distance < 1e-9:
+        return None
+    z_level = NormalDist().inv_cdf(1 - (1 - drop.level) / 2)
+    half = (drop.high - drop.low) / 2
+    return math.ceil(drop.items * (half / distance * (z_level + NormalDist().inv_cdf(power)) / z_level) ** 2)
+
+
+def items_to_resolve(drop: stats.Drop, tolerance: float) -> str:
+    needed = items_for_power(drop, tolerance)
+    if needed is None:
         return "no number of items would: the measured drop is at the tolerance"
-    return f"about {math.ceil(drop.items * (half / distance) ** 2):,} items would resolve it"
+    return f"about {needed:,} items would resolve it with {POWER:.0%} power, if the measured drop held"
 
 
 def compressed(*frames: pd.DataFrame) -> dict[str, bool]:
