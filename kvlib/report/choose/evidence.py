@@ -5,8 +5,8 @@ full cache passes (the validity gate), and, against a tolerance, one of three ou
 from __future__ import annotations
 
 import math
-from statistics import NormalDist
 from dataclasses import dataclass
+from statistics import NormalDist
 
 import pandas as pd
 
