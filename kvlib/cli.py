@@ -373,6 +373,8 @@ def cmd_choose(args) -> int:
         if getattr(args, flag) is not None and not getattr(args, flag) > 0:
             raise UserError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
     capacity_bytes(args.device_memory_gb, "--device-memory-gb")
+    if args.hardware is not None and None in workload:
+        raise UserError("--hardware projects a workload: give --prompt-tokens, --batch and --output-tokens")
     loaded = load_profile(args.profile)
     profile, gate = loaded.name, loaded.validity_gate
     frames = {e: results.load(profile, e) for e in ("ttft", "batch_scaling", "decode_length", "serving", "accuracy")}
@@ -390,8 +392,6 @@ def cmd_choose(args) -> int:
         answers["workload"] = choose(frames, args.prompt_tokens, args.batch, args.output_tokens,
                                      args.max_accuracy_drop, args.device_memory_gb, gate)
     if args.hardware is not None:
-        if None in workload:
-            raise UserError("--hardware projects a workload: give --prompt-tokens, --batch and --output-tokens")
         from kvlib.report.choose import choose_projected
 
         answers["projected"] = choose_projected(args.model, args.hardware, args.prompt_tokens, args.batch,

@@ -60,7 +60,8 @@ def test_the_fastest_policy_that_fits_and_keeps_its_accuracy():
     # the validity gate: a task the full cache fails says nothing about the policies
     failed = f["accuracy"].assign(correct=lambda d: d["correct"] * (d["doc_id"] % 2))
     gated = choose({**f, "accuracy": failed}, 512, 8, 32, max_accuracy_drop=5.0)
-    assert "a task the full cache passes" in gated.excluded["sparse"]
+    assert "a task the full cache passes" in gated.unmeasured["sparse"] and "sparse" not in gated.excluded
+    assert "Not measured: sparse: its accuracy was not measured" in gated.text()
     small = choose(f, 512, 4, 32, device_memory_gb=2.5)  # fast's measured peak at batch 4 is 3 GiB
     assert small.fastest_decode == "sparse" and "fast" in small.excluded
 
@@ -132,8 +133,9 @@ def test_a_preallocating_engine_below_its_pool_is_not_measured_at_that_capacity(
         policy="vllm (real)", outside=True, device_peak_bytes=3.5 * GIB, device_kv_reserved_peak_bytes=2 * GIB)
     batch = pd.concat([f["batch_scaling"].assign(outside=False, device_kv_reserved_peak_bytes=0), vllm])
     c = choose({**f, "batch_scaling": batch}, 512, 4, 32, device_memory_gb=3.0)
-    assert c.excluded["vllm (real)"].startswith("not measured at this capacity")
-    assert "does not fit" not in c.excluded["vllm (real)"]
+    assert c.unmeasured_capacity["vllm (real)"].startswith("it preallocates its KV pool")
+    assert "vllm (real)" not in c.excluded and "vllm (real)" not in c.decode
+    assert "Not measured at this capacity: vllm (real): it preallocates" in c.text() and "Ruled out: vllm" not in c.text()
     assert "vllm (real)" in choose({**f, "batch_scaling": batch}, 512, 4, 32).decode  # at the profile's capacity
 
 

@@ -33,7 +33,10 @@ def regimes(frames: dict[str, pd.DataFrame], tolerances=(None, 5.0, 1.0), memori
                                      "lowest TTFT": _named(c.lowest_ttft, c.ttft, "{:.3g} s"),
                                      "TTFT, not distinguishable": ", ".join(c.ttft_ties) or "-",
                                      "ruled out": ", ".join(sorted(c.excluded)) or "-",
-                                     "cannot tell": ", ".join(sorted(c.undecided)) or "-"})
+                                     "cannot tell": ", ".join(sorted(c.undecided)) or "-",
+                                     "accuracy not measured": ", ".join(sorted(c.unmeasured)) or "-",
+                                     "not measured at this capacity": ", ".join(sorted(c.unmeasured_capacity))
+                                     or "-"})
     return pd.DataFrame(rows)
 
 

@@ -75,8 +75,12 @@ class Choice:
     lowest_ttft: str | None
     decode: dict[str, Estimate] = field(default_factory=dict)
     ttft: dict[str, Estimate] = field(default_factory=dict)
+    # five states of a policy the answer leaves out, never merged: ruled out (beyond the tolerance, or no measured
+    # point fits), cannot tell at n items, accuracy not measured, not measured at this capacity
     excluded: dict[str, str] = field(default_factory=dict)  # policy -> why it was ruled out
     undecided: dict[str, str] = field(default_factory=dict)  # policy -> why its accuracy cannot be told yet
+    unmeasured: dict[str, str] = field(default_factory=dict)  # policy -> what of its accuracy was not measured
+    unmeasured_capacity: dict[str, str] = field(default_factory=dict)  # policy -> the capacity it was measured at
     notes: list[str] = field(default_factory=list)
     # the policies the findings' timing rule cannot tell from the answer (kvlib.report.stats), where both were measured
     # at the grid point read: a lead inside the noise is no lead
@@ -99,6 +103,8 @@ class Choice:
             lines.append("Decode throughput of every qualifying policy: " + ", ".join(others) + ".")
         lines += [f"Ruled out: {p}: {why}." for p, why in sorted(self.excluded.items())]
         lines += [f"Not ranked: {p}: {why}." for p, why in sorted(self.undecided.items())]
+        lines += [f"Not measured: {p}: {why}." for p, why in sorted(self.unmeasured.items())]
+        lines += [f"Not measured at this capacity: {p}: {why}." for p, why in sorted(self.unmeasured_capacity.items())]
         return "\n".join(lines + self.notes)
 
 
@@ -121,8 +127,8 @@ def choose(frames: dict[str, pd.DataFrame], prompt_tokens: int, batch: int, outp
             if p in lossless:
                 continue
             if p not in evidence:
-                choice.excluded[p] = ("its accuracy was not measured in this profile on a task the full cache passes "
-                                      "(the validity gate)")
+                choice.unmeasured[p] = ("its accuracy was not measured in this profile on a task the full cache "
+                                        "passes (the validity gate)")
                 continue
             e = judge_accuracy(evidence[p], max_accuracy_drop)
             if e.outcome == RULED_OUT:
@@ -130,7 +136,7 @@ def choose(frames: dict[str, pd.DataFrame], prompt_tokens: int, batch: int, outp
             elif e.outcome == CANNOT_TELL:
                 choice.undecided[p] = e.text(max_accuracy_drop)
     for p in policies:
-        if p in choice.excluded or p in choice.undecided:
+        if p in choice.excluded or p in choice.undecided or p in choice.unmeasured:
             continue
         decode = _read(decode_df, p, axis, x, "decode_tokens_per_s", device_memory_gb, choice)
         if decode is not None:
@@ -138,7 +144,7 @@ def choose(frames: dict[str, pd.DataFrame], prompt_tokens: int, batch: int, outp
         ttft = _read(ttft_df, p, "prompt_tokens", prompt_tokens, "ttft_s", device_memory_gb, choice)
         if ttft is not None:
             choice.ttft[p] = ttft
-    for p in choice.excluded:  # ruled out by one question, out of both answers
+    for p in [*choice.excluded, *choice.unmeasured_capacity]:  # left out by one question, out of both answers
         choice.decode.pop(p, None)
         choice.ttft.pop(p, None)
     kernels = decode_kernels(decode_df) if not decode_df.empty else {}
@@ -224,10 +230,10 @@ def _read(df, policy, axis, x, value, device_memory_gb, choice) -> Estimate | No
     ok = _fits(g, device_memory_gb)
     if preallocates(g) and len(ok) < len(g[~g["oom"].astype(bool)]):
         peak = pd.to_numeric(g["device_peak_bytes"], errors="coerce").max() / 2**30
-        choice.excluded.setdefault(policy, f"not measured at this capacity (it preallocates its KV pool from the "
-                                           f"memory it is given: measured with a {peak:.2f} GiB device peak, above "
-                                           f"the {device_memory_gb:g} GiB asked; with less it would start with a "
-                                           f"smaller pool)")
+        choice.unmeasured_capacity.setdefault(policy, f"it preallocates its KV pool from the memory it is given: "
+                                                      f"measured with a {peak:.2f} GiB device peak, above the "
+                                                      f"{device_memory_gb:g} GiB asked; with less it would start "
+                                                      f"with a smaller pool")
         return None
     by = [axis, "prefill"] if "prefill" in ok and value == "ttft_s" else [axis]
     curve = ok.groupby(by)[value].apply(geometric_mean)
