@@ -28,6 +28,7 @@ from kvlib.errors import UserError
 from kvlib.evaluation.generation import answer_rows, check_protocol
 from kvlib.models import load_model
 from kvlib.policies import make_policy
+from kvlib.policies.infinigen_coverage import means as coverage_means
 
 
 @register_model("kvlib")
@@ -73,10 +74,7 @@ class KVLibLM(TemplateLM):
     def speculation_columns(self) -> dict:
         """InfiniGen with measure_coverage, over every request so far: the true attention mass its speculated picks
         carried, the mass the oracle's best picks of the same count would have, and their ratio (its recall)."""
-        n, mass, oracle = self.speculation
-        if not n:
-            return {}
-        return {"speculation_coverage": mass / n, "oracle_coverage": oracle / n, "speculation_recall": mass / oracle}
+        return coverage_means(*self.speculation) if self.speculation[0] else {}
 
     @property
     def kv_share_attended(self) -> float | None:

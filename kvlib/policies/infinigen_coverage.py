@@ -22,6 +22,13 @@ def coverage(probs: torch.Tensor, chosen: torch.Tensor, count: torch.Tensor) -> 
     return float((mass * picked).sum(-1).mean()), float((best + mass[..., -1]).mean())
 
 
+def means(samples: int, mass: float, oracle: float) -> dict:
+    """From the sums over `samples` (layer, step) pairs: the mean mass the picks carried, the oracle's, and the picks'
+    recall of the oracle's mass (what a run reports, and what KVLibLM reports over its runs)."""
+    return {"speculation_coverage": mass / samples, "oracle_coverage": oracle / samples,
+            "speculation_recall": mass / oracle}
+
+
 def summary(samples: list[tuple[int, float, float]]) -> dict:
     """(layer, picks' mass, oracle's mass) per sparse layer and step -> the run's means, their ratio, per layer, and
     the sums a caller adds up over runs (kvlib.evaluation.lm)."""
@@ -31,7 +38,6 @@ def summary(samples: list[tuple[int, float, float]]) -> dict:
     picks, oracle = [c for _, c, _ in samples], [o for _, _, o in samples]
     layers = sorted({layer for layer, _, _ in samples})
     return {"speculation_samples": len(samples), "speculation_mass_sum": sum(picks), "oracle_mass_sum": sum(oracle),
-            "speculation_coverage": mean(picks), "oracle_coverage": mean(oracle),
-            "speculation_recall": sum(picks) / sum(oracle),
+            **means(len(samples), sum(picks), sum(oracle)),
             "coverage_by_layer": {layer: (mean([c for at, c, _ in samples if at == layer]),
                                           mean([o for at, _, o in samples if at == layer])) for layer in layers}}
