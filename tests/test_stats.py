@@ -230,3 +230,21 @@ def test_bonferroni_levels_and_the_verdict_words():
     assert stats.drop_verdict(0.01, 0.12) == stats.LOWER
     assert stats.drop_verdict(-0.12, -0.06) == stats.HIGHER
     assert stats.drop_verdict(-0.04, 0.09) == stats.INCONCLUSIVE
+
+
+def test_an_interval_that_excludes_zero_is_never_called_inconclusive():
+    """40 RULER items, 8 lost and none gained, at the findings page's Bonferroni level (12 intervals): the bootstrap
+    alone excludes 0, the exact sign test (p = 2/256) cannot reject at 0.4 %; the interval then reaches 0 and the word
+    follows it. At 95 % both reject: lower, the interval above 0."""
+    ids = pd.DataFrame({"doc_id": range(40)})
+    other = ids.assign(correct=[0.0] * 8 + [1.0] * 32)
+    strict = stats.paired_drop(ids.assign(correct=1.0), other, "correct", ["doc_id"], level=stats.family_level(12))
+    assert strict.verdict == stats.INCONCLUSIVE and strict.low <= 0 <= strict.high
+    plain = stats.paired_drop(ids.assign(correct=1.0), other, "correct", ["doc_id"])
+    assert plain.verdict == stats.LOWER and plain.low > 0
+
+
+def test_thin_tails_get_enough_bootstrap_draws():
+    assert stats.accuracy.draws_for(0.95) == stats.DRAWS
+    level = stats.family_level(12)  # 0.2 % a tail
+    assert stats.accuracy.draws_for(level) * (1 - level) / 2 >= 50

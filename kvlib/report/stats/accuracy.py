@@ -20,7 +20,8 @@ import pandas as pd
 
 from kvlib.report.stats.rule import ALPHA, EQUIVALENT, HIGHER, INCONCLUSIVE, LOWER, SEED
 
-DRAWS = 4000  # bootstrap resamples of the accuracy drops
+DRAWS = 4000  # bootstrap resamples of the accuracy drops, at least; more where an interval's tails are thin
+TAIL_REPLICATES = 50  # replicates beyond each end of an interval: a quantile read from fewer is noise
 EQUIVALENCE_MARGIN = 0.05  # "near the baseline": within 5 percentage points
 
 
@@ -85,6 +86,12 @@ def bootstrap_unpaired_drops(reference, other, draws: int = DRAWS, seed: int = S
     rng = np.random.default_rng(seed)
     return (ref[rng.integers(0, len(ref), size=(draws, len(ref)))].mean(axis=1)
             - oth[rng.integers(0, len(oth), size=(draws, len(oth)))].mean(axis=1))
+
+
+def draws_for(level: float, draws: int = DRAWS) -> int:
+    """Enough resamples that each tail of a `level` interval holds TAIL_REPLICATES of them (a Bonferroni level of
+    99.6 % leaves 0.2 % a tail: 25,000 draws, not 4,000's 8 replicates)."""
+    return max(draws, math.ceil(TAIL_REPLICATES / ((1 - level) / 2)))
 
 
 def _interval(replicates: np.ndarray, level: float) -> tuple[float, float]:
@@ -154,16 +161,18 @@ def paired_drop(reference: pd.DataFrame, other: pd.DataFrame, value: str, item: 
             ref_scores, scores = joined[f"{value}_ref"].astype(float), joined[value].astype(float)
             groups = _cluster_labels(joined, cluster)
             differences = ref_scores - scores
-            replicates = bootstrap_means(differences, groups, joined[stratum] if stratum else None, draws, seed)
+            replicates = bootstrap_means(differences, groups, joined[stratum] if stratum else None,
+                                         draws_for(level, draws), seed)
             drop = float(ref_scores.mean() - scores.mean())
             per_cluster = differences.groupby(groups.to_numpy() if cluster else np.arange(len(joined))).mean()
             low, high = _floored(drop, *_interval(replicates, level), len(per_cluster), level)
+            # a loss or gain also needs the exact sign test over the units (a bootstrap of 2 items both lost would
+            # otherwise call it at any level): where it cannot reject, the interval reaches 0, so that the interval
+            # and the word are one reading
+            if (low > 0 or high < 0) and sign_test_p(int((per_cluster > 0).sum()),
+                                                     int((per_cluster < 0).sum())) > 1 - level:
+                low, high = min(low, 0.0), max(high, 0.0)
             verdict = drop_verdict(low, high, margin)
-            # a loss or gain also needs the exact sign test over the units: a bootstrap of 2 items both lost would
-            # otherwise call it at any level
-            if verdict in (LOWER, HIGHER) and sign_test_p(int((per_cluster > 0).sum()),
-                                                          int((per_cluster < 0).sum())) > 1 - level:
-                verdict = INCONCLUSIVE
             return Drop(float(ref_scores.mean()), float(scores.mean()), drop, low, high, len(joined),
                         len(per_cluster), level, True, verdict)
     ref_scores = reference[value].dropna().astype(float)
@@ -171,6 +180,7 @@ def paired_drop(reference: pd.DataFrame, other: pd.DataFrame, value: str, item: 
     if ref_scores.empty or scores.empty:
         return Drop(math.nan, math.nan, math.nan, math.nan, math.nan, 0, 0, level, False, INCONCLUSIVE)
     drop, n = float(ref_scores.mean() - scores.mean()), min(len(ref_scores), len(scores))
-    low, high = _floored(drop, *_interval(bootstrap_unpaired_drops(ref_scores, scores, draws, seed), level), n, level)
+    replicates = bootstrap_unpaired_drops(ref_scores, scores, draws_for(level, draws), seed)
+    low, high = _floored(drop, *_interval(replicates, level), n, level)
     return Drop(float(ref_scores.mean()), float(scores.mean()), drop, low, high, n, n, level, False,
                 drop_verdict(low, high, margin))
