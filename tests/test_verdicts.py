@@ -165,3 +165,13 @@ def test_finding_2_as_the_paper_states_it():
     assert word == REFUTED and "within +-10% of vllm (real)'s: 0.20x, p = 0.000: refuted" in numbers, numbers
     word, numbers = verdict({"batch_scaling": rows(100.0, 0.05)}, 2)  # H2O reaches its first token first
     assert word == REFUTED and "TTFT below h2o's at batch 1: 0.50x" in numbers
+
+
+def test_each_accuracy_finding_says_what_its_sizes_can_show():
+    """40 conversations at the page's level cannot confirm InfiniGen's +-5 pp (Wilson's floor is wider), 160 can; the
+    finding says so beside its verdict, whatever the data."""
+    _, few = verdict({"retention": retention_rows(h2o_keeps=0.78)}, 5)
+    assert "reachable at 40 units" in few and "so InfiniGen's +-5 pp cannot come out confirmed" in few
+    _, many = verdict({"retention": retention_rows(h2o_keeps=0.78, conversations=160)}, 5)
+    assert "so InfiniGen's +-5 pp can come out confirmed" in many
+    assert "so H2O's 17-27 pp (+-5) can come out confirmed" in many

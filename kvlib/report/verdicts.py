@@ -242,6 +242,15 @@ def _accuracy_units(df: pd.DataFrame, gate: float) -> dict:
     return units
 
 
+def reach(units: int, level: float, claim: str, half_width_needed: float) -> str:
+    """What `units` independent units at `level` can show of a claim that needs an interval no wider than
+    +-half_width_needed: no interval is narrower than Wilson's bound at zero (stats.resolution), whatever the data."""
+    floor = stats.resolution(units, level)
+    can = "can" if floor < half_width_needed else "cannot"
+    return (f"reachable at {units} units and {level:.1%}: no interval narrower than +-{floor * 100:.1f} pp, so {claim} "
+            f"{can} come out confirmed")
+
+
 def _near_baseline(drop: stats.Drop) -> str:
     """The paper's "near the full cache": confirmed by an equivalence, refuted only by a loss beyond the margin that
     the drop's own rule establishes (its sign test included), so the verdict never outruns its line."""
@@ -270,6 +279,9 @@ def _accuracy_finding(df: pd.DataFrame, gate: float) -> tuple[str, str]:
     claims = []
     parts = [f"{label}: full cache {_full_score(rows, value):.1%}" for label, (rows, value, _) in units.items()
              if any(key[0] == label for key in drops)]
+    sizes = {label: drop.clusters for (label, _, _), drop in drops.items()}
+    parts += [f"{label}: " + reach(n, level, f"\"near the full cache\" (+-{stats.EQUIVALENCE_MARGIN * 100:g} pp)",
+                                   stats.EQUIVALENCE_MARGIN) for label, n in sizes.items()]
     for (label, budget, who), drop in sorted(drops.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])):
         if budget == 0.5 and who != H2O_VS_INFINIGEN:  # the paper: near the baseline
             claims.append(_near_baseline(drop))
@@ -321,6 +333,12 @@ def _retention_finding(df: pd.DataFrame, gate: float) -> tuple[str, str]:
         return INCONCLUSIVE, "H2O and InfiniGen did not both run on a bucket that passes"
     drops = family(pairs, "correct", item, cluster, stratum)
     claims, parts = [], [f"buckets {', '.join(sorted(valid))}; full cache {_full_score(d, 'correct'):.1%}"]
+    some = next(iter(drops.values()))
+    low, high = H2O_RETENTION_DROP
+    parts += [reach(some.clusters, some.level, f"InfiniGen's +-{stats.EQUIVALENCE_MARGIN * 100:g} pp",
+                    stats.EQUIVALENCE_MARGIN),
+              reach(some.clusters, some.level, f"H2O's {low * 100:g}-{high * 100:g} pp (+-{stats.EQUIVALENCE_MARGIN * 100:g})",
+                    (high - low) / 2 + stats.EQUIVALENCE_MARGIN)]
     for (budget, who), drop in drops.items():
         if who == "infinigen":
             claims.append(_near_baseline(drop))
