@@ -275,7 +275,7 @@ def overview(frames: dict[str, pd.DataFrame], gate: float | None = None):
             drop, task = e.drop.drop * 100, e.task
             tasks.add(task)
             detail = (f"{signed_pp(e.drop.drop)} pp ({signed_pp(e.drop.high)} to {signed_pp(e.drop.low)}) "
-                      f"at budget {e.budget:g}")
+                      f"at budget {e.budget:g}{_systems_budget(g)}")
         else:
             drop, detail = None, "accuracy not measured as run here"
         colour = "none" if drop is None else cmap(norm(drop))
@@ -300,6 +300,17 @@ def overview(frames: dict[str, pd.DataFrame], gate: float | None = None):
     fig.tight_layout(rect=(0, 0.02 + 0.03 * -(-len(key) // 2), 1, 1))
     _place_labels(ax, [(x, y, policy) for x, y, policy, *_ in points])
     return fig
+
+
+def _systems_budget(g: pd.DataFrame) -> str:
+    """The budget the point's throughput and memory were measured at, where it is not the accuracy's: said beside
+    the accuracy's budget, so that one figure never mixes two budgets silently."""
+    budgets = g["budget"].dropna().unique() if "budget" in g else []
+    if len(budgets) != 1:
+        return ""
+    rules = g["budget_rule"].dropna().unique() if "budget_rule" in g else []
+    rule = f", {rules[0]} rule" if len(rules) == 1 else ""
+    return f"; speed and memory at budget {budgets[0]:g}{rule}"
 
 
 def _place_labels(ax, labels: list[tuple[float, float, str]]) -> None:
