@@ -32,10 +32,23 @@ def accuracy_rows():
 
 def test_batch_scaling_opens_with_the_lead_its_interval_and_where_memory_ran_out():
     text = answers.answer("batch_scaling", batch_rows())
-    assert text.startswith("**In short.** At batch 8, h2o decodes fastest by geometric mean (")
+    assert text.startswith("**In short.** At batch 8, h2o decodes fastest (")  # told from paged by the rule
     assert "1.29x paged's throughput (interval" in text  # 8 rounds, paired: an interval exists
-    assert "The most throughput per GiB of device memory: h2o" in text
+    assert "Throughput per GiB of device memory (geometric mean over the booked peak, tok/s per GiB): full" in text
     assert "Out of device memory: kivi from batch 8." in text
+
+
+def test_a_lead_is_worded_by_its_verdict():
+    """Words follow verdicts: two runners the timing rule cannot tell apart are named together, never ranked."""
+    rows = batch_rows()
+    paged = rows.loc[rows["policy"] == "paged"]
+    rows.loc[rows["policy"] == "h2o", "decode_tokens_per_s"] = (paged["decode_tokens_per_s"]
+                                                                * (1 + 0.02 * (-1) ** paged["repeat"])).to_numpy()
+    text = answers.answer("batch_scaling", rows)
+    assert "decodes fastest" not in text and "paged and h2o are not distinguishable: paged" in text
+    two = batch_rows()
+    two = two[two["repeat"] < 2]  # 2 rounds: no interval at all
+    assert "are not told apart at 2 repeats" in answers.answer("batch_scaling", two)
 
 
 def test_accuracy_opens_with_the_paired_drops_of_the_papers_two_methods():

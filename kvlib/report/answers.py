@@ -27,11 +27,18 @@ def _lead(runs: dict[str, pd.DataFrame], value: str, higher: bool) -> tuple[str,
     return first, second, stats.compare_timings(stats.by_round(runs[first], value), stats.by_round(runs[second], value))
 
 
-def _versus(c: stats.TimingComparison | None, second: str | None, what: str) -> str:
+def _led(first: str, second: str | None, c: stats.TimingComparison | None, claim: str, figure: str,
+         what: str) -> str:
+    """The chapter's lead, worded by the comparison's verdict: `first` `claim` (e.g. "decodes fastest") only where the
+    timing rule tells it from the runner-up; else the two are named as not told apart, at the repeats there were."""
     if c is None:
-        return ""
+        return f"{first} ({figure})"
     interval = f"interval {c.low:.2f}-{c.high:.2f}x" if c.judged else "too few repeats for an interval"
-    return f", {c.ratio:.2f}x {second}'s {what} ({interval})"
+    versus = f"{c.ratio:.2f}x {second}'s {what} ({interval})"
+    if c.verdict in (stats.LARGER, stats.SMALLER):
+        return f"{first} {claim} ({figure}), {versus}"
+    told = "not distinguishable" if c.judged else f"not told apart at {min(c.n_a, c.n_b)} repeats"
+    return f"{first} and {second} are {told}: {first} {figure}, {versus}"
 
 
 def _oom(df: pd.DataFrame, by: list[str], axis: str, at) -> str:
@@ -61,8 +68,9 @@ def ttft(df: pd.DataFrame) -> str:
         longest = ok["prompt_tokens"].max()
         runs = {f"{p}/{m}": g for (p, m), g in ok[ok["prompt_tokens"] == longest].groupby(["policy", "prefill"])}
         first, second, c = _lead(runs, "ttft_s", higher=False)
-        out.append(f"At {longest:,} prompt tokens, {first} reaches the first token soonest by geometric mean "
-                   f"({ttft_spread(runs[first]).centre:.2f} s){_versus(c, second, 'time')}.")
+        lead = _led(first, second, c, "reaches the first token soonest",
+                    f"{ttft_spread(runs[first]).centre:.2f} s by geometric mean", "time")
+        out.append(f"At {longest:,} prompt tokens, {lead}.")
     out.append(_oom(df, ["policy", "prefill"], "prompt_tokens", _tokens))
     return " ".join(out)
 
@@ -77,11 +85,11 @@ def batch_scaling(df: pd.DataFrame) -> str:
     runs = dict(list(big.groupby("policy")))
     first, second, c = _lead(runs, "decode_tokens_per_s", higher=True)
     per_gib = {p: decode_spread(g).centre / (g["device_peak_bytes"].median() / 2**30) for p, g in runs.items()}
-    dense = max(per_gib, key=per_gib.get)
-    return (f"At batch {int(big['batch_size'].iloc[0])}, {first} decodes fastest by geometric mean "
-            f"({decode_spread(runs[first]).centre:.1f} tok/s){_versus(c, second, 'throughput')}. The most throughput "
-            f"per GiB of device memory: {dense} ({per_gib[dense]:.1f} tok/s per GiB). "
-            + _oom(df, ["policy"], "batch_size", _batch))
+    lead = _led(first, second, c, "decodes fastest", f"{decode_spread(runs[first]).centre:.1f} tok/s by geometric mean",
+                "throughput")
+    per = ", ".join(f"{p} {v:.1f}" for p, v in sorted(per_gib.items()))  # by name: a description, not a ranking
+    return (f"At batch {int(big['batch_size'].iloc[0])}, {lead}. Throughput per GiB of device memory (geometric mean "
+            f"over the booked peak, tok/s per GiB): {per}. " + _oom(df, ["policy"], "batch_size", _batch))
 
 
 def decode_length(df: pd.DataFrame) -> str:
@@ -99,8 +107,9 @@ def decode_length(df: pd.DataFrame) -> str:
     span = (f" From {shortest} to {longest} output tokens the runners' throughputs change by {min(changes):+.0%} to "
             f"{max(changes):+.0%} (geometric means)." if changes and longest != shortest else "")
     prompt = f" after a {int(ok['prompt_tokens'].iloc[0]):,}-token prompt" if "prompt_tokens" in ok else ""
-    return (f"At {longest} output tokens{prompt}, {first} decodes fastest by geometric mean "
-            f"({decode_spread(runs[first]).centre:.1f} tok/s){_versus(c, second, 'throughput')}.{span}")
+    lead = _led(first, second, c, "decodes fastest", f"{decode_spread(runs[first]).centre:.1f} tok/s by geometric mean",
+                "throughput")
+    return f"At {longest} output tokens{prompt}, {lead}.{span}"
 
 
 def serving(df: pd.DataFrame) -> str:
