@@ -223,3 +223,23 @@ def test_kvlib_choose_answers_a_request_rate(tmp_path, monkeypatch, capsys):
     assert out.startswith("At 1.5 requests/s with p90 TTFT <= 0.3 s (serving results at 0.75 GiB):")
     assert "Meet it: " in out and "Not read: snapkv" in out
     assert cli.main(["choose", "--profile", "p", "--slo-ttft", "0.3"]) == 2  # a workload or a rate
+
+
+def test_a_rate_multiple_runs_at_a_multiple_of_this_machines_service_rate(on_tiny, tmp_path, monkeypatch):
+    """`rate_multiple`: paged serves the whole trace at once to measure the machine's service rate, once (kept in
+    kvlib's cache), and every runner's point runs at the multiple of it, its row saying which rate that was."""
+    monkeypatch.setenv("KVLIB_CACHE", str(tmp_path))
+    values = {k: v for k, v in VALUES.items() if k != "request_rate"}
+    probes = []
+    replay = serving._replay
+    monkeypatch.setattr(serving, "_replay", lambda p, t, memory_run: probes.append(p.runner) or replay(
+        p, t, memory_run=memory_run))
+    rows = serving.run_point(point("h2o", **values, rate_multiple=2.0))
+    rate = rows[0]["service_rate"]
+    assert probes[0] == "paged" and rate > 0
+    assert rows[0]["request_rate"] == pytest.approx(2 * rate)
+    probes.clear()
+    again = serving.run_point(point("paged", **values, rate_multiple=0.5))
+    assert len(probes) == 2  # the point's instrumented and timed replays: the probe was read, not run again
+    assert again[0]["service_rate"] == rate and again[0]["request_rate"] == pytest.approx(rate / 2)
+    assert (tmp_path / serving.SERVICE_RATE_FILE).exists()

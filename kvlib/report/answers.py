@@ -119,7 +119,13 @@ def serving(df: pd.DataFrame) -> str:
     ranked = sorted(rates.items(), key=lambda kv: -(kv[1].rate or 0))
     capacity = df["device_capacity_gb"].dropna().max() if "device_capacity_gb" in df else None
     where = f"in {capacity:g} GiB of device memory" if pd.notna(capacity) else "with no configured device capacity"
-    return (f"The highest request rate each runner sustains within the SLO {where}, measured rates only: "
+    chosen = ""
+    if "rate_multiple" in df and df["rate_multiple"].notna().any():
+        pairs = df.dropna(subset=["rate_multiple"]).groupby("rate_multiple")["request_rate"].first()
+        chosen = (f"The rates are {', '.join(f'{m:g}x' for m in pairs.index)} this machine's service rate "
+                  f"({df['service_rate'].dropna().iloc[0]:.2f} requests/s: paged serving the whole trace at once), "
+                  f"that is {', '.join(f'{r:.2f}' for r in pairs)} requests/s. ")
+    return (chosen + f"The highest request rate each runner sustains within the SLO {where}, measured rates only: "
             + "; ".join(f"{p} {s.text()}" for p, s in ranked) + ".")
 
 

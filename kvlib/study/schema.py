@@ -120,6 +120,7 @@ WORKLOAD: dict[str, dict[str, Check]] = {
     "decode_length": {"output_tokens": positive_int, "prompt_tokens": positive_int, "batch_size": positive_int},
     "serving": {"num_requests": positive_int, "min_prompt_tokens": positive_int, "max_prompt_tokens": positive_int,
                 "min_output_tokens": positive_int, "max_output_tokens": positive_int, "request_rate": positive_number,
+                "rate_multiple": positive_number,
                 "burstiness": positive_number, "slo_ttft_s": optional(positive_number),
                 "slo_tpot_s": optional(positive_number)},
     "accuracy": {"task": text, "batch_size": positive_int, "protocol": one_of(*PROTOCOLS),
@@ -134,7 +135,7 @@ REQUIRED = {"ttft": ("prompt_tokens",), "batch_scaling": ("batch_size", "min_pro
                                                           "max_new_tokens"),
             "decode_length": ("output_tokens", "prompt_tokens"),
             "serving": ("num_requests", "min_prompt_tokens", "max_prompt_tokens", "min_output_tokens",
-                        "max_output_tokens", "request_rate"),
+                        "max_output_tokens", ("request_rate", "rate_multiple")),
             "accuracy": ("task",), "retention": ("query_turns", "buckets", "per_bucket"),
             "offload": ("batch_size", "prompt_tokens", "max_new_tokens")}
 PROFILE_KEYS = {"model", "device_capacity_gb", "policy_settings", "experiments", "description", "device", "weights",
@@ -244,8 +245,9 @@ def _check_experiment(problems: Problems, exp, spec, settings: dict, weights) ->
                 _check_value(problems, path if i is None else f"{path}[{i}]", exp, key, v, who)
     given = set(grid) | set(fixed) if isinstance(grid, dict) and isinstance(fixed, dict) else set()
     for key in REQUIRED[exp]:
-        if key not in given:
-            problems.add(f"{here}", f"needs {key!r} in its grid or fixed values")
+        either = key if isinstance(key, tuple) else (key,)  # one of them
+        if not set(either) & given:
+            problems.add(f"{here}", f"needs {' or '.join(map(repr, either))} in its grid or fixed values")
 
 
 def _check_value(problems: Problems, path: str, exp: str, key, value, runner_names: list[str]) -> None:

@@ -16,6 +16,14 @@ A point is a runner at a request rate; the profile fixes the rest (`serving` sec
     chunk_size: 256                                    # kvlib's chunked prefill (vLLM schedules its own chunks)
     slo_ttft_s: 2.0, slo_tpot_s: 0.25                  # goodput counts the requests within both
 
+The rate is `request_rate` (requests/s), or `rate_multiple`: a multiple of this machine's service rate, so that the
+grid asks the same of a fast machine as of a slow one (`vllm bench sweep` finds its rates the same way, from the
+server). The service rate is `paged`'s (kvlib's vLLM-like baseline, at its defaults and the point's capacity) with
+the whole trace arriving at once: the requests it completes per second when it never waits for one. It is measured
+once per trace, model, capacity and machine, before the first point that needs it, and kept in kvlib's cache
+(`service_rates.json`: every runner of a grid runs at the same rates); each row carries the rate it ran at
+(`request_rate`), its multiple and the service rate it came from.
+
 The trace (`trace_of`) is a function of those values and the rate alone: the same prompts (cut from the offline text
 at seeded offsets), output lengths and arrival times for every runner at a rate, the real vLLM included (its backend
 adds each request once the clock passes its arrival, as kvlib's scheduler admits it). The prompts and output lengths
@@ -34,7 +42,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvlib.engine.arrivals import arrival_times
 from kvlib.engine.run_result import PERCENTILES, RunResult
@@ -158,7 +166,45 @@ def _oom_row(where: str) -> dict:
 _untimed_rows: dict[str, dict] = {}  # per process: the instrumented replay's row of each point it has met
 
 
+SERVICE_RATE_FILE = "service_rates.json"
+
+
+def service_rate(point: Point) -> float:
+    """This machine's service rate for the point's trace (the module's docstring): measured once, then read."""
+    from kvlib.paths import cache_dir
+    from kvlib.study.machine import machine
+
+    trace_values = {k: v for k, v in point.values.items() if k not in ("request_rate", "rate_multiple")}
+    key = hashlib.sha256(json.dumps([trace_values, point.model, point.weights, point.device,
+                                     point.device_capacity_gb, machine()["machine_cpu"]], sort_keys=True,
+                                    default=str).encode()).hexdigest()[:16]
+    path = cache_dir() / SERVICE_RATE_FILE
+    known = json.loads(path.read_text()) if path.exists() else {}
+    if key not in known:
+        probe = replace(point, runner="paged", settings={}, values={**trace_values, "request_rate": 1e9})
+        row = _replay(probe, trace_of(model_of(point).tokenizer, probe.values), memory_run=False)
+        if not row.get("request_throughput"):
+            raise UserError(f"serving: paged could not serve the trace at the point's capacity to measure this "
+                            f"machine's service rate ({row.get('oom_where')})")
+        known[key] = {"requests_per_s": row["request_throughput"], "machine_cpu": machine()["machine_cpu"]}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(known, indent=1))
+    return known[key]["requests_per_s"]
+
+
+def resolved(point: Point) -> tuple[Point, dict]:
+    """The point with its request rate in requests/s (a `rate_multiple` times the service rate), and the columns
+    saying where the rate came from."""
+    if "rate_multiple" not in point.values:
+        return point, {}
+    rate = service_rate(point)
+    multiple = point.values["rate_multiple"]
+    return (replace(point, values={**point.values, "request_rate": multiple * rate}),
+            {"request_rate": multiple * rate, "service_rate": rate})
+
+
 def run_point(point: Point) -> list[dict]:
+    point, rate_columns = resolved(point)
     trace = trace_of(model_of(point).tokenizer, point.values)
     row = _does_not_fit(point)
     if row is None:
@@ -175,7 +221,7 @@ def run_point(point: Point) -> list[dict]:
             row = {**timed, **accounting_columns(warm), "preemptions": preemptions,
                    "stat_peak_blocks_used": warm.get("stat_peak_blocks_used"),
                    "untimed_max_running": warm["max_running"]}
-    return [{**row, **trace.columns(), "slo_ttft_s": point.values.get("slo_ttft_s"),
+    return [{**row, **trace.columns(), **rate_columns, "slo_ttft_s": point.values.get("slo_ttft_s"),
              "slo_tpot_s": point.values.get("slo_tpot_s")}]
 
 
