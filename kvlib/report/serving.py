@@ -71,6 +71,8 @@ def trace_table(df: pd.DataFrame) -> pd.DataFrame:
     g = df.groupby("request_rate")
     table = g[list(cols)].first().rename(columns=cols)
     table["last arrival (s)"] = table["last arrival (s)"].map(lambda x: f"{x:.1f}")
+    if "rate_multiple" in df:  # the rate as asked: a multiple of this machine's service rate
+        table.insert(0, "x service rate", g["rate_multiple"].first())
     table["runners"] = g["policy"].nunique()
     table["one trace for all"] = g["trace_sha"].nunique() == 1
     table.index.name = "request rate (requests/s)"
