@@ -101,3 +101,13 @@ def test_a_uninstrumented_counter_counts_nothing():
     work = Work(None)
     work.forward_pass("decode", 2, 1, torch.tensor([3, 4]))
     assert set(work.summary().values()) == {0}
+
+
+def test_kivis_codes_are_read_as_codes(tiny):
+    """Past its full-precision residual, KIVI's decode reads 2-bit codes and their scales: less than full's bytes for
+    the same tokens attended (the same attention FLOPs), and more than the codes alone."""
+    prompts = [list(range(10, 330))]
+    full = Engine(tiny, make_policy("full")).generate(prompts, 3, stop_at_eos=False).stats
+    kivi = Engine(tiny, make_policy("kivi", bits=2)).generate(prompts, 3, stop_at_eos=False).stats
+    assert kivi["work_decode_attention_flops"] == full["work_decode_attention_flops"]
+    assert full["work_decode_kv_read_bytes"] / 16 < kivi["work_decode_kv_read_bytes"] < full["work_decode_kv_read_bytes"] / 2

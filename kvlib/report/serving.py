@@ -96,8 +96,8 @@ class Sustained:
 
     def text(self) -> str:
         if self.rate is None:
-            return f"below {self.lowest:g} requests/s (the lowest rate measured)"
-        return f"{'at least ' if self.at_least else ''}{self.rate:g} requests/s"
+            return f"below {self.lowest:.3g} requests/s (the lowest rate measured)"
+        return f"{'at least ' if self.at_least else ''}{self.rate:.3g} requests/s"
 
 
 def passes(g: pd.DataFrame, attainment: float = ATTAINMENT) -> bool:
@@ -183,7 +183,7 @@ def _capacity_lines(d: pd.DataFrame, rates: dict[str, Sustained]) -> list[str]:
         a, b = rates[policy].rate or 0.0, rates["paged"].rate or 0.0
         verdict = ("a grid rate above paged's" if a > b else "the grid rate paged sustains" if a == b
                    else "a grid rate below paged's")
-        out.append(f"{policy} against paged at {hi:g} requests/s: peak KV {mine['kv_peak_mib']:.1f} against "
+        out.append(f"{policy} against paged at {hi:.3g} requests/s: peak KV {mine['kv_peak_mib']:.1f} against "
                    f"{paged['kv_peak_mib']:.1f} MiB, up to {mine['max_running']:.0f} against "
                    f"{paged['max_running']:.0f} requests running, {mine['preemptions']:.0f} against "
                    f"{paged['preemptions']:.0f} preemptions, {mine['request_throughput']:.3g} against "
@@ -289,7 +289,7 @@ def compression_lines(d: pd.DataFrame, reference: str = REFERENCE) -> list[str]:
             ref = done[(done["policy"] == reference) & (done["request_rate"] == rate)]
             refmed = ref[[c for c in COMPRESSION_COLUMNS if c in ref]].apply(pd.to_numeric, errors="coerce").median()
             replays = len(g)
-            text = (f"{policy} at {rate:g} requests/s: {med['requests_compressed']:.0f} of "
+            text = (f"{policy} at {rate:.3g} requests/s: {med['requests_compressed']:.0f} of "
                     f"{int(g['num_requests'].iloc[0])} requests compressed ({med['compressions']:.0f} compressions"
                     + (f", each keeping {med['entries_kept_share']:.0%} of a request's entries on average"
                        if pd.notna(med["entries_kept_share"]) else "") + f"), {med['preemptions']:.0f} preemptions")

@@ -102,19 +102,19 @@ def choose_serving(serving: pd.DataFrame, accuracy: pd.DataFrame, rate: float, s
             choice.accuracy[p] = "its accuracy loss was not measured in this profile"
     rates = sorted(d["request_rate"].unique())
     if rate < rates[0]:
-        choice.notes.append(f"{rate:g} requests/s is below the lowest rate measured; read at {rates[0]:g} requests/s "
+        choice.notes.append(f"{rate:g} requests/s is below the lowest rate measured; read at {rates[0]:.3g} requests/s "
                             f"(latency at a lower load is no higher).")
     for p, g in d.groupby("policy"):
         if p in choice.excluded:
             continue
         measured = sorted(g["request_rate"].unique())
         if rate > measured[-1]:
-            choice.excluded[p] = f"measured only up to {measured[-1]:g} requests/s (not extrapolated)"
+            choice.excluded[p] = f"measured only up to {measured[-1]:.3g} requests/s (not extrapolated)"
             continue
         at = max(rate, measured[0])
         read_up_to = min(x for x in measured if x >= at)  # the highest rate a reading at `at` rests on
         if g.loc[g["oom"], "request_rate"].le(read_up_to).any():
-            choice.excluded[p] = f"ran out of device memory at or below {read_up_to:g} requests/s"
+            choice.excluded[p] = f"ran out of device memory at or below {read_up_to:.3g} requests/s"
             continue
         got, missed = {}, []
         for key, limit in slo.items():
