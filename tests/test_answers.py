@@ -68,7 +68,7 @@ def test_the_overview_draws_every_runner_with_its_accuracy():
     key = sorted(t.get_text() for t in fig.legends[0].get_texts())
     assert key[0] == "full: keeps every entry" and key[2] == "paged: keeps every entry"
     assert key[1].startswith("h2o: -50.0 pp (")  # the drop at 0.1, the nearest scored budget below its 0.3
-    assert key[1].endswith("at budget 0.1; speed and memory at budget 0.3")  # two budgets, each named
+    assert key[1].endswith("at budget 0.1; speed and memory measured at budget 0.3")  # two budgets, each named
     assert fig.axes[1].get_ylabel() == "accuracy lost against the full cache (pp)"
 
 

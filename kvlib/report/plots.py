@@ -253,7 +253,7 @@ def overview(frames: dict[str, pd.DataFrame], gate: float | None = None):
 
     _style()
     batch = frames.get("batch_scaling", pd.DataFrame())
-    fig, ax = plt.subplots(figsize=(10, 7.5))
+    fig, ax = plt.subplots(figsize=(10, 9))
     ok = batch[~batch["oom"].astype(bool)] if not batch.empty else batch
     if ok.empty:
         ax.text(0.5, 0.5, "no batch-scaling results in this profile", ha="center", transform=ax.transAxes)
@@ -296,8 +296,8 @@ def overview(frames: dict[str, pd.DataFrame], gate: float | None = None):
     key = [plt.Line2D([], [], ls="", marker="o", ms=8, mfc=colour, mec="black",
                       label=f"{policy}: {detail}" + (f" on {task}" if task and len(tasks) > 1 else ""))
            for _, _, policy, detail, task, colour in sorted(points, key=lambda p: -p[1])]
-    fig.legend(handles=key, loc="lower center", ncol=2, fontsize="small", frameon=False)
-    fig.tight_layout(rect=(0, 0.02 + 0.03 * -(-len(key) // 2), 1, 1))
+    fig.legend(handles=key, loc="lower center", ncol=1, fontsize="small", frameon=False)  # one column: long keys
+    fig.tight_layout(rect=(0, 0.02 + 0.025 * len(key), 1, 1))
     _place_labels(ax, [(x, y, policy) for x, y, policy, *_ in points])
     return fig
 
@@ -310,7 +310,7 @@ def _systems_budget(g: pd.DataFrame) -> str:
         return ""
     rules = g["budget_rule"].dropna().unique() if "budget_rule" in g else []
     rule = f", {rules[0]} rule" if len(rules) == 1 else ""
-    return f"; speed and memory at budget {budgets[0]:g}{rule}"
+    return f"; speed and memory measured at budget {budgets[0]:g}{rule}"
 
 
 def _place_labels(ax, labels: list[tuple[float, float, str]]) -> None:
