@@ -78,10 +78,11 @@ class Transfers:
         with self.lock:
             self.bytes[direction] += nbytes
             self.seconds[direction] += seconds
-            if self.work is not None:
-                self.work.transfer(self.phase, direction, nbytes)
-            if direction == "disk_to_host" and self.phase == "decode":
+            phase = self.phase
+            if direction == "disk_to_host" and phase == "decode":
                 self.disk_read_in_decode += nbytes
+        if self.work is not None:  # (outside this lock: the counter has its own)
+            self.work.transfer(phase, direction, nbytes)
 
     def add_apart(self, what: str, seconds: float) -> None:
         with self.lock:

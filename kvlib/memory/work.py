@@ -18,6 +18,7 @@ The counts are the work a pass cannot avoid on any machine: kvlib.projection rea
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING
 
 import torch
@@ -48,11 +49,13 @@ class Work:
     def __init__(self, shape: PassShape | None):
         self.shape = shape
         self.counts = {phase: dict.fromkeys(QUANTITIES, 0) for phase in PHASES}
+        self.lock = threading.Lock()  # FlexGen's copy thread counts its transfers beside the engine's thread
 
     def add(self, phase: str, **amounts: int) -> None:
         counts = self.counts[phase]
-        for key, value in amounts.items():
-            counts[key] += int(value)
+        with self.lock:
+            for key, value in amounts.items():
+                counts[key] += int(value)
 
     def transfer(self, phase: str, direction: str, nbytes: int) -> None:
         """One copy between tiers (a direction of DIRECTIONS)."""
