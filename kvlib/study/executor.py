@@ -35,7 +35,9 @@ from tqdm import tqdm
 
 import kvlib
 from kvlib.errors import UserError
+from kvlib.paths import machine_limits
 from kvlib.study import results
+from kvlib.study.limits import record
 from kvlib.study.machine import machine
 from kvlib.study.machine_load import measured_load
 from kvlib.study.profile import Point, Profile
@@ -200,6 +202,9 @@ def run_experiment(profile: Profile, experiment: str, force: bool = False, progr
     units = [(p, r) for p, r, _ in ordered]
     todo = [(p, r) for p, r in units
             if force or not results.unit_path(profile.name, experiment, p.key, r).exists()]
+    if timed and todo and executor is None:
+        # this machine's limits beside the rows it is about to time: their bounds are read against them
+        record(machine_limits(profile.name), machine())
     bar = tqdm(total=len(units), initial=len(units) - len(todo), desc=f"{profile.name}/{experiment}", unit="run",
                disable=not progress)
 

@@ -15,9 +15,10 @@ On a CUDA device, where there is one (`cuda`, null where there is none):
 - host to device and device to host: a 1 GiB copy from and into pinned memory, GB/s; and the latency of one 4 KiB
   copy each way, issued and waited for (what a step pays per transfer beyond its bytes), microseconds.
 
-Each is the fastest of 7 after untimed calls (a small copy's latency: of 50): a stall only ever adds time. `kvlib study` records them in results/<profile>/machine.json before it times anything
-(the bounds of a profile's rows are read against the machine that measured them); benchmarks/bench_machine.py
-writes them to benchmarks/results/machine.json.
+Each is the fastest of 7 after untimed calls (a small copy's latency: of 50): a stall only ever adds time. The study
+records them in results/<profile>/machine.json before it times a timed experiment's units (kvlib.study.executor:
+the bounds of a profile's rows are read against the machine that measured them); benchmarks/bench_machine.py writes
+them to benchmarks/results/machine.json.
 """
 
 from __future__ import annotations

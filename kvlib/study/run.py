@@ -10,7 +10,6 @@ from __future__ import annotations
 import pandas as pd
 
 from kvlib.errors import UserError
-from kvlib.paths import machine_limits
 from kvlib.study import book, results
 from kvlib.study.executor import Executor, UnitsFailed, run_experiment
 from kvlib.study.profile import EXPERIMENTS, Profile
@@ -33,11 +32,8 @@ def run_study(profile: str, experiments: list[str] | None = None, force: bool = 
         raise UserError("--device and --toy store results only: add --compute-only (the book's notebooks read a "
                         "profile by its file's name; for a book of your own size, write a profile)")
     names = experiments or [e for e in EXPERIMENTS if e in prof.experiments]
-    failed, recorded = [], False
-    for name in names:
-        if name in TIMED and executor is None and not recorded and _computes(prof.name, name, force):
-            record_limits(prof.name)
-            recorded = True  # a unit that fails stops nothing: the other experiments are computed before the run fails
+    failed = []
+    for name in names:  # a unit that fails stops nothing: the other experiments are computed before the run fails
         try:
             run_experiment(prof, name, force=force, policies=policies, executor=executor)
         except UnitsFailed as exc:
@@ -50,23 +46,6 @@ def run_study(profile: str, experiments: list[str] | None = None, force: bool = 
         book.write_overview(prof.name, prof.validity_gate)
     if build:
         book.build()
-
-
-TIMED = ("ttft", "batch_scaling", "decode_length", "offload", "serving")  # whose rows are times
-
-
-def _computes(profile: str, experiment: str, force: bool) -> bool:
-    missing = results.missing_units(profile, experiment)
-    return force or missing is None or bool(missing)
-
-
-def record_limits(profile: str) -> None:
-    """This machine's limits (kvlib.study.limits), measured before it times a profile's units and stored beside them
-    with the machine's columns: the bounds of those rows are read against the machine that measured them."""
-    from kvlib.study.limits import record
-    from kvlib.study.machine import machine
-
-    record(machine_limits(profile), machine())
 
 
 def load(profile: str, experiment: str, compute_missing: bool = True) -> pd.DataFrame:
@@ -82,7 +61,5 @@ def load(profile: str, experiment: str, compute_missing: bool = True) -> pd.Data
             print(f"{profile}/{experiment}: {count}; `{command}` computes them")
         else:
             print(f"{profile}/{experiment}: {count}; computing them now, as `{command}` would")
-            if experiment in TIMED:
-                record_limits(profile)
             run_experiment(load_profile(profile), experiment)
     return results.load(profile, experiment)

@@ -175,8 +175,9 @@ def service_rate(point: Point) -> float:
     from kvlib.study.machine import machine
 
     trace_values = {k: v for k, v in point.values.items() if k not in ("request_rate", "rate_multiple")}
+    cpu = machine()["machine_cpu"]
     key = hashlib.sha256(json.dumps([trace_values, point.model, point.weights, point.device,
-                                     point.device_capacity_gb, machine()["machine_cpu"]], sort_keys=True,
+                                     point.device_capacity_gb, cpu], sort_keys=True,
                                     default=str).encode()).hexdigest()[:16]
     path = cache_dir() / SERVICE_RATE_FILE
     known = json.loads(path.read_text()) if path.exists() else {}
@@ -186,7 +187,7 @@ def service_rate(point: Point) -> float:
         if not row.get("request_throughput"):
             raise UserError(f"serving: paged could not serve the trace at the point's capacity to measure this "
                             f"machine's service rate ({row.get('oom_where')})")
-        known[key] = {"requests_per_s": row["request_throughput"], "machine_cpu": machine()["machine_cpu"]}
+        known[key] = {"requests_per_s": row["request_throughput"], "machine_cpu": cpu}
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(known, indent=1))
     return known[key]["requests_per_s"]
