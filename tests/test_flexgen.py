@@ -201,7 +201,8 @@ def test_the_offload_files_are_removed_after_an_exception(tiny, tmp_path):
 
 
 SIGINT_CHILD = textwrap.dedent("""
-    import sys, torch
+    import faulthandler, signal, sys, torch
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks for every thread's stack if it hangs
     from transformers import LlamaConfig, LlamaForCausalLM
     from kvlib.kernels.attention import register_attention
     from kvlib.models import LoadedModel, ModelSpec
@@ -237,7 +238,14 @@ def test_the_offload_files_are_removed_after_sigint(tmp_path):
             time.sleep(0.2)
         time.sleep(0.5)
         child.send_signal(signal.SIGINT)
-        child.wait(timeout=60)
+        try:
+            child.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            child.send_signal(signal.SIGUSR1)
+            time.sleep(2)
+            child.kill()
+            pytest.fail("the child did not exit within 60 s of SIGINT; its threads:\n"
+                        + child.stderr.read().decode()[-6000:])
     finally:
         if child.poll() is None:
             child.kill()
