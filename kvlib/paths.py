@@ -22,3 +22,12 @@ def repo_root() -> Path:
 def machine_limits(profile: str) -> Path:
     """The limits of the machine that timed a profile's rows (kvlib.study.limits), stored beside them."""
     return repo_root() / "results" / profile / "machine.json"
+
+
+def read_from(profile: str) -> Path:
+    """Where a profile's rows are read: results/<profile>/, or its reference book (kvlib.study.reference) where that
+    is published and the profile was never run on this checkout (no experiment's manifest), so that a profile's rows
+    never mix this machine's with the reference's."""
+    here = repo_root() / "results" / profile
+    published = repo_root() / "reference" / profile
+    return published if (published / "reference.json").exists() and not any(here.glob("*/points.json")) else here

@@ -3,7 +3,8 @@
 import pandas as pd
 import pytest
 
-from kvlib.report.choose import choose, largest_workload, read_at, regimes
+from kvlib.report.choose import by_question, choose, largest_workload, read_at, regimes
+from kvlib.report.choose.regimes import REGIME
 
 GIB = 2**30
 
@@ -79,6 +80,9 @@ def test_the_regimes_table_is_computed_by_the_same_function():
     at = table[table["device memory (GiB)"] == "profile's"]
     row = at[(at["batch"] == 8) & (at["accuracy drop allowed (pp)"] == "5")].iloc[0]
     assert row["fastest decode"].startswith("full") and "sparse" in row["cannot tell"]
+    tables = by_question(table)  # the chapter's one table a question: every column once, each row a regime
+    assert sorted(c for t in tables.values() for c in t.columns) == sorted(set(table.columns) - set(REGIME))
+    assert all(t.index.to_frame(index=False).equals(table[REGIME]) for t in tables.values())
 
 
 def test_the_chapter_answers_for_the_largest_workload_and_a_profile_without_systems_results_still_gets_an_answer():

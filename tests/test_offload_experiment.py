@@ -84,3 +84,5 @@ def test_the_posters_table_is_filled_from_the_runs(frame):
     assert (t["batching"] == BATCHING["static"]).all()  # the schedule the offload experiment ran them under
     read = t["share of seen entries decode read"]
     assert read["flexgen"] == 1.0 and read["flexgen+h2o"] < 1.0
+    parts = systems.by_part(t)  # the page's two narrower tables hold every column once
+    assert sorted(c for part in parts.values() for c in part.columns) == sorted(t.columns)

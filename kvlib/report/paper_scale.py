@@ -14,9 +14,9 @@ from kvlib.report.tables import outside_label
 def this_machine(profile: str):
     """The spec of the machine that timed the profile's rows, or None where none was recorded."""
     from kvlib import hardware
-    from kvlib.paths import machine_limits
+    from kvlib.paths import read_from
 
-    path = machine_limits(profile)
+    path = read_from(profile) / "machine.json"
     return hardware.this_machine(path) if path.is_file() else None
 
 

@@ -55,3 +55,14 @@ def table(frames: dict[str, pd.DataFrame]) -> pd.DataFrame:
             row[label] = "; ".join(shown) or "not recorded"
         out.append(row)
     return pd.DataFrame(out).set_index("runner")
+
+
+PARTS = {"Where the cache lives and how much of it decode reads": [
+             "KV held (peak, over its runs)", "share of seen entries decode read", "allocated in",
+             "bits a stored element", "batching"],
+         "What each keeps, reads and evicts": ["keeps", "attention reads", "evicts"]}
+
+
+def by_part(systems: pd.DataFrame) -> dict[str, pd.DataFrame]:
+    """`table` in two narrower tables (the placement and the rule), each a page wide."""
+    return {part: systems[[c for c in columns if c in systems]] for part, columns in PARTS.items()}

@@ -2,7 +2,8 @@
 
 `kvlib study --profile P` computes every missing unit of P's experiments (kvlib.study.executor), then executes each
 chapter's notebook with papermill (it only reads results/) and builds the book. A notebook opened interactively on
-a profile whose results are missing computes them through the same executor, with a progress bar.
+a profile whose results are missing computes them through the same executor, with a progress bar, unless the
+profile was never run here and its reference book is published (then it reads that).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import pandas as pd
 
 from kvlib.errors import UserError
-from kvlib.study import book, results
+from kvlib.study import book, reference, results
 from kvlib.study.executor import Executor, UnitsFailed, run_experiment
 from kvlib.study.profile import EXPERIMENTS, Profile
 from kvlib.study.profile import load_profile as _load_profile
@@ -24,13 +25,17 @@ def load_profile(name_or_path: str, device: str | None = None, toy: bool = False
 
 def run_study(profile: str, experiments: list[str] | None = None, force: bool = False, build: bool = False,
               policies: list[str] | None = None, notebooks: bool = True, executor: Executor | None = None,
-              device: str | None = None, toy: bool = False) -> None:
+              device: str | None = None, toy: bool = False, publish: bool = False) -> None:
     """device, toy: the profile on another device or at its toy size, its results in a folder of their own
-    (kvlib.study.overrides); results only, since the book's notebooks read a profile by its file's name."""
+    (kvlib.study.overrides); results only, since the book's notebooks read a profile by its file's name.
+    publish: then publish the results and the executed chapters as the profile's reference book, and README's verdict
+    section from it (kvlib.study.reference)."""
     prof = load_profile(profile, device, toy)
     if prof.name != load_profile(profile).name and (notebooks or build):
         raise UserError("--device and --toy store results only: add --compute-only (the book's notebooks read a "
                         "profile by its file's name; for a book of your own size, write a profile)")
+    if publish and not notebooks:
+        raise UserError("--publish publishes the chapters the run executes: drop --compute-only")
     names = experiments or [e for e in EXPERIMENTS if e in prof.experiments]
     failed = []
     for name in names:  # a unit that fails stops nothing: the other experiments are computed before the run fails
@@ -46,11 +51,21 @@ def run_study(profile: str, experiments: list[str] | None = None, force: bool = 
         book.write_overview(prof.name, prof.validity_gate)
     if build:
         book.build()
+    if publish:
+        reference.save(prof.name, prof.validity_gate)
+        if prof.name == reference.README_PROFILE:
+            reference.write_readme(prof.name)
 
 
 def load(profile: str, experiment: str, compute_missing: bool = True) -> pd.DataFrame:
     """A notebook's results: the stored rows of the profile's grid. Where units are missing, they are computed here
-    (with a progress bar) if compute_missing, else the rows stored so far come back with a note of what is not."""
+    (with a progress bar) if compute_missing, else the rows stored so far come back with a note of what is not.
+    A profile never run on this checkout whose reference book is published reads the reference (kvlib.study.reference)
+    and computes nothing."""
+    if reference.stands_in(profile):
+        print(f"{profile}/{experiment}: the reference book's rows ({reference.provenance(reference.about(profile))}); "
+              f"`kvlib study --profile {profile} --experiments {experiment} --compute-only` computes this machine's")
+        return reference.load(profile, experiment)
     missing = results.missing_units(profile, experiment)
     if missing is None and experiment not in load_profile(profile).experiments:
         print(f"{profile}: the profile has no {experiment} experiment")  # (the paper's, say, has no offload grid)

@@ -40,6 +40,18 @@ def regimes(frames: dict[str, pd.DataFrame], tolerances=(None, 5.0, 1.0), memori
     return pd.DataFrame(rows)
 
 
+REGIME = ["device memory (GiB)", "prompt tokens", "batch", "output tokens", "accuracy drop allowed (pp)"]
+QUESTIONS = {"Which decodes fastest?": ["fastest decode", "decode, not distinguishable"],
+             "Which reaches the first token soonest?": ["lowest TTFT", "TTFT, not distinguishable"],
+             "Which are out of the answer, and why?": ["ruled out", "cannot tell", "accuracy not measured",
+                                                        "not measured at this capacity"]}
+
+
+def by_question(table: pd.DataFrame) -> dict[str, pd.DataFrame]:
+    """`regimes` as one small table per question, indexed by the regime: narrow enough for a page."""
+    return {question: table.set_index(REGIME)[columns] for question, columns in QUESTIONS.items()}
+
+
 def largest_workload(frames: dict[str, pd.DataFrame], output_tokens: int = 32, max_accuracy_drop: float = 5.0
                      ) -> Choice:
     """The chooser's answer for the grid's largest batch and longest prompt (what the chooser chapter prints in full);

@@ -1,0 +1,101 @@
+"""The reference book published with the repository: its rows come back exactly as the book reads them, its verdicts
+are what the current code draws from them, README shows them, and a rebuild says which it reproduces."""
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+
+import kvlib.paths
+from kvlib.study import load_profile, reference
+from kvlib.study.profile import EXPERIMENTS
+
+PUBLISHED = reference.README_PROFILE
+
+
+def test_rows_come_back_exactly_whatever_their_types(tmp_path, monkeypatch):
+    nested = np.empty(2, dtype=object)
+    nested[:] = [np.array([1, 2]), np.array([3])]
+    frame = pd.DataFrame({
+        "target": [3, "Paris", 4],                                  # a task's int and str targets
+        "skew": [True, np.nan, False],                              # a setting missing from one policy's rows
+        "per_layer": [np.array([0.5, 0.25]), np.nan, np.array([1.0])],
+        "tokens": [nested, nested, nested],
+        "empty": pd.Series([np.nan, np.nan, np.nan], dtype=object),
+        "note": ["a", None, "c"],
+        "tok_s": [1.5, 2.5, np.nan],
+    })
+    (tmp_path / "results").mkdir()
+    reference._write_rows(frame, tmp_path / "results" / "x.parquet")
+    monkeypatch.setattr(reference, "folder", lambda profile: tmp_path)
+    pd.testing.assert_frame_equal(reference.load("any", "x"), frame)
+
+
+@pytest.fixture(scope="module")
+def published():
+    info = reference.about(PUBLISHED)
+    assert info is not None, f"reference/{PUBLISHED}/ is not published: `kvlib study --profile {PUBLISHED} --build --publish`"
+    return info
+
+
+def test_the_published_verdicts_are_what_the_code_draws_from_the_published_rows(published):
+    from kvlib.report.findings import verdict_table
+
+    frames = {name: reference.load(PUBLISHED, name) for name in EXPERIMENTS}
+    table = verdict_table(frames, load_profile(PUBLISHED).validity_gate)
+    assert table[["finding", "verdict", "numbers"]].to_dict(orient="records") == published["verdicts"]
+
+
+def test_readme_shows_the_published_verdicts(published):
+    readme = (kvlib.paths.repo_root() / "README.md").read_text()
+    assert reference.readme_section(PUBLISHED) in readme, "README is stale: `kvlib study --build --publish` writes it"
+    for row in published["verdicts"]:
+        assert f"| **{row['verdict']}** |" in readme
+
+
+def test_the_published_pages_and_limits_are_there(published):
+    folder = reference.folder(PUBLISHED)
+    from kvlib.study.book import CHAPTERS
+
+    assert sorted(p.stem for p in (folder / "chapters").glob("*.ipynb")) == sorted(CHAPTERS)
+    assert json.loads((folder / "machine.json").read_text())["threads"] >= 1
+    for chapter in (folder / "chapters").glob("*.ipynb"):  # executed: every code cell ran
+        cells = [c for c in json.loads(chapter.read_text())["cells"] if c["cell_type"] == "code"]
+        assert all(c["execution_count"] for c in cells), chapter.name
+
+
+def test_a_profile_never_run_here_reads_its_reference_and_one_run_here_does_not(tmp_path, monkeypatch):
+    root = tmp_path
+    (root / "reference" / "p").mkdir(parents=True)
+    (root / "reference" / "p" / "reference.json").write_text("{}")
+    monkeypatch.setattr(kvlib.paths, "repo_root", lambda: root)
+    assert kvlib.paths.read_from("p") == root / "reference" / "p"
+    (root / "results" / "p").mkdir(parents=True)
+    (root / "results" / "p" / "machine.json").write_text("{}")  # limits alone: nothing run yet
+    assert kvlib.paths.read_from("p") == root / "reference" / "p"
+    (root / "results" / "p" / "ttft").mkdir()
+    (root / "results" / "p" / "ttft" / "points.json").write_text("{}")
+    assert kvlib.paths.read_from("p") == root / "results" / "p"  # never a mix of this machine's rows and the reference's
+    assert kvlib.paths.read_from("unpublished") == root / "results" / "unpublished"
+
+
+def test_a_rebuild_says_which_verdicts_agree(published, monkeypatch):
+    monkeypatch.setattr(reference, "stands_in", lambda profile: False)
+    ours = pd.DataFrame(published["verdicts"])
+    flipped = {"confirmed": "refuted", "refuted": "confirmed"}
+    first = ours.verdict[0].split(":")[0]
+    ours.loc[0, "verdict"] = flipped.get(first, "confirmed")
+    text = reference.reproduction_markdown(PUBLISHED, ours)
+    lines = [line for line in text.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert len(lines) == len(ours)
+    assert lines[0].endswith("| **differs** |")
+    assert all(line.endswith("| agrees |") for line in lines[1:])
+    assert reference.reproduction_markdown("smoke", ours) == ""  # no reference book for smoke
+
+
+def test_the_published_book_stands_in_only_where_nothing_was_run(published):
+    note = reference.reproduction_markdown(PUBLISHED, pd.DataFrame(published["verdicts"]))
+    results_here = any((kvlib.paths.repo_root() / "results" / PUBLISHED).glob("*/points.json"))
+    assert note.startswith("**Reproduction.**") == results_here
+    assert ("reads the reference book's results" in note) == (not results_here)
