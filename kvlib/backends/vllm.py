@@ -103,59 +103,75 @@ class VLLMBackend:
         llm.reset_prefix_cache()
         scheduler = _scheduler(llm) if read_memory else None
         clock = TokenClock(len(prompts))
-        due = list(arrivals) if arrivals else [0.0] * len(prompts)
-        pending = sorted(range(len(prompts)), key=lambda i: due[i], reverse=True)  # the next arrival last
-        tokens: dict[int, list[int]] = {}
-        cached: dict[int, int] = {}
-        peak_usage, preempted = 0.0, {}
-        while pending or engine.has_unfinished_requests():
-            if pending and not engine.has_unfinished_requests():
-                time.sleep(max(due[pending[-1]] - clock.now(), 0.0))  # idle until the next request comes
-            while pending and due[pending[-1]] <= clock.now():
-                i = pending.pop()
-                clock.arrive(i, at=due[i])
-                engine.add_request(str(i), {"prompt_token_ids": prompts[i]}, params[lengths[i]])
-            outputs = engine.step()
-            handed = []
-            for out in outputs:
-                i, ids = int(out.request_id), list(out.outputs[0].token_ids)
-                handed += [i] * (len(ids) - len(tokens.get(i, [])))
-                tokens[i], cached[i] = ids, out.num_cached_tokens or 0
-            clock.handed(handed)
-            if scheduler is not None:
-                peak_usage = max(peak_usage, scheduler.kv_cache_manager.usage)
-                preempted.update({r.request_id: r.num_preemptions for r in scheduler.requests.values()})
-        spec = _spec(model)
-        block_bytes = spec.kv_bytes(self.block_size)
+        tokens, cached, peak_usage, preemptions = _serve(engine, prompts, [params[n] for n in lengths], arrivals,
+                                                         clock, scheduler)
         blocks = engine.vllm_config.cache_config.num_gpu_blocks or 0
-        # vLLM keeps within its own pool (sized to the capacity): it queues, never overflows. Its activations are
-        # inside its own engine: not measured, so None rather than 0; so are its KV blocks in a run that does not read
-        # them.
-        ledger = MemoryLedger(unmeasured=("activations",) if read_memory else ("activations", "kv", "kv_reserved"))
-        ledger.add("device", "weights", _weights_bytes(model), where="vllm model weights")
-        ledger.add("device", "weights_packed", _packed_copy_bytes(model), where="vllm's packed vocabulary matmuls")
-        used = round(peak_usage * blocks) * block_bytes
-        if read_memory:
-            ledger.set("device", "vllm KV cache", kv=used, kv_reserved=blocks * block_bytes - used)
+        blocks_used = round(peak_usage * blocks) if read_memory else None
         generated = [tokens.get(i, []) for i in range(len(prompts))]
         # vLLM interleaves its bookkeeping with the forward passes: its cache operations are not measured (None)
         slo = slo or {}
         metrics = build_metrics(**clock.metrics(), sections=None,
                                 **latency_metrics(clock, slo.get("ttft_s"), slo.get("tpot_s")))
-        hits = sum(cached.values())
-        stats = {"block_size": self.block_size, "num_blocks": blocks,
-                 "peak_blocks_used": round(peak_usage * blocks) if read_memory else None,
-                 "prefix_hit_rate": hits / sum(map(len, prompts)), "preemptions": sum(preempted.values())
-                 if read_memory else None, "vllm_version": vllm.__version__,
-                 # the mechanism in the poster's words, as kvlib's policies record theirs (KVPolicy.traits)
-                 "keeps": "every entry", "reads": "all it keeps",
-                 "evicts": "nothing: a request is preempted and recomputed when blocks run out",
-                 "granularity": f"blocks of {self.block_size} tokens", "kv_bits": 8 * _spec(model).dtype_bytes,
-                 "batching": f"{BATCHING['continuous']} (vLLM's own scheduler)"}
+        stats = {"block_size": self.block_size, "num_blocks": blocks, "peak_blocks_used": blocks_used,
+                 "prefix_hit_rate": sum(cached.values()) / sum(map(len, prompts)),
+                 "preemptions": preemptions if read_memory else None, "vllm_version": vllm.__version__,
+                 **self._traits(model)}
         return RunResult(
-            outputs=decoded_outputs(_tokenizer(llm, model), generated, prompts),
-            metrics=metrics, memory=ledger.snapshot(), policy={"name": self.label, **asdict(self)}, stats=stats)
+            outputs=decoded_outputs(_tokenizer(llm, model), generated, prompts), metrics=metrics,
+            memory=_ledger(model, self.block_size, blocks, blocks_used).snapshot(),
+            policy={"name": self.label, **asdict(self)}, stats=stats)
 
+    def _traits(self, model: str) -> dict:
+        """The mechanism in the poster's words, as kvlib's policies record theirs (KVPolicy.traits)."""
+        return {"keeps": "every entry", "reads": "all it keeps",
+                "evicts": "nothing: a request is preempted and recomputed when blocks run out",
+                "granularity": f"blocks of {self.block_size} tokens", "kv_bits": 8 * _spec(model).dtype_bytes,
+                "batching": f"{BATCHING['continuous']} (vLLM's own scheduler)"}
+
+
+def _serve(engine, prompts: list[list[int]], params: list, arrivals: list[float] | None, clock: TokenClock,
+           scheduler) -> tuple[dict[int, list[int]], dict[int, int], float, int]:
+    """Steps vLLM's engine by hand until every request is done, adding each once the clock passes its arrival, and
+    stamps each token as a step hands it over. Returns each request's output ids and its prompt tokens served from the
+    prefix cache; with a scheduler to read, the largest share of blocks in use and the preemptions (else 0.0 and 0)."""
+    due = list(arrivals) if arrivals else [0.0] * len(prompts)
+    pending = sorted(range(len(prompts)), key=lambda i: due[i], reverse=True)  # the next arrival last
+    tokens: dict[int, list[int]] = {}
+    cached: dict[int, int] = {}
+    peak_usage, preempted = 0.0, {}
+    while pending or engine.has_unfinished_requests():
+        if pending and not engine.has_unfinished_requests():
+            time.sleep(max(due[pending[-1]] - clock.now(), 0.0))  # idle until the next request comes
+        while pending and due[pending[-1]] <= clock.now():
+            i = pending.pop()
+            clock.arrive(i, at=due[i])
+            engine.add_request(str(i), {"prompt_token_ids": prompts[i]}, params[i])
+        outputs = engine.step()
+        handed = []
+        for out in outputs:
+            i, ids = int(out.request_id), list(out.outputs[0].token_ids)
+            handed += [i] * (len(ids) - len(tokens.get(i, [])))
+            tokens[i], cached[i] = ids, out.num_cached_tokens or 0
+        clock.handed(handed)
+        if scheduler is not None:
+            peak_usage = max(peak_usage, scheduler.kv_cache_manager.usage)
+            preempted.update({r.request_id: r.num_preemptions for r in scheduler.requests.values()})
+    return tokens, cached, peak_usage, sum(preempted.values())
+
+
+def _ledger(model: str, block_size: int, blocks: int, blocks_used: int | None) -> MemoryLedger:
+    """vLLM keeps within its own pool (sized to the capacity): it queues, never overflows. Its activations are inside
+    its own engine: not measured, so None rather than 0; so are its KV blocks in a run that does not read them
+    (blocks_used None)."""
+    read_memory = blocks_used is not None
+    ledger = MemoryLedger(unmeasured=("activations",) if read_memory else ("activations", "kv", "kv_reserved"))
+    ledger.add("device", "weights", _weights_bytes(model), where="vllm model weights")
+    ledger.add("device", "weights_packed", _packed_copy_bytes(model), where="vllm's packed vocabulary matmuls")
+    if read_memory:
+        block_bytes = _spec(model).kv_bytes(block_size)
+        used = blocks_used * block_bytes
+        ledger.set("device", "vllm KV cache", kv=used, kv_reserved=blocks * block_bytes - used)
+    return ledger
 
 def _scheduler(llm):
     """vLLM's scheduler, in this process (its engine runs in-process here: VLLM_ENABLE_V1_MULTIPROCESSING=0 on a

@@ -25,8 +25,8 @@ import pandas as pd
 from kvlib.policies import REGISTRY
 from kvlib.report import stats
 from kvlib.report.accuracy_lines import change, role, scored_rows
+from kvlib.report.figure_style import policy_colours, set_style
 from kvlib.report.gate import GATE, accuracy_gate, passing
-from kvlib.report.plots import _palette, _style
 from kvlib.report.tables import accuracy_item
 
 HYBRIDS = ("duo", "adakv", "pyramidkv")
@@ -203,10 +203,10 @@ def plot(df: pd.DataFrame, gate: float = GATE):
     table = points(df, gate)
     if table.empty:
         return None
-    _style()
+    set_style()
     names = list(table["unit"].unique())
     fig, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 6.5), squeeze=False)
-    palette = _palette(table["policy"])
+    palette = policy_colours(table["policy"])
     styles = {"hybrid": ("-", "full"), "uniform": ("--", "none"), "other": (":", "full")}
     for ax, unit in zip(axes.flat, names):
         t = table[table["unit"] == unit]

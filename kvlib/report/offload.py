@@ -15,7 +15,7 @@ import pandas as pd
 
 from kvlib.memory.placement import TIERS, Placement
 from kvlib.report import stats
-from kvlib.report.plots import _palette, _style
+from kvlib.report.figure_style import policy_colours, set_style
 from kvlib.report.tables import decode_spread, geometric_mean
 
 GIB, MIB = 2**30, 2**20
@@ -112,11 +112,11 @@ def figure(df: pd.DataFrame):
     """Left: decode throughput against the share of the KV on disk, one line per offloading runner (weights on the
     device; the weights-on-disk points marked apart), each with the rate its disk reads alone would allow. Right:
     bytes read off the disk per generated token."""
-    _style()
+    set_style()
     d = frame(df)
     d = d[~d["oom"].astype(bool) & (d["kv_off_device"] > 0)]
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.5))
-    colours = _palette(d["policy"])  # the book's palette, distinct past ten runners
+    colours = policy_colours(d["policy"])  # the book's palette, distinct past ten runners
     for (policy, weights), g in d.groupby(["policy", "weights_on"]):
         points = g.groupby("kv_on_disk").agg(tps=("decode_tokens_per_s", geometric_mean),
                                             per_token=("disk_bytes_per_token", "median"),

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from statistics import NormalDist
 
 import pandas as pd
 
@@ -51,9 +50,9 @@ def items_for_power(drop: stats.Drop, tolerance: float, power: float = POWER) ->
     distance = abs(drop.drop * 100 - tolerance) / 100
     if distance < 1e-9:
         return None
-    z_level = NormalDist().inv_cdf(1 - (1 - drop.level) / 2)
+    z_level = stats.two_sided_z(drop.level)
     half = (drop.high - drop.low) / 2
-    return math.ceil(drop.items * (half / distance * (z_level + NormalDist().inv_cdf(power)) / z_level) ** 2)
+    return math.ceil(drop.items * (half / distance * (z_level + stats.normal_quantile(power)) / z_level) ** 2)
 
 
 def items_to_resolve(drop: stats.Drop, tolerance: float) -> str:

@@ -67,7 +67,25 @@ def choose_serving(serving: pd.DataFrame, accuracy: pd.DataFrame, rate: float, s
     if serving.empty:
         choice.notes.append("No serving results in this profile: `kvlib study --experiments serving` computes them.")
         return choice
-    d = serving.assign(oom=serving["oom"].fillna(False).astype(bool))
+    d = _at_capacity(serving.assign(oom=serving["oom"].fillna(False).astype(bool)), device_memory_gb, choice)
+    if d is None:
+        return choice
+    _weigh_accuracy(choice, d, accuracy, max_accuracy_drop, gate)
+    rates = sorted(d["request_rate"].unique())
+    if rate < rates[0]:
+        choice.notes.append(f"{rate:g} requests/s is below the lowest rate measured; read at {rates[0]:.3g} requests/s "
+                            f"(latency at a lower load is no higher).")
+    for p, g in d.groupby("policy"):
+        if p not in choice.excluded:
+            _read_runner(choice, p, g, rate, slo)
+    if not slo:
+        choice.notes.append("No SLO given (--slo-ttft, --slo-tpot): every runner measured at this rate meets it.")
+    return choice
+
+
+def _at_capacity(d: pd.DataFrame, device_memory_gb: float | None, choice: ServingChoice) -> pd.DataFrame | None:
+    """The rows measured at the largest capacity within `device_memory_gb` (none asked: the largest measured), the
+    capacity noted on the choice; None, with a note, where every measured capacity is larger than the memory asked."""
     capacities = d["device_capacity_gb"].dropna().unique() if "device_capacity_gb" in d else []
     if device_memory_gb is not None:
         fitting = sorted(c for c in capacities if c <= device_memory_gb + 1e-12)
@@ -75,12 +93,18 @@ def choose_serving(serving: pd.DataFrame, accuracy: pd.DataFrame, rate: float, s
             measured = ", ".join(f"{c:g}" for c in sorted(capacities)) or "no configured capacity"
             choice.notes.append(f"Serving was measured at {measured} GiB, none of it within the {device_memory_gb:g} "
                                 f"GiB asked: no answer (less memory means fewer blocks; not extrapolated).")
-            return choice
+            return None
         choice.capacity_gb = float(fitting[-1])
-        d = d[d["device_capacity_gb"] == fitting[-1]]
-    elif len(capacities):
+        return d[d["device_capacity_gb"] == fitting[-1]]
+    if len(capacities):
         choice.capacity_gb = float(max(capacities))
-        d = d[d["device_capacity_gb"] == max(capacities)]
+        return d[d["device_capacity_gb"] == max(capacities)]
+    return d
+
+
+def _weigh_accuracy(choice: ServingChoice, d: pd.DataFrame, accuracy: pd.DataFrame, max_accuracy_drop: float | None,
+                    gate: float) -> None:
+    """Each runner's accuracy as `choose` weighs it: the loss it shows, or, against a tolerance, excluded beyond it."""
     lossless = lossless_runners(d)
     evidence = evidence_for(accuracy, d, gate=gate)
     for p in sorted(d["policy"].unique()):
@@ -100,36 +124,31 @@ def choose_serving(serving: pd.DataFrame, accuracy: pd.DataFrame, rate: float, s
             choice.excluded[p] = "its accuracy was not measured in this profile on a task the full cache passes"
         else:  # a lossy runner with no accuracy read says so rather than nothing
             choice.accuracy[p] = "its accuracy loss was not measured in this profile"
-    rates = sorted(d["request_rate"].unique())
-    if rate < rates[0]:
-        choice.notes.append(f"{rate:g} requests/s is below the lowest rate measured; read at {rates[0]:.3g} requests/s "
-                            f"(latency at a lower load is no higher).")
-    for p, g in d.groupby("policy"):
-        if p in choice.excluded:
+
+
+def _read_runner(choice: ServingChoice, p: str, g: pd.DataFrame, rate: float, slo: dict[str, float]) -> None:
+    """One runner's p90 latencies read at `rate` against each limit: it meets the SLO, misses it (saying which
+    limit), or is excluded (measured only below the rate, or out of memory at or below the rate it is read at)."""
+    measured = sorted(g["request_rate"].unique())
+    if rate > measured[-1]:
+        choice.excluded[p] = f"measured only up to {measured[-1]:.3g} requests/s (not extrapolated)"
+        return
+    at = max(rate, measured[0])
+    read_up_to = min(x for x in measured if x >= at)  # the highest rate a reading at `at` rests on
+    if g.loc[g["oom"], "request_rate"].le(read_up_to).any():
+        choice.excluded[p] = f"ran out of device memory at or below {read_up_to:.3g} requests/s"
+        return
+    got, missed = {}, []
+    for key, limit in slo.items():
+        curve = g[~g["oom"]].groupby("request_rate")[f"{key}_{SERVING_PERCENTILE}"].median()
+        estimate = read_at(curve, at, "rate")
+        if estimate is None:
+            missed.append(f"no {key} measured")
             continue
-        measured = sorted(g["request_rate"].unique())
-        if rate > measured[-1]:
-            choice.excluded[p] = f"measured only up to {measured[-1]:.3g} requests/s (not extrapolated)"
-            continue
-        at = max(rate, measured[0])
-        read_up_to = min(x for x in measured if x >= at)  # the highest rate a reading at `at` rests on
-        if g.loc[g["oom"], "request_rate"].le(read_up_to).any():
-            choice.excluded[p] = f"ran out of device memory at or below {read_up_to:.3g} requests/s"
-            continue
-        got, missed = {}, []
-        for key, limit in slo.items():
-            curve = g[~g["oom"]].groupby("request_rate")[f"{key}_{SERVING_PERCENTILE}"].median()
-            estimate = read_at(curve, at, "rate")
-            if estimate is None:
-                missed.append(f"no {key} measured")
-                continue
-            got[key] = estimate
-            if estimate.value > limit:
-                missed.append(f"{SERVING_PERCENTILE} {_LIMIT_NAMES[key]} {estimate.how('s')} > {limit:g} s")
-        if missed:
-            choice.misses[p] = "; ".join(missed)
-        else:
-            choice.meets[p] = got
-    if not slo:
-        choice.notes.append("No SLO given (--slo-ttft, --slo-tpot): every runner measured at this rate meets it.")
-    return choice
+        got[key] = estimate
+        if estimate.value > limit:
+            missed.append(f"{SERVING_PERCENTILE} {_LIMIT_NAMES[key]} {estimate.how('s')} > {limit:g} s")
+    if missed:
+        choice.misses[p] = "; ".join(missed)
+    else:
+        choice.meets[p] = got

@@ -120,21 +120,10 @@ def choose(frames: dict[str, pd.DataFrame], prompt_tokens: int, batch: int, outp
     decode_df, axis, x = ((length_df, "output_tokens", output_tokens) if batch == 1 and not length_df.empty
                           else (batch_df, "batch_size", batch))
     policies = sorted(set(decode_df.get("policy", [])) | set(ttft_df.get("policy", [])))
-    lossless = lossless_runners(decode_df) | lossless_runners(ttft_df)
     if max_accuracy_drop is not None:
         evidence = evidence_for(frames.get("accuracy", pd.DataFrame()), length_df, batch_df, ttft_df, gate=gate)
-        for p in policies:
-            if p in lossless:
-                continue
-            if p not in evidence:
-                choice.unmeasured[p] = ("its accuracy was not measured in this profile on a task the full cache "
-                                        "passes (the validity gate)")
-                continue
-            e = judge_accuracy(evidence[p], max_accuracy_drop)
-            if e.outcome == RULED_OUT:
-                choice.excluded[p] = e.text(max_accuracy_drop)
-            elif e.outcome == CANNOT_TELL:
-                choice.undecided[p] = e.text(max_accuracy_drop)
+        lossy = [p for p in policies if p not in lossless_runners(decode_df) | lossless_runners(ttft_df)]
+        _judge_accuracy(choice, lossy, evidence, max_accuracy_drop)
     for p in policies:
         if p in choice.excluded or p in choice.undecided or p in choice.unmeasured:
             continue
@@ -147,15 +136,7 @@ def choose(frames: dict[str, pd.DataFrame], prompt_tokens: int, batch: int, outp
     for p in [*choice.excluded, *choice.unmeasured_capacity]:  # left out by one question, out of both answers
         choice.decode.pop(p, None)
         choice.ttft.pop(p, None)
-    kernels = decode_kernels(decode_df) if not decode_df.empty else {}
-    note = kernel_note(kernels, choice.decode)
-    if note:  # the answer is drawn among the policies of the recorded kernel most of them ran
-        ran = pd.Series([kernels[p] for p in choice.decode if p in kernels])
-        recorded = ran[~ran.isin(["mixed", "unrecorded"])]
-        main = (recorded if len(recorded) else ran).value_counts().index[0]
-        choice.notes.append(f"{note[0].upper()}{note[1:]}; the fastest is chosen among those that ran `{main}`.")
-        for p in [p for p in choice.decode if p in kernels and kernels[p] != main]:
-            choice.decode.pop(p)
+    _keep_the_main_kernel(choice, decode_df)
     if choice.decode:
         choice.fastest_decode = max(choice.decode, key=lambda p: choice.decode[p].value)
         choice.decode_ties = _within_noise(decode_df, axis, "decode_tokens_per_s", choice.fastest_decode,
@@ -169,6 +150,36 @@ def choose(frames: dict[str, pd.DataFrame], prompt_tokens: int, batch: int, outp
                             f"their own prefill is in the decode-length results).")
     choice.notes += _workload_notes(decode_df, axis, prompt_tokens, output_tokens)
     return choice
+
+
+def _judge_accuracy(choice: Choice, lossy: list[str], evidence: dict, max_accuracy_drop: float) -> None:
+    """Each lossy policy against the tolerance: ruled out, cannot tell yet, or its accuracy not measured (within it:
+    left in the ranking)."""
+    for p in lossy:
+        if p not in evidence:
+            choice.unmeasured[p] = ("its accuracy was not measured in this profile on a task the full cache "
+                                    "passes (the validity gate)")
+            continue
+        e = judge_accuracy(evidence[p], max_accuracy_drop)
+        if e.outcome == RULED_OUT:
+            choice.excluded[p] = e.text(max_accuracy_drop)
+        elif e.outcome == CANNOT_TELL:
+            choice.undecided[p] = e.text(max_accuracy_drop)
+
+
+def _keep_the_main_kernel(choice: Choice, decode_df: pd.DataFrame) -> None:
+    """Where the policies decoded with different kernels, the answer is drawn among the policies of the recorded
+    kernel most of them ran (the others dropped from the decode answer, and the note says so)."""
+    kernels = decode_kernels(decode_df) if not decode_df.empty else {}
+    note = kernel_note(kernels, choice.decode)
+    if not note:
+        return
+    ran = pd.Series([kernels[p] for p in choice.decode if p in kernels])
+    recorded = ran[~ran.isin(["mixed", "unrecorded"])]
+    main = (recorded if len(recorded) else ran).value_counts().index[0]
+    choice.notes.append(f"{note[0].upper()}{note[1:]}; the fastest is chosen among those that ran `{main}`.")
+    for p in [p for p in choice.decode if p in kernels and kernels[p] != main]:
+        choice.decode.pop(p)
 
 
 def _within_noise(df: pd.DataFrame, axis: str, value: str, best: str, estimates: dict[str, Estimate]) -> list[str]:

@@ -12,9 +12,11 @@ from kvlib.report.stats.accuracy import (
     drop_verdict,
     family_level,
     mean_interval,
+    normal_quantile,
     paired_drop,
     resolution,
     sign_test_p,
+    two_sided_z,
 )
 from kvlib.report.stats.rule import (
     ALPHA,
@@ -77,6 +79,7 @@ __all__ = [
     "family_level",
     "holm",
     "mean_interval",
+    "normal_quantile",
     "paired_drop",
     "range_claim",
     "repeats_needed",
@@ -86,4 +89,5 @@ __all__ = [
     "smallest_p_value",
     "timing_equivalent",
     "timing_rule",
+    "two_sided_z",
 ]

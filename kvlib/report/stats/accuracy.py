@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from statistics import NormalDist
 
 import numpy as np
 import pandas as pd
@@ -99,20 +100,21 @@ def _interval(replicates: np.ndarray, level: float) -> tuple[float, float]:
     return float(np.quantile(replicates, tail)), float(np.quantile(replicates, 1 - tail))
 
 
-def _z(level: float) -> float:
-    """The standard normal quantile of a two-sided level (bisection on erf: no scipy here)."""
-    low, high = 0.0, 10.0
-    for _ in range(60):
-        mid = (low + high) / 2
-        low, high = (mid, high) if math.erf(mid / math.sqrt(2)) < level else (low, mid)
-    return (low + high) / 2
+def normal_quantile(p: float) -> float:
+    """The standard normal distribution's quantile at `p` (one-sided)."""
+    return NormalDist().inv_cdf(p)
+
+
+def two_sided_z(level: float) -> float:
+    """The z of a two-sided interval at `level`: 1.96 at 95 %."""
+    return normal_quantile(1 - (1 - level) / 2)
 
 
 def resolution(clusters: int, level: float) -> float:
     """The least half-width an interval from `clusters` independent units can honestly have: with none of them
     differing, the share that could differ is still up to z^2 / (n + z^2) (Wilson's bound at zero). A bootstrap of
     identical answers has no spread at all; without this floor two items answered alike would read "equivalent"."""
-    z2 = _z(level) ** 2
+    z2 = two_sided_z(level) ** 2
     return z2 / (clusters + z2) if clusters else math.inf
 
 
