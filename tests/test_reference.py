@@ -99,3 +99,11 @@ def test_the_published_book_stands_in_only_where_nothing_was_run(published):
     results_here = any((kvlib.paths.repo_root() / "results" / PUBLISHED).glob("*/points.json"))
     assert note.startswith("**Reproduction.**") == results_here
     assert ("reads the reference book's results" in note) == (not results_here)
+
+
+def test_publishing_needs_the_chapters_the_run_executes():
+    from kvlib.errors import UserError
+    from kvlib.study import run_study
+
+    with pytest.raises(UserError, match="--publish publishes the chapters"):
+        run_study("smoke", publish=True, notebooks=False)

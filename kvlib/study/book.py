@@ -71,7 +71,17 @@ def write_fidelity() -> Path:
     return path
 
 
+def write_profile_guide() -> Path:
+    """The profile guide (book/profiles.md), from the schema, the experiments and the runners' settings."""
+    from kvlib.study import profile_guide
+
+    path = repo_root() / "book" / "profiles.md"
+    path.write_text(profile_guide.markdown() + "\n")
+    return path
+
+
 def build() -> None:
     write_fidelity()
+    write_profile_guide()
     subprocess.run(["jupyter-book", "build", str(repo_root() / "book")], check=True,
                    env={**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})

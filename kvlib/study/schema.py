@@ -24,6 +24,14 @@ PREFILL = ("full", "fused", "chunked")
 PROTOCOLS = ("deployed", "strict")
 
 
+def described(words: str):
+    """A check's type in words, for the profile guide (kvlib.study.profile_guide)."""
+    def mark(check: Check) -> Check:
+        check.kind = words
+        return check
+    return mark
+
+
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -32,26 +40,32 @@ def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+@described("a positive integer")
 def positive_int(v):
     return None if _is_int(v) and v >= 1 else f"expected a positive integer, got {v!r}"
 
 
+@described("an integer >= 0")
 def non_negative_int(v):
     return None if _is_int(v) and v >= 0 else f"expected an integer >= 0, got {v!r}"
 
 
+@described("a positive number")
 def positive_number(v):
     return None if _is_number(v) and v > 0 else f"expected a positive number, got {v!r}"
 
 
+@described("a share in (0, 1]")
 def share(v):
     return None if _is_number(v) and 0 < v <= 1 else f"expected a share in (0, 1], got {v!r}"
 
 
+@described("a name")
 def text(v):
     return None if isinstance(v, str) and v else f"expected a name (a non-empty string), got {v!r}"
 
 
+@described("a source mapping")
 def source(v):
     """A text or conversation source: a mapping (kvlib.models.workloads)."""
     if not isinstance(v, dict):
@@ -60,11 +74,12 @@ def source(v):
 
 
 def one_of(*choices) -> Check:
-    return lambda v: None if isinstance(v, str) and v in choices else f"expected one of {list(choices)}, got {v!r}"
+    return described(f"one of {', '.join(choices)}")(
+        lambda v: None if isinstance(v, str) and v in choices else f"expected one of {list(choices)}, got {v!r}")
 
 
 def optional(check: Check) -> Check:
-    return lambda v: None if v is None else check(v)
+    return described(f"{check.kind}, or null")(lambda v: None if v is None else check(v))
 
 
 def list_of(check: Check) -> Check:
@@ -73,19 +88,21 @@ def list_of(check: Check) -> Check:
             return f"expected a non-empty list, got {v!r}"
         bad = [(i, check(x)) for i, x in enumerate(v) if check(x)]
         return f"[{bad[0][0]}]: {bad[0][1]}" if bad else None
-    return checked
+    return described(f"a list of {check.kind.removeprefix('a ').removeprefix('an ')}s")(checked)
 
 
 def one_or_list(check: Check) -> Check:
     """A value, or a list of them that one point runs together (retention's protocols share a pass)."""
-    return lambda v: list_of(check)(v) if isinstance(v, list) else check(v)
+    return described(f"{check.kind}, or a list of them")(lambda v: list_of(check)(v) if isinstance(v, list) else check(v))
 
 
+@described("[low, high] token counts")
 def bucket(v):
     ok = isinstance(v, list) and len(v) == 2 and all(_is_int(x) and x >= 1 for x in v) and v[0] < v[1]
     return None if ok else f"expected a bucket [low, high] of token counts, low < high, got {v!r}"
 
 
+@described("a depth in [0, 1]")
 def depth(v):
     return None if _is_number(v) and 0 <= v <= 1 else f"expected a depth in [0, 1], got {v!r}"
 
@@ -101,7 +118,7 @@ def mapping_of(keys: dict[str, Check]) -> Check:
             if problem:
                 return f"{key}: {problem}"
         return None
-    return checked
+    return described(f"a mapping of {', '.join(keys)}")(checked)
 
 
 RULER = mapping_of({"max_seq_lengths": list_of(positive_int), "items": optional(positive_int),
