@@ -3,6 +3,8 @@ results (kvlib.report.choose); with --hardware, the workload projected onto a ma
 
 from __future__ import annotations
 
+import sys
+
 import json
 
 from kvlib.errors import UserError
@@ -55,13 +57,15 @@ def handle(args) -> int:
     from dataclasses import asdict
 
     from kvlib.report.choose import choose, choose_serving
-    from kvlib.study import load_profile, results
+    from kvlib.study import load_profile, reference, stored
 
     workload = [args.prompt_tokens, args.batch, args.output_tokens]
     _check_flags(args, workload)
     loaded = load_profile(args.profile)
     profile, gate = loaded.name, loaded.validity_gate
-    frames = {e: results.load(profile, e) for e in ("ttft", "batch_scaling", "decode_length", "serving", "accuracy")}
+    if reference.stands_in(profile):  # (stderr: --json prints one object)
+        print(f"reading the reference book's rows ({reference.provenance(reference.about(profile))})", file=sys.stderr)
+    frames = {e: stored(profile, e) for e in ("ttft", "batch_scaling", "decode_length", "serving", "accuracy")}
     answers = {}
     if args.request_rate is not None:
         if frames["serving"].empty:

@@ -57,6 +57,12 @@ def run_study(profile: str, experiments: list[str] | None = None, force: bool = 
             reference.write_readme(prof.name)
 
 
+def stored(profile: str, experiment: str) -> pd.DataFrame:
+    """The profile's stored rows, computing nothing: this checkout's, or its reference book's where that stands in
+    (kvlib.study.reference)."""
+    return reference.load(profile, experiment) if reference.stands_in(profile) else results.load(profile, experiment)
+
+
 def load(profile: str, experiment: str, compute_missing: bool = True) -> pd.DataFrame:
     """A notebook's results: the stored rows of the profile's grid. Where units are missing, they are computed here
     (with a progress bar) if compute_missing, else the rows stored so far come back with a note of what is not.
@@ -65,7 +71,7 @@ def load(profile: str, experiment: str, compute_missing: bool = True) -> pd.Data
     if reference.stands_in(profile):
         print(f"{profile}/{experiment}: the reference book's rows ({reference.provenance(reference.about(profile))}); "
               f"`kvlib study --profile {profile} --experiments {experiment} --compute-only` computes this machine's")
-        return reference.load(profile, experiment)
+        return stored(profile, experiment)
     missing = results.missing_units(profile, experiment)
     if missing is None and experiment not in load_profile(profile).experiments:
         print(f"{profile}: the profile has no {experiment} experiment")  # (the paper's, say, has no offload grid)
@@ -77,4 +83,4 @@ def load(profile: str, experiment: str, compute_missing: bool = True) -> pd.Data
         else:
             print(f"{profile}/{experiment}: {count}; computing them now, as `{command}` would")
             run_experiment(load_profile(profile), experiment)
-    return results.load(profile, experiment)
+    return stored(profile, experiment)
