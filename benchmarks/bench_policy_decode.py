@@ -15,6 +15,10 @@ tokens each row's heads attend, every layer, K and V), and the bytes-read limit:
 the machine's read bandwidth), the bandwidth as bench_machine.py measures it, in this run.
 
     python benchmarks/bench_policy_decode.py --rounds 2
+    BENCH_BEFORE=/path/to/old/checkout python benchmarks/bench_policy_decode.py --engines full before:full --workload 8x2048
+
+`before:<policy>` runs the policy from another kvlib checkout (its own worker, in its own process), in the same run and
+the same alternating order: a change's before and after as ratios from one run.
 
 Writes benchmarks/results/policy_decode.json.
 """
@@ -28,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from smoke import SMOKE, results_path, sized
 
@@ -98,18 +103,24 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--engines", nargs="+", default=None, help="policies (default: every registered one)")
     parser.add_argument("--rounds", type=int, default=sized(2, 1))
+    parser.add_argument("--workload", default=None, help="only this one, ROWSxTOKENS (e.g. 8x2048)")
     args = parser.parse_args()
+    workloads = [tuple(map(int, args.workload.split("x")))] if args.workload else WORKLOADS
+    before = Path(os.environ.get("BENCH_BEFORE", "/work/main"))
     engines = args.engines or sized(available(), ["full", "h2o", "quest"])
     threads = int(os.environ.get("BENCH_THREADS", os.cpu_count() or 1))
     load_before = os.getloadavg()
     bandwidth = read_bandwidth(threads)
     rows = []
-    for batch, prompt_tokens in WORKLOADS:
+    for batch, prompt_tokens in workloads:
         runs: dict[str, list[dict]] = {e: [] for e in engines}
         for r in range(args.rounds):
             for name in engines if r % 2 == 0 else engines[::-1]:
-                out = subprocess.run([sys.executable, __file__, "--worker", name, str(batch), str(prompt_tokens),
-                                      str(threads)], capture_output=True, text=True, check=False)
+                old = name.startswith("before:")
+                script = before / "benchmarks" / Path(__file__).name if old else Path(__file__)
+                out = subprocess.run([sys.executable, str(script), "--worker", name.removeprefix("before:"), str(batch),
+                                      str(prompt_tokens), str(threads)], capture_output=True, text=True, check=False,
+                                     env={**os.environ, "PYTHONPATH": str(script.parents[1])})
                 if out.returncode != 0:
                     raise RuntimeError(f"{name} failed:\n{out.stderr[-3000:]}")
                 runs[name].append(json.loads(out.stdout.strip().splitlines()[-1]))

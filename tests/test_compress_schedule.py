@@ -102,3 +102,15 @@ def test_the_cli_serves_under_the_compress_schedule_and_lists_the_compressions(t
     out = json.loads(proc.stdout)
     assert [len(o["token_ids"]) for o in out["outputs"]] == [30, 30, 30] and out["metrics"]["preemptions"] == 0
     assert out["policy_stats"]["compressions"]
+
+
+def test_the_compress_contract_is_declared_on_every_policy_with_defaults():
+    """What the compress schedule reads of a policy is declared in the contract (KVPolicy), not looked up by name:
+    whether it can compress, the share a compressed request keeps and whether it compresses to admit, with defaults
+    that compress_h2o's own settings replace (and only its settings name them, so a run records them for it alone)."""
+    paged, h2o, mine = make_policy("paged"), make_policy("h2o"), make_policy("compress_h2o", compress_share=0.25,
+                                                                             compress_to_admit=True)
+    assert not paged.can_compress and h2o.can_compress and mine.can_compress
+    assert (h2o.compress_share, h2o.compress_to_admit) == (0.5, False)
+    assert (mine.compress_share, mine.compress_to_admit) == (0.25, True)
+    assert "compress_share" not in h2o.settings() and mine.settings()["compress_share"] == 0.25

@@ -111,7 +111,7 @@ def test_kv_bytes_follow_the_budget_and_stay_bounded(tiny):
     per_token = tiny.spec.kv_bytes_per_token
     booked = []
     after = policy.after_pass
-    policy.after_pass = lambda step: (after(step), booked.append((policy.seen.clone(), engine.ledger.current[
+    policy.after_pass = lambda step: (after(step), booked.append((policy.tokens.seen.clone(), engine.ledger.current[
         ("device", "kv")])))
     engine.generate(prompts, 12, prefill_mode="full", stop_at_eos=False)
     _, after_prefill = booked[1]

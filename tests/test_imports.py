@@ -1,8 +1,10 @@
 """kvlib's imports flow one way: from the command line down to the engine's leaves, never up, never in a cycle.
 
-Every module has a layer; a module may import only modules of its own layer or below (function-level imports
-included: an import hidden in a function is still a dependency), and no two modules import each other, directly or
-through others. A new module needs a layer here: the test fails until it has one.
+Every module has a layer; a module may import only modules of its own layer or below, and no two modules import each
+other, directly or through others. Every import counts: one hidden in a function is still a dependency, and so is one
+for type checkers only (under `if TYPE_CHECKING:`): a type named from a layer above is an arrow back up, and one
+that closes a cycle is a circle a reader must hold in mind. A new module needs a layer here: the test fails until it
+has one.
 """
 
 import ast
@@ -16,7 +18,9 @@ LAYERS = [
     ["kvlib.hardware"],                                         # machines' specs as data, each figure with its source
     ["kvlib.memory"],                                           # the ledger, the block pool, the timers, work counts
     ["kvlib.kernels"],                                          # attention paths and the C kernels
-    ["kvlib.models"],                                           # loading, kvlib's forward, random weights, prompts
+    ["kvlib.models"],                                           # loading, kvlib's forward, random weights, prompts,
+                                                                # what a pass carries (models.passes: Step, a
+                                                                # recorded pass), read by policies and the engine
     ["kvlib.policies"],                                         # KV-cache policies (one file each)
     ["kvlib.engine"],                                           # the engine, its scheduler, run results, capacity
     ["kvlib.projection"],                                       # bounds and GPU estimates from counted work
@@ -24,6 +28,7 @@ LAYERS = [
     ["kvlib.report"],                                           # tables, findings, figures, the chooser: pure
                                                                 # functions of results frames, below the study
     ["kvlib.study"],                                            # profiles, points, executors, results, the book build
+    ["kvlib.commands"],                                         # the subcommands, one module each: arguments, action
     ["kvlib.cli", "kvlib.__main__", "kvlib"],                   # the command line (and the package itself)
 ]
 
@@ -43,11 +48,7 @@ def kvlib_imports() -> dict[str, set[str]]:
         name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         found = set()
-        tree = ast.parse(path.read_text())
-        for block in ast.walk(tree):  # imports for type checkers only are no dependency at run time
-            if isinstance(block, ast.If) and getattr(block.test, "id", "") == "TYPE_CHECKING":
-                block.body = []
-        for node in ast.walk(tree):
+        for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 found |= {a.name for a in node.names}
             elif isinstance(node, ast.ImportFrom):

@@ -90,3 +90,18 @@ def test_cli_serves_at_a_request_rate_and_reports_latency_percentiles(tmp_path):
                 "request_throughput", "output_throughput", "goodput", "max_running", "preemptions"):
         assert metrics[key] is not None, key
     assert len(json.loads(proc.stdout)["outputs"]) == 3
+
+
+@pytest.mark.parametrize("schedule", ["static", "continuous"])
+def test_a_forked_request_that_ends_at_its_first_token_gives_its_row_back_as_any_other(tiny, schedule):
+    """share_prompts under a serving schedule: a request whose prompt a running one holds forks its row and may end
+    at that first token; it retires as every finished request does, its row given back at once (continuous), or at the
+    end of the run (static: every row stays allocated until then)."""
+    torch.manual_seed(0)
+    a, b = torch.randint(100, 5000, (30,)).tolist(), torch.randint(100, 5000, (20,)).tolist()
+    requests = [Sequence(a, 5), Sequence(a, 1), Sequence(b, 3), Sequence(a, 2)]
+    result = run(Engine(tiny, make_policy("paged", block_size=4)), requests, schedule, "chunked", chunk_size=16,
+                 stop_at_eos=False, share_prompts=True)
+    assert [len(o["token_ids"]) for o in result.outputs] == [5, 1, 3, 2]
+    assert all(seq.status == "finished" for seq in requests)
+    assert [seq.row >= 0 for seq in requests] == [schedule == "static"] * 4

@@ -1,9 +1,5 @@
-"""One engine for every policy: the forward pass, and the Session through which everything drives a policy.
-
-A Session is a batch of cache rows open on the engine between the policy's start and finish. The scheduler's loop
-(kvlib.engine.scheduler: the paper's static schedule and continuous batching), the retention test and lm-eval's model all
-drive policies through it, so every policy is timed by the same sections and booked in the same ledger whoever drives
-it. Nothing else calls a policy's lifecycle.
+"""One engine for every policy: the forward pass, and the sessions (kvlib.engine.session) through which everything
+drives a policy; `generate` runs the scheduler's loop (kvlib.engine.scheduler), which drives the engine it is given.
 
 A prefill can be shared across policies (kvlib.engine.prefill_record): `Session.prefill(..., shared=store)` and
 `Engine.generate(..., prefill_store=store)` take a PrefillStore, and a policy that adopts a recorded dense prefill gets
@@ -13,20 +9,25 @@ or a row that already holds tokens, runs its own prefill. Results are bit for bi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import contextmanager
+from typing import TypeVar
 
 import torch
 
-from kvlib.engine.prefill_record import PrefillStore, prefill_passes
+from kvlib.engine.prefill_record import PrefillStore
 from kvlib.engine.run_result import RunResult
+from kvlib.engine.scheduler import Sequence, run
+from kvlib.engine.session import Session
 from kvlib.errors import UserError
 from kvlib.memory.ledger import MemoryLedger, NoLedger
-from kvlib.memory.paged_kv import serving_pool_bytes
 from kvlib.memory.timing import NoTimers, Timers
-from kvlib.memory.work import Work
 from kvlib.models import LoadedModel
+from kvlib.models.passes import Step
 from kvlib.models.workloads import calibration_prompt
-from kvlib.policies.base import PREFILL_MODES, KVPolicy, KVUsage, Step
+from kvlib.policies.base import PREFILL_MODES, KVPolicy
+
+T = TypeVar("T")
 
 
 def activation_bytes(model: LoadedModel, batch: int, q_len: int) -> int:
@@ -38,6 +39,9 @@ def activation_bytes(model: LoadedModel, batch: int, q_len: int) -> int:
 
 
 class Engine:
+    """A model and a policy bound together: the engine owns the forward pass (forward, run_pass) and opens the
+    sessions that drive it; the scheduler's loop drives a session, never the engine's internals."""
+
     def __init__(self, model: LoadedModel, policy: KVPolicy, device_capacity_bytes: int | None = None,
                  calibration: list[int] | None = None, instrumented: bool = True):
         """calibration: token ids a policy that calibrates offline (InfiniGen) learns from; the caller's choice
@@ -57,14 +61,22 @@ class Engine:
     def forward(self, input_ids: torch.Tensor, step: Step) -> torch.Tensor:
         """Run the model on [B, T] new tokens of step.rows; return the last position's logits [B, V] (fp32)."""
         positions = step.start[:, None] + torch.arange(step.q_len)[None, :]
-        with self.timers.section("compute"):
-            self.policy.prepare(step)
+
+        def layers() -> torch.Tensor:
             with self.ledger.transient("device", "activations", activation_bytes(self.model, *input_ids.shape),
                                        f"{step.phase} forward"):
-                logits = self.model.forward(input_ids, positions, step)
+                return self.model.forward(input_ids, positions, step)
+        return self.run_pass(step, "compute", layers).float()
+
+    def run_pass(self, step: Step, section: str, layers: Callable[[], T]) -> T:
+        """One pass as every policy goes through it, computed (forward) or adopted from a recorded prefill
+        (Session.adopt): prepare, the layers, after_pass, timed as `section`, and counted as a forward pass."""
+        with self.timers.section(section):
+            self.policy.prepare(step)
+            out = layers()
             self.policy.after_pass(step)
         self.policy.work.forward_pass(step.phase, len(step.rows), step.q_len, step.start)
-        return logits.float()
+        return out
 
     def validate(self, prompts, max_new_tokens, prefill_mode, chunk_size):
         """One clear error for a request this engine cannot run."""
@@ -110,8 +122,6 @@ class Engine:
         row's is not prefilled again: the policy forks that row (the answer choices of one question). With a
         prefill_store, each prompt's prefill is adopted from the store's record where the policy adopts one
         (Session.prefill), the same outputs as its own prefill."""
-        from kvlib.engine.scheduler import Sequence, run
-
         if forced is not None:
             if len(forced) != len(prompts) or not all(forced):
                 raise UserError("forced needs one non-empty continuation per prompt")
@@ -120,130 +130,3 @@ class Engine:
                      for i, p in enumerate(prompts)]
         return run(self, sequences, "static", prefill_mode, chunk_size, stop_at_eos=stop_at_eos,
                    share_prompts=share_prompts, prefill_store=prefill_store)
-
-
-class Session:
-    """Rows of cache open on an engine: prefill extends a row, decode advances several rows by one token, fork copies
-    a row (a branch off a shared prefix), release empties one. Each row's length is tracked here, so callers never
-    compute positions."""
-
-    def __init__(self, engine: Engine, prompt_lens: list[int], max_new_tokens: int, serving: bool = False):
-        self.engine, self.policy, self.timers = engine, engine.policy, engine.timers
-        model = engine.model
-        # the engine's capacity, not its ledger's: a bare (uninstrumented) run sizes its pool as the booked run did
-        self.policy.serving_bytes = serving_pool_bytes(engine.capacity, model.weights_bytes + model.packed_copy_bytes) \
-            if serving and engine.capacity is not None else None
-        self.lengths = [0] * len(prompt_lens)
-        engine.ledger.clear()
-        self.timers.reset()
-        self.closed = True  # until the policy has started: nothing to finish
-        self.policy.usage = KVUsage(engine.model.spec.num_layers)
-        self.policy.work = Work(engine.model.pass_shape)
-        with self.timers.section("allocate"):
-            engine.ledger.add("device", "weights", engine.model.weights_bytes - self.policy.weights_off_device(),
-                              where="model weights")
-            engine.ledger.add("device", "weights_packed", engine.model.packed_copy_bytes,
-                              where="packed copies of weights")
-            self.closed = False
-            self.policy.rows = len(prompt_lens)
-            try:
-                self.policy.start(len(prompt_lens), prompt_lens, max_new_tokens)
-            except BaseException:
-                self.close()  # whatever the policy allocated before the capacity ran out
-                raise
-
-    @property
-    def rows(self) -> int:
-        """The cache rows open: one a request, or fewer where a policy that reserves whole rows serves under a
-        capacity (KVPolicy.rows)."""
-        return self.policy.rows
-
-    def prefix(self, row: int, prompt: list[int]) -> int:
-        """Before a fresh row's prefill: how many leading prompt tokens the policy has cached already (prefix sharing),
-        now in the row."""
-        self.timers.phase = "prefill"
-        with self.timers.section("block_management"):
-            self.lengths[row] = self.policy.reuse_prefix(row, prompt)
-        return self.lengths[row]
-
-    def prefill_chunk(self, row: int, tokens: list[int], mode: str, end: int) -> torch.Tensor:
-        """Extend a row by tokens, one forward pass; `end` is the row's length once its whole prompt (this prefill)
-        is in. Returns the logits after the last token [V]."""
-        self.timers.phase = "prefill"
-        start = self.lengths[row]
-        step = Step(self.policy, torch.tensor([row]), torch.tensor([start]), len(tokens), "prefill", mode,
-                    last_chunk=start + len(tokens) >= end, end=torch.tensor([end]))
-        logits = self.engine.forward(torch.tensor([tokens]), step)
-        self.lengths[row] = start + len(tokens)
-        return logits[0]
-
-    def prefill(self, row: int, tokens: list[int], mode: str, chunk_size: int = 512,
-                shared: PrefillStore | None = None) -> torch.Tensor:
-        """Extend a row by a whole prompt (or the next turn of a conversation), in chunks for `chunked` prefill.
-        shared: a PrefillStore whose record of this prompt the policy adopts where it can (adopt), else ignored."""
-        if shared is not None:
-            logits = self.adopt(row, tokens, mode, chunk_size, shared)
-            if logits is not None:
-                return logits
-        end = self.lengths[row] + len(tokens)
-        logits = None
-        for begin, length in prefill_passes(len(tokens), mode, chunk_size):
-            logits = self.prefill_chunk(row, tokens[begin:begin + length], mode, end)
-        return logits
-
-    def adopt(self, row: int, tokens: list[int], mode: str, chunk_size: int, store: PrefillStore
-              ) -> torch.Tensor | None:
-        """A fresh row's prefill taken from the store's record of this prompt (made by a recording pass on a miss):
-        the policy goes through the same passes as its own prefill (prepare, each layer's adopt_pass, after_pass),
-        storing the recorded keys, values and statistics by the code its prefill runs. Returns the logits after the
-        last token, or None, having done nothing, where the policy runs its own prefill (it adopts none in this
-        mode, it reads more of the prompt's last queries than the store keeps, or the row holds tokens already)."""
-        if self.lengths[row] or not tokens:
-            return None
-        passes = prefill_passes(len(tokens), mode, chunk_size)
-        arithmetic = self.policy.prefill_arithmetic(mode, len(passes))
-        if arithmetic is None or self.policy.prefill_queries() > store.query_window:
-            store.own += 1
-            return None
-        self.timers.phase = "prefill"
-        record = store.get(self.engine, tokens, arithmetic, passes)
-        layers = self.engine.model.spec.num_layers
-        with torch.inference_mode():
-            for index, (begin, length) in enumerate(passes):
-                step = Step(self.policy, torch.tensor([row]), torch.tensor([begin]), length, "prefill", mode,
-                            last_chunk=begin + length >= len(tokens), end=torch.tensor([len(tokens)]))
-                recorded = record.pass_of(index)
-                with self.timers.section("adopt"):
-                    self.policy.prepare(step)
-                    for layer in range(layers):
-                        self.policy.adopt_pass(layer, recorded, step)
-                    self.policy.after_pass(step)
-                self.policy.work.forward_pass("prefill", 1, length, step.start)  # its own prefill's work
-                self.lengths[row] = begin + length
-        return record.logits
-
-    def decode(self, rows: list[int], tokens: list[int]) -> torch.Tensor:
-        """Row rows[i] is fed tokens[i] after what it holds; returns logits [B, V]."""
-        self.timers.phase = "decode"
-        start = torch.tensor([self.lengths[r] for r in rows])
-        logits = self.engine.forward(torch.tensor(tokens)[:, None],
-                                     Step(self.policy, torch.tensor(rows), start, 1, "decode", end=start + 1))
-        for r in rows:
-            self.lengths[r] += 1
-        self.policy.usage.held(self.engine.ledger.held("device"), sum(self.lengths))
-        return logits
-
-    def fork(self, src: int, dst: int) -> None:
-        with self.timers.section("fork"):
-            self.policy.fork(src, dst)
-        self.lengths[dst] = self.lengths[src]
-
-    def release(self, row: int) -> None:
-        with self.timers.section("block_management"):
-            self.policy.release(row)
-        self.lengths[row] = 0
-
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self.policy.finish()

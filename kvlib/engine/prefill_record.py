@@ -7,7 +7,8 @@ items, so that computation is the same for all of them; here it is done once per
 ending in exactly the state its own prefill would have: the same kept entries, scores, ledger booking and usage, and
 the same logits after the last token.
 
-What a record holds (PrefillRecord), the least the adopting policies read:
+What a record holds (kvlib.models.passes.PrefillRecord; a policy reads it a pass at a time, RecordedPass), the least
+the adopting policies read:
 - per layer the keys (RoPE applied, as policies receive them) and values of the whole prompt;
 - per layer the prompt's last `query_window` queries (SnapKV's observation window votes with them at adopt, with
   its own window, kernel and pooling);
@@ -42,13 +43,12 @@ import itertools
 import os
 import weakref
 from collections import OrderedDict
-from dataclasses import dataclass
 
 import torch
 
 from kvlib.kernels.attention import causal_mask, matrix_attention, prefill_attention
 from kvlib.memory.ledger import NoLedger
-from kvlib.policies.base import Step
+from kvlib.models.passes import PrefillRecord, Step
 
 ARITHMETICS = ("sdpa", "matrix")
 
@@ -57,58 +57,6 @@ def prefill_passes(tokens: int, mode: str, chunk_size: int) -> tuple[tuple[int, 
     """(offset, length) of each forward pass a prefill of `tokens` new tokens runs: chunks in chunked mode, else one."""
     size = chunk_size if mode == "chunked" else tokens
     return tuple((begin, min(size, tokens - begin)) for begin in range(0, tokens, size))
-
-
-@dataclass
-class PrefillRecord:
-    """One prompt's dense prefill (the module's docstring says what it holds and why)."""
-
-    tokens: tuple[int, ...]
-    arithmetic: str
-    passes: tuple[tuple[int, int], ...]
-    keys: list[torch.Tensor]  # per layer [Hkv, T, D], RoPE applied
-    values: list[torch.Tensor]  # per layer [Hkv, T, D]
-    queries: list[torch.Tensor]  # per layer [Hq, W, D]: the prompt's last W queries
-    received: list[list[torch.Tensor]] | None  # matrix: per pass, per layer [Hkv, end of the pass]
-    logits: torch.Tensor  # [V] fp32, after the last token
-
-    @property
-    def nbytes(self) -> int:
-        tensors = [*self.keys, *self.values, *self.queries, self.logits]
-        tensors += [r for per_pass in self.received or [] for r in per_pass]
-        return sum(t.nbytes for t in tensors)
-
-    def pass_of(self, index: int) -> RecordedPass:
-        begin, length = self.passes[index]
-        return RecordedPass(self, index, begin, length)
-
-
-@dataclass
-class RecordedPass:
-    """One pass of a record, as KVPolicy.adopt_pass reads it: what attend's prefill branch would have been handed."""
-
-    record: PrefillRecord
-    index: int
-    begin: int
-    length: int
-
-    def key(self, layer: int) -> torch.Tensor:
-        """[1, Hkv, T, D]: the pass's keys, as attend receives them."""
-        return self.record.keys[layer][None, :, self.begin:self.begin + self.length]
-
-    def value(self, layer: int) -> torch.Tensor:
-        return self.record.values[layer][None, :, self.begin:self.begin + self.length]
-
-    def received(self, layer: int) -> torch.Tensor:
-        """[Hkv, begin + T]: the attention each entry so far received from the pass's queries, summed over them and
-        each KV head's query group (matrix arithmetic only)."""
-        if self.record.received is None:
-            raise ValueError("a record of the sdpa arithmetic holds no attention probabilities")
-        return self.record.received[self.index][layer]
-
-    def queries(self, layer: int) -> torch.Tensor:
-        """[Hq, W, D]: the prompt's last W queries (W = the store's query_window, or the prompt if shorter)."""
-        return self.record.queries[layer]
 
 
 class _Recorder:

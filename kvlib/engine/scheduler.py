@@ -1,13 +1,13 @@
 """The one loop that serves requests on the engine, under one of three schedules.
 
-`static` is the paper's schedule for H2O and InfiniGen, applied to every policy: each prompt is prefilled in turn (whole,
-or chunk by chunk), then all requests decode together; finished rows stay allocated until the run ends; running out of
-device memory ends the run as a recorded OOM point.
+`static` is the paper's schedule for H2O and InfiniGen, applied to every policy: each prompt is prefilled in turn
+(whole, or chunk by chunk), then all requests decode together; finished rows stay allocated until the run ends;
+running out of device memory ends the run as a recorded OOM point.
 
 `continuous` is vLLM's: requests arrive at given decode steps, or at given times (a request rate: an open loop,
-kvlib.engine.arrivals, each request joining when the clock passes its arrival); each iteration prefills one chunk of the oldest waiting
-request (under `chunked` prefill; its whole prompt under `full` or `fused`, as vLLM without chunked prefill) and then
-runs one decode step for every running request; finished requests leave and free their rows at once.
+kvlib.engine.arrivals, each request joining when the clock passes its arrival); each iteration prefills one chunk of
+the oldest waiting request (under `chunked` prefill; its whole prompt under `full` or `fused`, as vLLM without chunked
+prefill) and then runs one decode step for every running request; finished requests leave and free their rows at once.
 Every registered policy serves so. A policy that holds its cache in blocks (paged, Quest, H2O, StreamingLLM, SnapKV:
 kvlib.memory.paged_kv) sizes its pool from the device capacity, as vLLM does; when the pool runs out, the newest
 running request is preempted (its blocks freed, queued again, recomputed from its prompt and the tokens it had
@@ -29,24 +29,31 @@ run's stats (`compressions`), so that the accuracy they lost can be told apart. 
 serves under (`serving_schedule`: `compress` for compress_h2o, kvlib.policies.compress_h2o, whose `compress_share`
 is the share used unless one is passed; `continuous` for every other), which the serving experiment replays it under.
 
-All go through the same Session (kvlib.engine), so they are timed and booked alike; only the order of work differs.
+All go through the same Session (kvlib.engine.session), so they are timed and booked alike; only the order of work
+differs. The three are settings of one loop (Schedule), in nano-vllm's shape (Scheduler): each request a Sequence with
+a status (kvlib.engine.sequence); `schedule` returns a step's work (a prefill pass, then a decode step), the session
+runs it, `postprocess` hands the tokens over and retires the finished; a pass that finds the pool full goes to
+`pool_ran_out`, whose answer, preempt or compress first, is the one method (`make_room`) the schedule chose.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
-from kvlib.engine.run_result import RunResult, TokenClock, build_metrics, decoded_outputs, latency_metrics, oom_record
+from kvlib.engine.prefill_record import PrefillStore
+from kvlib.engine.run_result import RunResult, TokenClock, oom_record, served_result
+from kvlib.engine.sequence import Sequence
+from kvlib.engine.session import EngineCore, Session
 from kvlib.errors import DeviceOOM, UserError
 from kvlib.memory.block_pool import OutOfBlocks
+from kvlib.policies.base import KVPolicy
 
-if TYPE_CHECKING:  # the engine calls this loop; the loop only drives the engine it is given
-    from kvlib.engine.engine import Engine
+__all__ = ["BATCHING", "SCHEDULES", "Schedule", "Scheduler", "Sequence", "run"]
 
 SCHEDULES = ("static", "continuous", "compress")
 # each schedule in the poster's words (its "batching" row), recorded with every run (kvlib.report.systems); short,
@@ -55,255 +62,271 @@ BATCHING = {"static": "static", "continuous": "continuous, preempts when full",
             "compress": "continuous, compresses then preempts when full"}
 
 
+@dataclass(frozen=True)
+class Schedule:
+    """A schedule as the settings of the one loop, with how the run prefills and stops: resolved once, by `run`."""
+
+    name: str
+    # requests come and go: decode steps interleave with prefills, a finished request gives its row back at once,
+    # and a full block pool is waited out (Scheduler.make_room) instead of ending the run
+    serving: bool
+    compress_share: float | None  # the compress schedule's share a compacted request keeps; None: it preempts
+    compress_to_admit: bool  # also compact a running request to let a waiting one in (the policy's setting)
+    prefill_mode: str
+    chunk_size: int
+    eos: int | None
+    share_prompts: bool  # a fresh request whose prompt an earlier row holds forks that row
+    prefill_store: PrefillStore | None  # static schedule: prefills adopted from its records (Session.prefill_next)
+
+
 @dataclass
-class Sequence:
-    """One request: its prompt, what it generated, and where it stands."""
+class Work:
+    """One pass of a step's work: the next chunk of one request's prefill, or a decode step of several."""
 
-    prompt: list[int]
-    max_new_tokens: int
-    arrival_step: int = 0
-    arrival_s: float | None = None  # or when it arrives, in seconds from the start of the run (continuous schedule)
-    forced: list[int] | None = None  # teacher forcing: the tokens fed instead of the model's own choices
-    index: int = -1  # its place among the run's requests (outputs, the token clock)
-    row: int = -1  # the cache row it holds while admitted (-1: none)
-    status: str = "pending"  # pending -> waiting -> prefilling -> running -> finished
-    generated: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    greedy: list[bool] = field(default_factory=list)
-
-    def tokens_to_prefill(self) -> list[int]:
-        """The prompt; after a preemption, also what it had generated but the last token (fed by the next decode)."""
-        return self.prompt + self.generated[:-1]
-
-    def take(self, logits: torch.Tensor) -> None:
-        best = int(logits.argmax())
-        token = self.forced[len(self.generated)] if self.forced is not None else best
-        if self.forced is not None:
-            self.logprobs.append(float(torch.log_softmax(logits, dim=-1)[token]))
-            self.greedy.append(token == best)
-        self.generated.append(token)
-
-    def done(self, eos: int | None) -> bool:
-        return len(self.generated) >= self.max_new_tokens or (eos is not None and self.generated[-1] == eos)
+    phase: str  # "prefill" or "decode"
+    seqs: list[Sequence]
 
 
-def run(engine: Engine, sequences: list[Sequence], schedule: str = "static", prefill_mode: str = "fused",
+def run(engine: EngineCore, sequences: list[Sequence], schedule: str = "static", prefill_mode: str = "fused",
         chunk_size: int = 512, stop_at_eos: bool = True, share_prompts: bool = False,
         slo: dict | None = None, compress_share: float | None = None, prefill_store=None) -> RunResult:
     """slo: {"ttft_s": ..., "tpot_s": ...}, the limits goodput counts against (kvlib.engine.run_result.latency_metrics).
     compress_share: under the `compress` schedule, the share of its entries a compressed request keeps; None: the
-    policy's own `compress_share` where it has one (compress_h2o), else 0.5.
+    policy's own (KVPolicy.compress_share).
     prefill_store (static schedule): a PrefillStore whose records the policy adopts (Session.adopt)."""
-    if schedule not in SCHEDULES:
-        raise UserError(f"unknown schedule {schedule!r}; choose from {list(SCHEDULES)}")
-    continuous = schedule in ("continuous", "compress")
-    if schedule == "compress":
-        if compress_share is None:
-            compress_share = getattr(engine.policy, "compress_share", 0.5)
-        if not hasattr(engine.policy, "compress"):
-            raise UserError(f"the compress schedule needs a policy that compacts a running request's cache by its "
-                            f"scores (h2o, snapkv); {engine.policy.name!r} cannot")
-        if not 0 < compress_share < 1:
-            raise UserError(f"compress_share must be in (0, 1), got {compress_share}")
-    if continuous:
-        if not engine.policy.can_release:
-            raise UserError(f"continuous batching needs a policy that can release single rows; "
-                            f"{engine.policy.name!r} cannot")
-        if prefill_store is not None:
-            raise ValueError("a prefill store serves the static schedule: continuous batching interleaves a prompt's "
-                             "chunks with decode steps, and an adopted prefill would take them all at once")
+    policy = engine.policy
+    share = check_schedule(policy, schedule, compress_share, prefill_store)
     for seq in sequences:
         engine.validate([seq.prompt], seq.max_new_tokens, prefill_mode, chunk_size)
     eos = engine.model.tokenizer.eos_token_id if stop_at_eos else None
     for index, seq in enumerate(sequences):
-        seq.index, seq.row = index, -1
+        seq.index, seq.row, seq.compressions = index, -1, 0
         if seq.forced is not None:
             seq.max_new_tokens, eos = len(seq.forced), None
-    timers = engine.timers
-    loop = _Loop(engine, sequences, continuous, prefill_mode, chunk_size, eos, share_prompts, slo or {},
-                 compress_share if schedule == "compress" else None, prefill_store)
+    settings = Schedule(schedule, schedule != "static", share, policy.compress_to_admit, prefill_mode, chunk_size,
+                        eos, share_prompts, prefill_store)
     try:
         session = engine.open([len(s.prompt) for s in sequences], max(s.max_new_tokens for s in sequences),
-                              serving=continuous)
+                              serving=settings.serving)
     except (DeviceOOM, torch.OutOfMemoryError) as exc:
-        return loop.result(oom_record(exc, "setup"))
-    setup_s = timers.seconds.get("setup.allocate")
+        return served_result(engine, sequences, TokenClock(len(sequences)), 0, slo, oom_record(exc, "setup"))
+    setup_s = engine.timers.seconds.get("setup.allocate")
     try:
-        oom = loop.serve(session)
-        memory, stats = engine.ledger.snapshot(), {**engine.policy.stats(), **engine.policy.traits(),
-                                                 "batching": BATCHING[schedule], **engine.policy.usage.summary(),
-                                                 **engine.policy.work.summary(), "decode_attention": engine.policy.decode_kernel}
-        if schedule == "compress":
-            stats.update(compress_share=loop.compress_share, compressions=loop.compressions)
+        scheduler = Scheduler(session, sequences, settings)
+        oom = scheduler.serve()
+        memory, stats = engine.ledger.snapshot(), {**policy.stats(), **policy.traits(), "batching": BATCHING[schedule],
+                                                   **policy.usage.summary(), **policy.work.summary(),
+                                                   "decode_attention": policy.decode_kernel}
+        if share is not None:
+            stats.update(compress_share=share, compressions=scheduler.compressions)
     finally:
         session.close()
-    return loop.result(oom, memory, stats, setup_s)
+    return served_result(engine, sequences, scheduler.clock, scheduler.preemptions, slo, oom, memory, stats, setup_s)
 
 
-class _Loop:
-    """The state of one run: queues, clocks and counters."""
+def check_schedule(policy: KVPolicy, schedule: str, compress_share: float | None, prefill_store) -> float | None:
+    """One clear error for a schedule this policy cannot serve under; the compress schedule's share (else None)."""
+    if schedule not in SCHEDULES:
+        raise UserError(f"unknown schedule {schedule!r}; choose from {list(SCHEDULES)}")
+    share = policy.compress_share if compress_share is None else compress_share
+    if schedule == "compress":
+        if not policy.can_compress:
+            raise UserError(f"the compress schedule needs a policy that compacts a running request's cache by its "
+                            f"scores (h2o, snapkv); {policy.name!r} cannot")
+        if not 0 < share < 1:
+            raise UserError(f"compress_share must be in (0, 1), got {share}")
+    if schedule != "static":
+        if not policy.can_release:
+            raise UserError(f"continuous batching needs a policy that can release single rows; "
+                            f"{policy.name!r} cannot")
+        if prefill_store is not None:
+            raise ValueError("a prefill store serves the static schedule: continuous batching interleaves a prompt's "
+                             "chunks with decode steps, and an adopted prefill would take them all at once")
+    return share if schedule == "compress" else None
 
-    def __init__(self, engine, sequences, continuous, prefill_mode, chunk_size, eos, share_prompts, slo,
-                 compress_share=None, prefill_store=None):
-        self.engine, self.seqs, self.continuous, self.slo = engine, sequences, continuous, slo
-        self.store = prefill_store
-        self.mode, self.chunk_size, self.eos, self.share = prefill_mode, chunk_size, eos, share_prompts
-        self.clock = TokenClock(len(sequences))  # restarted when serving starts
-        self.preemptions = 0
-        self.compress_share = compress_share  # the compress schedule's; None: preempt as vLLM does
-        # the compress schedule compacts running requests so that they continue, not to admit a waiting one
-        self.compress_to_admit = getattr(engine.policy, "compress_to_admit", False)
-        self.compressions: list[dict] = []
 
-    def serve(self, session) -> dict | None:
-        """Run until every sequence has finished; returns an OOM record if the device ran out (static schedule)."""
-        settle = self.engine.timers.now  # on CUDA the step's one synchronization, and its sections read
-        pending = deque(sorted(self.seqs, key=lambda s: (s.arrival_s or 0.0, s.arrival_step)))
-        waiting: deque[Sequence] = deque()
-        running: list[Sequence] = []
-        prefilling: Sequence | None = None
-        self.first_of: dict[tuple, tuple[Sequence, torch.Tensor]] = {}  # prompt -> its first request and logits
-        blocked = False  # a prefill found no room: admit again once a running request has left
+class Scheduler:
+    """One run's requests on an open session, each with its status: `schedule` picks a step's work, the session runs
+    it, `postprocess` hands its tokens over and retires the finished. A pass that finds the block pool full goes to
+    `pool_ran_out`, whose answer (`make_room`: preempt, or compress first) the schedule chose."""
+
+    def __init__(self, session: Session, sequences: list[Sequence], settings: Schedule):
+        self.session, self.settings = session, settings
+        self.pending = deque(sorted(sequences, key=lambda s: (s.arrival_s or 0.0, s.arrival_step)))
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.prefilling: Sequence | None = None
         # the cache rows the policy holds, handed to requests as they are admitted: every request's own row under the
-        # static schedule; under the continuous one a policy that reserves a whole row up front (full, KIVI,
-        # InfiniGen) holds as many as its capacity affords, and a request waits for one to be free
-        free_rows = deque(range(session.rows))
-        step = 0
-        self.clock = TokenClock(len(self.seqs))
-        while pending or waiting or running or prefilling:
-            if pending and not (waiting or running or prefilling) and pending[0].arrival_s is not None:
-                time.sleep(max(pending[0].arrival_s - self.clock.now(), 0.0))  # idle until the next request comes
-            while pending and pending[0].arrival_step <= step and (pending[0].arrival_s or 0.0) <= self.clock.now():
-                seq = pending.popleft()
-                self.clock.arrive(seq.index, at=seq.arrival_s)
-                seq.status = "waiting"
-                waiting.append(seq)
-            if prefilling is None and waiting and free_rows and (not blocked or not running):
-                seq = waiting.popleft()
-                seq.row = free_rows.popleft()
-                shared = self.first_of.get(tuple(seq.prompt)) if self.share and not seq.generated else None
-                if shared is not None:  # the same context as an earlier row: fork it instead of prefilling again
-                    session.fork(shared[0].row, seq.row)
-                    self._first_token(seq, shared[1], running)
-                else:
-                    session.prefix(seq.row, seq.tokens_to_prefill())
-                    prefilling, seq.status = seq, "prefilling"
-            if prefilling is not None:
-                seq, tokens = prefilling, prefilling.tokens_to_prefill()
-                held = session.lengths[seq.row]
-                size = self.chunk_size if self.mode == "chunked" else len(tokens) - held
+        # static schedule; under a serving one a policy that reserves a whole row up front (full, KIVI, InfiniGen)
+        # holds as many as its capacity affords, and a request waits for one to be free
+        self.free_rows = deque(range(session.rows))
+        self.blocked = False  # the pool ran out: admit again once a running request has left
+        self.first_of: dict[tuple, tuple[Sequence, torch.Tensor]] = {}  # prompt -> its first request and logits
+        self.step, self.preemptions, self.compressions = 0, 0, []
+        self.make_room = self._compress_or_preempt if settings.compress_share is not None else self._preempt
+        self.clock = TokenClock(len(sequences))  # serving starts now
+
+    def serve(self) -> dict | None:
+        """Run until every request has finished; returns an OOM record if the device ran out (static schedule)."""
+        while self.pending or self.waiting or self.running or self.prefilling:
+            self.arrive()
+            for work in self.schedule():
                 try:
-                    logits = session.adopt(seq.row, tokens, self.mode, self.chunk_size, self.store) \
-                        if self.store is not None and not held else None
-                    if logits is None:  # the policy's own prefill
-                        logits = session.prefill_chunk(seq.row, tokens[held:held + size], self.mode, len(tokens))
+                    logits = self.run_pass(work)
                 except (DeviceOOM, torch.OutOfMemoryError) as exc:
-                    if not (self.continuous and isinstance(exc, OutOfBlocks)):
-                        return oom_record(exc, "prefill")
-                    if not running:
-                        raise UserError(f"the block pool cannot hold request {seq.index} ({len(tokens)} tokens) even "
-                                        f"alone: {exc}") from exc
-                    if self.compress_to_admit and self._compress_one(session, running, step, "admission"):
-                        continue  # the same chunk again, with the blocks a running request gave back
-                    # never preempt (or, by default, compress) running requests for a new one: it waits for room
-                    self._leave(session, seq, free_rows)
-                    waiting.appendleft(seq)
-                    prefilling, blocked = None, True
-                    continue
-                if session.lengths[seq.row] == len(tokens):
-                    prefilling = None
-                    if self.share and not seq.generated:
-                        self.first_of.setdefault(tuple(seq.prompt), (seq, logits))
-                    if seq.generated:  # recomputed after a preemption: it goes on where it was
-                        seq.status = "running"
-                        running.append(seq)
-                    else:
-                        self._first_token(seq, logits, running)
-                        if seq.status == "finished" and self.continuous:
-                            self._leave(session, seq, free_rows)
-            decode_now = self.continuous or not (pending or waiting or prefilling)
-            if running and decode_now:
-                try:
-                    logits = session.decode([s.row for s in running], [s.generated[-1] for s in running])
-                except (DeviceOOM, torch.OutOfMemoryError) as exc:
-                    if not (self.continuous and isinstance(exc, OutOfBlocks)):
-                        return oom_record(exc, "decode")
-                    if self._compress_one(session, running, step, "decode"):
-                        # what it gave back is for the running requests to grow into: as after a preemption, a
-                        # waiting request is admitted once one has left
-                        blocked = True
-                        continue
-                    if len(running) == 1:
-                        raise UserError(f"the block pool cannot hold request {running[0].index} even alone: "
-                                        f"{exc}") from exc
-                    victim = running.pop()  # the newest: it waits, first in line, until another request has left
-                    self._leave(session, victim, free_rows)
-                    victim.status = "waiting"
-                    waiting.appendleft(victim)
-                    self.preemptions += 1
-                    blocked = True
-                    continue
-                stepped = list(running)
-                for seq, row_logits in zip(stepped, logits):
-                    seq.take(row_logits)
-                self.clock.handed(seq.index for seq in stepped)
-                for seq in stepped:
-                    if seq.done(self.eos):
-                        seq.status = "finished"
-                        running.remove(seq)
-                        if self.continuous:
-                            self._leave(session, seq, free_rows)
-                            blocked = False
-            settle()
-            step += 1
+                    if not (self.settings.serving and isinstance(exc, OutOfBlocks)):
+                        return oom_record(exc, work.phase)
+                    self.pool_ran_out(work, exc)
+                    break  # the step again, in the room made (or without the request that found none)
+                self.postprocess(work, logits)
+            else:
+                self.session.timers.now()  # on CUDA the step's one synchronization, and its sections read
+                self.step += 1
         return None
 
-    def _compress_one(self, session, running: list[Sequence], step: int, needed_for: str) -> bool:
-        """The compress schedule: compact a running request, the least compressed so far and, among those, the
-        longest-running (the first admitted); False where none can shrink any more (or the schedule preempts)."""
-        if self.compress_share is None:
+    def arrive(self) -> None:
+        """Requests whose arrival (step, and time) has come join the waiting line; with none to serve meanwhile, the
+        loop idles until the next one comes."""
+        pending = self.pending
+        if pending and not (self.waiting or self.running or self.prefilling) and pending[0].arrival_s is not None:
+            time.sleep(max(pending[0].arrival_s - self.clock.now(), 0.0))
+        while pending and pending[0].arrival_step <= self.step and (pending[0].arrival_s or 0.0) <= self.clock.now():
+            seq = pending.popleft()
+            self.clock.arrive(seq.index, at=seq.arrival_s)
+            seq.status = "waiting"
+            self.waiting.append(seq)
+
+    def schedule(self) -> Iterator[Work]:
+        """One step's work, in order: the next pass of the prompt being prefilled (the next waiting request admitted
+        first where none is, while a row is free and no running request is owed the room), then a decode step of the
+        running requests where the schedule decodes now (the static one once every prompt is in). A generator: the
+        decode rows are chosen after the prefill pass has run, so a prompt it completes decodes in the same step."""
+        if self.prefilling is None and self.waiting and self.free_rows and (not self.blocked or not self.running):
+            self.admit(self.waiting.popleft())
+        if self.prefilling is not None:
+            yield Work("prefill", [self.prefilling])
+        if self.running and (self.settings.serving or not (self.pending or self.waiting or self.prefilling)):
+            yield Work("decode", list(self.running))
+
+    def admit(self, seq: Sequence) -> None:
+        """A waiting request takes a free row: a fresh one whose prompt an earlier row holds forks that row and has
+        its first token at once (share_prompts); any other starts its prefill after what the policy has cached."""
+        seq.row = self.free_rows.popleft()
+        shared = self.first_of.get(tuple(seq.prompt)) if self.settings.share_prompts and not seq.generated else None
+        if shared is not None:
+            self.session.fork(shared[0].row, seq.row)
+            self.hand_over([seq], [shared[1]])
+        else:
+            self.session.prefix(seq.row, seq.tokens_to_prefill())
+            self.prefilling, seq.status = seq, "prefilling"
+
+    def run_pass(self, work: Work) -> torch.Tensor:
+        """The session runs one pass of the step's work; its logits (may raise DeviceOOM or OutOfBlocks)."""
+        s, session = self.settings, self.session
+        if work.phase == "decode":
+            return session.decode([seq.row for seq in work.seqs], [seq.generated[-1] for seq in work.seqs])
+        seq = work.seqs[0]
+        return session.prefill_next(seq.row, seq.tokens_to_prefill(), s.prefill_mode, s.chunk_size, s.prefill_store)
+
+    def postprocess(self, work: Work, logits: torch.Tensor) -> None:
+        """After a pass: each decoding request's next token; or, once a request's prompt is all in, its first token
+        (one recomputed after a preemption goes on where it was, its token already out)."""
+        if work.phase == "decode":
+            self.hand_over(work.seqs, logits)
+            return
+        seq = work.seqs[0]
+        if self.session.lengths[seq.row] < len(seq.tokens_to_prefill()):
+            return  # chunks to go
+        self.prefilling = None
+        if self.settings.share_prompts and not seq.generated:
+            self.first_of.setdefault(tuple(seq.prompt), (seq, logits))
+        if seq.generated:
+            self._join(seq)
+        else:
+            self.hand_over([seq], [logits])
+
+    def hand_over(self, seqs: list[Sequence], logits) -> None:
+        """Each request takes the token its logits choose, handed over now; a finished one retires, one that had no
+        token before joins the running ones."""
+        for seq, row_logits in zip(seqs, logits):
+            seq.take(row_logits)
+        self.clock.handed(seq.index for seq in seqs)
+        for seq in seqs:
+            if seq.done(self.settings.eos):
+                self.retire(seq)
+            elif seq.status != "running":
+                self._join(seq)
+
+    def retire(self, seq: Sequence) -> None:
+        """A finished request leaves: a running one's leaving lets waiting ones in again; its row is given back at
+        once under a serving schedule, at the end of the run under the static one."""
+        if seq.status == "running":
+            self.running.remove(seq)
+            self.blocked = False
+        seq.status = "finished"
+        if self.settings.serving:
+            self._leave(seq)
+
+    def pool_ran_out(self, work: Work, exc: OutOfBlocks) -> None:
+        """A serving schedule's answer to a pass that found no free block. A decode step goes on once the schedule
+        has made room (make_room); a prefill too where the schedule makes room to admit, else the request waits,
+        first in line: running requests are never preempted for a new one. Either way, waiting requests are admitted
+        again once a running one has left (blocked): the room made is the running ones'."""
+        seq = work.seqs[0]
+        if work.phase == "decode":
+            if not self.make_room("decode"):
+                raise UserError(f"the block pool cannot hold request {seq.index} even alone: {exc}") from exc
+        elif not self.running:
+            raise UserError(f"the block pool cannot hold request {seq.index} ({len(seq.tokens_to_prefill())} "
+                            f"tokens) even alone: {exc}") from exc
+        elif self.make_room("admission"):
+            return  # the same chunk again, in the blocks a running request gave back
+        else:
+            self._leave(seq)
+            seq.status = "waiting"
+            self.waiting.appendleft(seq)
+            self.prefilling = None
+        self.blocked = True
+
+    def _preempt(self, needed_for: str) -> bool:
+        """vLLM's answer: the newest running request gives its blocks back and waits, first in line, to be recomputed
+        from its tokens. Never for a waiting request, nor the last one running (False: no room made)."""
+        if needed_for != "decode" or len(self.running) == 1:
             return False
-        times = {}
-        for c in self.compressions:
-            times[c["request"]] = times.get(c["request"], 0) + 1
-        for seq in sorted(running, key=lambda s: times.get(s.index, 0)):  # stable: admission order among equals
-            before, after = session.policy.compress(seq.row, self.compress_share)
+        victim = self.running.pop()
+        self._leave(victim)
+        victim.status = "preempted"
+        self.waiting.appendleft(victim)
+        self.preemptions += 1
+        return True
+
+    def _compress_or_preempt(self, needed_for: str) -> bool:
+        """The compress schedule's answer: compact a running request so that the running ones go on (and to admit a
+        waiting one only where the policy's compress_to_admit says so); where none can shrink, preempt as vLLM does."""
+        wanted = needed_for == "decode" or self.settings.compress_to_admit
+        return (wanted and self._compress_one(needed_for)) or self._preempt(needed_for)
+
+    def _compress_one(self, needed_for: str) -> bool:
+        """Compact a running request, the least compressed so far and, among those, the longest-running (the first
+        admitted); False where none can shrink any more."""
+        for seq in sorted(self.running, key=lambda s: s.compressions):  # stable: admission order among equals
+            before, after = self.session.policy.compress(seq.row, self.settings.compress_share)
             if after < before:
-                self.compressions.append({"request": seq.index, "step": step, "at_s": self.clock.now(),
+                seq.compressions += 1
+                self.compressions.append({"request": seq.index, "step": self.step, "at_s": self.clock.now(),
                                           "generated": len(seq.generated), "entries_before": before,
                                           "entries_after": after, "needed_for": needed_for})
                 return True
         return False
 
-    def _leave(self, session, seq: Sequence, free_rows: deque) -> None:
+    def _join(self, seq: Sequence) -> None:
+        seq.status = "running"
+        self.running.append(seq)
+
+    def _leave(self, seq: Sequence) -> None:
         """The request gives its row back (finished, preempted, or not admitted after all); a later request with the
         same prompt can no longer fork it."""
-        session.release(seq.row)
-        free_rows.append(seq.row)
+        self.session.release(seq.row)
+        self.free_rows.append(seq.row)
         seq.row = -1
         self.first_of = {prompt: first for prompt, first in self.first_of.items() if first[0] is not seq}
-
-    def _first_token(self, seq: Sequence, logits, running: list[Sequence]) -> None:
-        seq.take(logits)
-        self.clock.handed([seq.index])
-        if seq.done(self.eos):
-            seq.status = "finished"
-        else:
-            seq.status = "running"
-            running.append(seq)
-
-    def result(self, oom: dict | None, memory: dict | None = None, stats: dict | None = None,
-               setup_s: float | None = None) -> RunResult:
-        engine = self.engine
-        outputs = decoded_outputs(engine.model.tokenizer, [s.generated for s in self.seqs],
-                                  [s.prompt for s in self.seqs])
-        if any(s.forced is not None for s in self.seqs):
-            for out, seq in zip(outputs, self.seqs):
-                out.update(logprobs=seq.logprobs, greedy=seq.greedy)
-        metrics = build_metrics(
-            **self.clock.metrics(), sections=dict(engine.timers.seconds), setup_s=setup_s, completed=oom is None,
-            preemptions=self.preemptions,
-            **latency_metrics(self.clock, self.slo.get("ttft_s"), self.slo.get("tpot_s")))
-        return RunResult(outputs=outputs, metrics=metrics, memory=memory or engine.ledger.snapshot(),
-                         policy={"name": engine.policy.name, **engine.policy.settings()}, oom=oom,
-                         stats=stats or {})

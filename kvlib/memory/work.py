@@ -19,12 +19,20 @@ The counts are the work a pass cannot avoid on any machine: kvlib.projection rea
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from kvlib.models.pass_shape import PassShape
+
+class Shape(Protocol):
+    """What the counter reads of a model's shape (kvlib.models.pass_shape.PassShape, a layer above this one)."""
+
+    head_dim: int
+    dtype_bytes: int
+
+    def pass_work(self, rows: int, q_len: int) -> dict: ...
+    def dense_prefill(self, start: int, q_len: int) -> dict: ...
+    def attention_work(self, tokens_read: int, query_keys: int) -> dict: ...
 
 PHASES = ("prefill", "decode")
 QUANTITIES = (
@@ -46,7 +54,7 @@ DIRECTIONS = ("host_to_device", "device_to_host", "disk_to_host", "host_to_disk"
 class Work:
     """A session's counts, per phase (QUANTITIES above)."""
 
-    def __init__(self, shape: PassShape | None):
+    def __init__(self, shape: Shape | None):
         self.shape = shape
         self.counts = {phase: dict.fromkeys(QUANTITIES, 0) for phase in PHASES}
         self.lock = threading.Lock()  # FlexGen's copy thread counts its transfers beside the engine's thread

@@ -19,6 +19,7 @@ base_capacity less the window). `uniform` gives every head that count; the other
     step is rounded down, so the deeper layers keep more than the line and the total exceeds L x heavy.
   - `kvlib` (kvlib's older rule): the same line in floats, floored, then fixed up to exactly L x heavy, a capped
     layer's excess given to the shallowest layers with room; no uniform regime.
+Which entries a head keeps: `select_heavy_recent` (one count for every head) or `select_per_head` (its own count).
 A prompt whose budget is all of it is kept whole under every rule: the official codes leave a prompt under the budget
 alone, and kvlib a prompt at it too (FFY0 compresses at heavy = n, where its rounding can drop an entry).
 """
@@ -103,6 +104,17 @@ def _kvlib_layers(layers: int, heavy: int, n: int, beta: float) -> torch.Tensor:
         counts[layer] += add
         short -= add
     return counts
+
+
+def select_heavy_recent(scores: torch.Tensor, heavy: int, recent: int) -> torch.Tensor:
+    """Per head, the last `recent` positions and the `heavy` best-scored earlier ones, sorted. scores: [..., L]."""
+    length = scores.shape[-1]
+    older = length - recent
+    tail = torch.arange(older, length, device=scores.device).expand(*scores.shape[:-1], -1)
+    if heavy == 0:
+        return tail
+    top = scores[..., :older].topk(heavy, dim=-1).indices
+    return torch.cat([top.sort(dim=-1).values, tail], dim=-1)
 
 
 def select_per_head(scores: torch.Tensor, heavy: torch.Tensor, recent: int) -> torch.Tensor:

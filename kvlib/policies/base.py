@@ -3,14 +3,15 @@
 The engine runs the model one forward pass at a time; each pass covers some rows of the batch (one row while a prompt
 is prefilled, all live rows while decoding). For each layer the model's attention module hands the policy the new
 queries, keys and values (RoPE applied); the policy stores the keys/values its own way, decides what attention sees,
-and returns the attention output. Everything the policy holds is booked in the ledger by tier and component.
+and returns the attention output. Everything the policy holds is booked in the ledger by tier and component. What a
+pass carries (Step, a recorded prefill's RecordedPass) is kvlib.models.passes'; KVPolicy says which methods a policy
+implements and which the engine provides.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 
@@ -20,50 +21,10 @@ from kvlib.memory.ledger import MemoryLedger
 from kvlib.memory.timing import Timers
 from kvlib.memory.work import Work
 from kvlib.models import LoadedModel
+from kvlib.models.passes import RecordedPass, Step
 from kvlib.policies.fidelity import Fidelity
 
-if TYPE_CHECKING:  # what adopt_pass reads; the engine makes it
-    from kvlib.engine.prefill_record import RecordedPass
-
 PREFILL_MODES = ("full", "fused", "chunked")
-
-
-@dataclass
-class Step:
-    """One forward pass as the policy sees it. A prefill pass with start > 0 extends a row that already holds tokens
-    (a later chunk of its prompt, or the next turn of a conversation after decoding)."""
-
-    policy: KVPolicy
-    rows: torch.Tensor  # [B] batch rows covered by this pass
-    start: torch.Tensor  # [B] tokens each row already holds before this pass (= position of the first new token)
-    q_len: int  # new tokens per row
-    phase: str  # "prefill" or "decode"
-    prefill_mode: str = "fused"
-    last_chunk: bool = True  # the pass that ends a row's prompt
-    end: torch.Tensor | None = None  # [B] each row's length once this prefill (all its chunks) is in
-    # micro-batches: the pass cut into parts that kvlib's forward runs each layer on in turn (set by a policy's
-    # prepare, FlexGen's zig-zag; kvlib.models.llama_forward), and a part's positions among its pass's rows
-    parts: list[Step] | None = None
-    index: torch.Tensor | None = None
-
-    def split(self, keys: torch.Tensor) -> list[Step]:
-        """The pass cut into parts, one per distinct key of its rows (keys [B]), in order of key."""
-        parts = []
-        for key in torch.unique(keys).tolist():
-            index = torch.nonzero(keys == key).flatten()
-            parts.append(Step(self.policy, self.rows[index], self.start[index], self.q_len, self.phase,
-                              self.prefill_mode, self.last_chunk, None if self.end is None else self.end[index],
-                              index=index))
-        return parts
-
-    def own(self, values: torch.Tensor) -> torch.Tensor:
-        """A tensor over the pass's rows, [B, ...], cut to this part's rows (the whole of it for a whole pass)."""
-        return values if self.index is None else values[self.index]
-
-    @functools.cached_property
-    def tokens_seen(self) -> int:
-        """Tokens the step's rows hold once this pass is in, summed over the rows: what a full cache attends."""
-        return int(self.start.sum()) + len(self.rows) * self.q_len
 
 
 class KVUsage:
@@ -111,7 +72,23 @@ class KVUsage:
 
 @dataclass
 class KVPolicy:
-    """Base class: settings are dataclass fields, so the CLI and params files can name them."""
+    """The base of every policy; its settings are dataclass fields, so the CLI and params files can name them.
+
+    Every policy implements two methods:
+    - `start(batch_size, prompt_lens, max_new_tokens)`: allocate, and book, what a batch of rows holds;
+    - `attend(layer, query, key, value, step)`: store a pass's keys and values, return attention's output.
+    It declares what it is in the class variables below (its name, prefill modes, schedule, the poster's words, its
+    fidelity), and overrides, where it does more, what has a default here:
+    - around each pass: `prepare` (reserve before it), `after_pass` (commit, evict after it), `reuse_prefix`;
+    - around a run: `calibrate` (with `calibrates`), `weights_off_device`, `finish`, `stats`, `kv_bits`;
+    - the capabilities a schedule or task uses where a policy has them, each raising by default: `fork`; `release`
+      (continuous batching, `can_release`); `compress` (the compress schedule, `can_compress`, with `compress_share`
+      and `compress_to_admit`); `adopt_pass` (an adopted prefill, with `adopts_prefill`, `prefill_arithmetic` and
+      `prefill_queries`).
+    The engine provides the rest, the same for every policy: `bind` and `open_session` (what a run and a session
+    attach: model, ledger, timers, rows, the serving capacity, usage and work counters), `decode_attention` (the one
+    decode kernel), `pool_blocks` and `row_capacity` (sizing under a capacity), `can_release`, `can_compress`,
+    `check_prefill`, `traits`, `granularity` and `settings`."""
 
     name: ClassVar[str] = ""
     label: ClassVar[str] = ""  # how result rows name it: its name, unless a subclass says otherwise
@@ -140,6 +117,11 @@ class KVPolicy:
     # its official source and rules, each `same` or `differs: why` (kvlib.policies.fidelity); declared by each
     # registered class itself
     fidelity: ClassVar[Fidelity | None] = None
+    # the compress schedule (kvlib.engine.scheduler), for a policy that can compress: the share of its entries a
+    # compressed request keeps unless the run passes one, and whether a running request is also compressed to let a
+    # waiting one in (vLLM's rule, the default: it waits). compress_h2o makes both settings.
+    compress_share: ClassVar[float] = 0.5
+    compress_to_admit: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -154,10 +136,18 @@ class KVPolicy:
         self.device = model.device
         self.scale = self.spec.head_dim ** -0.5
         self.usage = KVUsage(self.spec.num_layers)
-        self.work = Work(None)  # a session's counter replaces it (kvlib.memory.work)
+        self.work = Work(None)  # a session's counter replaces it (open_session; kvlib.memory.work)
         self.decode_kernel = kernel_for(self.spec, self.device)  # the machine's and model's choice, not the policy's
-        self.serving_bytes: int | None = None  # set by a session that serves under a capacity (pool_blocks)
-        self.rows = 0  # the cache rows a session holds open (start)
+        self.serving_bytes: int | None = None
+        self.rows = 0
+
+    def open_session(self, rows: int, serving_bytes: int | None) -> None:
+        """Before start, each session: the rows it opens, and the bytes a block pool gets when it serves requests
+        under a device capacity (None: sized from the batch; pool_blocks); fresh usage and work counters."""
+        self.rows = rows  # the cache rows the session holds open (start may lower it: row_capacity)
+        self.serving_bytes = serving_bytes
+        self.usage = KVUsage(self.spec.num_layers)
+        self.work = Work(self.model.pass_shape)
 
     def decode_attention(self, layer: int, query: torch.Tensor, reads: DecodeReads
                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -180,7 +170,7 @@ class KVPolicy:
 
     def pool_blocks(self, needed: int, block_bytes: int, beside: int = 0) -> int:
         """The blocks a block-holding policy's pool gets: what this batch needs; or, when the engine serves requests
-        under a device capacity (`serving_bytes`, set by the session), as many as those bytes hold after what the
+        under a device capacity (`serving_bytes`, open_session), as many as those bytes hold after what the
         policy holds `beside` the pool, as vLLM sizes its pool from the memory it is given, whatever the requests."""
         if self.serving_bytes is None:
             return needed
@@ -193,6 +183,10 @@ class KVPolicy:
     @property
     def can_release(self) -> bool:
         return type(self).release is not KVPolicy.release
+
+    @property
+    def can_compress(self) -> bool:
+        return type(self).compress is not KVPolicy.compress
 
     def check_prefill(self, mode: str) -> None:
         if mode not in self.supported_prefill:
@@ -252,6 +246,11 @@ class KVPolicy:
     def release(self, row: int) -> None:
         """Drop everything a row holds (finished early or preempted by a scheduler)."""
         raise NotImplementedError(f"policy {self.name!r} cannot release single rows")
+
+    def compress(self, row: int, share: float) -> tuple[int, int]:
+        """Compact a running row to `share` of its entries, chosen by the policy's scores, its freed blocks back to the
+        pool (the compress schedule); returns the entries a KV head held before and after."""
+        raise NotImplementedError(f"policy {self.name!r} cannot compress a row")
 
     def after_pass(self, step: Step) -> None:
         """Called after every forward pass (all layers done): commit lengths, evict, etc."""

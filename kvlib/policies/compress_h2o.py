@@ -58,6 +58,8 @@ class CompressH2OPolicy(HeavyHitterPolicy):
     budget: float = 0.3  # the floor: never compressed below this share of its prompt (the serving chapter's H2O budget)
     compress_share: float = 0.5  # the share of its entries a compressed request keeps (at least its floor)
     compress_to_admit: bool = False  # True: also compress a running request to let a waiting one in
+    # its limits never read the prompt, and its floor counts the prompt of its last prefill: a compression leaves it
+    compress_restarts_limits: ClassVar[bool] = False
 
     fidelity = Fidelity(KVPRESS, rules=(
         Rule("floor", "target_size, 2048 tokens: never below it", setting="budget",
@@ -92,15 +94,13 @@ class CompressH2OPolicy(HeavyHitterPolicy):
 
     def floor(self, row: int) -> int:
         """The fewest entries per KV head a compression leaves the row: its budget of its prompt."""
-        return self.tokens_allowed(int(self.prompt_of[row]))
+        return self.tokens_allowed(int(self.tokens.prompt_of[row]))
 
     def compress(self, row: int, share: float) -> tuple[int, int]:
         """ScoredEvictionPolicy.compress to max(floor, share x held) entries; a row at its floor is left as it is.
         Returns (entries a head held, entries it keeps)."""
-        held, floor, prompt = int(self.kept[row]), self.floor(row), int(self.prompt_of[row])
+        held, floor = int(self.kept[row]), self.floor(row)
         if held <= floor:
             return held, held
         # round(floor / held x held) is the floor itself, and round(x) >= floor wherever x >= floor
-        before, after = super().compress(row, max(share, floor / held))
-        self.prompt_of[row] = prompt  # the next floor counts this prompt still (limits above never read it)
-        return before, after
+        return super().compress(row, max(share, floor / held))

@@ -35,12 +35,12 @@ from kvlib.errors import UserError
 from kvlib.kernels.attention import causal_mask, matrix_attention, matrix_bytes
 from kvlib.kernels.decode import DecodeReads
 from kvlib.memory.tiered_kv import CacheArray
+from kvlib.policies.allocation import select_heavy_recent
 from kvlib.policies.base import Step
 from kvlib.policies.fidelity import Fidelity, Rule, Source
 from kvlib.policies.flexgen import FlexGenPolicy
 from kvlib.policies.h2o import BUDGET_RULES, HeavyHitterPolicy, heavy_recent
 from kvlib.policies.registry import register
-from kvlib.policies.scored_eviction import select_heavy_recent
 
 EVICTIONS = ("port", "h2o")
 PORT = Source("FMInference/H2O", "ac75c2a", "h2o_flexgen/flexgen/flex_opt.py, pytorch_backend.py")

@@ -136,4 +136,4 @@ class HeavyHitterPolicy(ScoredEvictionPolicy):
 
     def update_scores(self, layer, rows, probs):
         with self.timers.section("eviction"):
-            self.add_scores(layer, probs)
+            self.tokens.add_scores(layer, probs)

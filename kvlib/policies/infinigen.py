@@ -20,14 +20,12 @@ another of them to append the new token): there a sparse layer reads the selecte
 index list per row and KV head into the host tier, which the one decode kernel reads as it reads any block table, and
 nothing is counted as moved. `fetch=True` keeps the copy on a CPU too (the GPU's path, which the tests run here).
 
-The budget is a cap, as in the official code: a row fetches the mean over its heads of the tokens speculation finds
-candidates (within `alpha` of a head's best approximate score), truncated, at most int(budget x cached tokens). So
-alpha, not the budget, decides what it fetches wherever the candidates are fewer than the cap: what a run actually
-attended is reported (`kv_share_attended`) and the book places InfiniGen there, next to the configured cap;
-`alpha=inf` makes the budget bind (every head fetches its cap), as the official code's figure-13 runs do with alpha 99.
-`measure_coverage` also reads each step's true attention: the mass speculation's picks carry against the mass the
-oracle's best picks of the same count carry, per layer (`speculation_recall`). Where kvlib follows the official code
-and where it departs, rule by rule: `fidelity` below.
+The budget is a cap, as in the official code (kvlib.policies.infinigen_speculation: alpha, not the budget, decides
+what a row fetches wherever the candidates are fewer than the cap): what a run actually attended is reported
+(`kv_share_attended`) and the book places InfiniGen there, next to the configured cap. `measure_coverage` also reads
+each step's true attention: the mass speculation's picks carry against the mass the oracle's best picks of the same
+count carry, per layer (`speculation_recall`). Where kvlib follows the official code and where it departs, rule by
+rule: `fidelity` below.
 """
 
 from __future__ import annotations
@@ -39,14 +37,13 @@ from dataclasses import dataclass
 import torch
 
 from kvlib.errors import UserError
-from kvlib.kernels import cpu_kernel
 from kvlib.kernels.attention import prefill_attention
-from kvlib.kernels.decode import DecodeReads, rows_view
+from kvlib.kernels.decode import DecodeReads
 from kvlib.models.llama_forward import FusedAttention, QueryProjection
+from kvlib.policies import infinigen_coverage
+from kvlib.policies import infinigen_speculation as speculation
 from kvlib.policies.base import BudgetedPolicy, Step
 from kvlib.policies.fidelity import Fidelity, Rule, Source
-from kvlib.policies.infinigen_coverage import coverage as speculation_coverage
-from kvlib.policies.infinigen_coverage import summary as coverage_summary
 from kvlib.policies.infinigen_skew import BASES, load_or_compute_skew
 from kvlib.policies.registry import register
 
@@ -152,7 +149,7 @@ class InfiniGenPolicy(BudgetedPolicy):
         rows = self.row_capacity(batch_size, row_device, beside=skew_bytes + self.query_bytes)
         shape = (rows, s.num_kv_heads, cap, s.head_dim)
         self.fetches = self._fetches()
-        self.bytes_moved = self.decode_steps = 0
+        self.decode_steps = 0
         self.coverage: list[tuple[int, float, float]] = []  # measure_coverage: (layer, picks' mass, oracle's)
         self.ledger.add("device", "kv_reserved", self.dense * 2 * math.prod(shape) * s.dtype_bytes,
                         where="infinigen dense layers")
@@ -282,7 +279,7 @@ class InfiniGenPolicy(BudgetedPolicy):
             q = self.queries[nxt](hidden, (cos, sin)).reshape(len(rows), s.num_kv_heads, group, s.head_dim)
             q_part = torch.matmul(q, self.skew_cut[nxt])  # [B, Hkv, G, r]
             table, count = self._select(nxt, q_part, step)
-        self._count_speculation(q_part, step)
+        self.work.add("decode", **speculation.work(s, q_part.shape[-1], len(rows), int(step.start.sum())))
         idx = table[..., :int(count.max())]
         # every row gathers count.max() entries per head (the rest masked): what leaves the host tier, copied to the
         # device, or read in place where both tiers are one memory (counted alike: the machine's spec says which)
@@ -301,61 +298,18 @@ class InfiniGenPolicy(BudgetedPolicy):
                 k_sel = self.host_k[i][r, heads, idx].to(self.device, non_blocking=True)
                 v_sel = self.host_v[i][r, heads, idx].to(self.device, non_blocking=True)
             self.fetched[nxt] = (table, count, k_sel, v_sel)
-        self.bytes_moved += moved
-
-    def _count_speculation(self, q_part: torch.Tensor, step: Step) -> None:
-        """Speculation's work (kvlib.memory.work): the next layer's query projected and skewed, its r columns against
-        every cached token's partial key (read from the device tier), for each query head."""
-        s, r = self.spec, q_part.shape[-1]
-        rows, q_width = len(step.rows), s.num_attention_heads * s.head_dim
-        tokens = int(step.start.sum())
-        self.work.add("decode", select_read_bytes=tokens * s.num_kv_heads * r * s.dtype_bytes,
-                      select_flops=2 * rows * (s.hidden_size * q_width + q_width * r)
-                      + 2 * tokens * s.num_attention_heads * r)
-
-    def fetch_cap(self, cached: int) -> int:
-        """The most a head fetches from a row of `cached` tokens: int(budget x cached) as the official code's
-        fetch_max (truncated, where the other sparse policies' tokens_allowed rounds), at least one."""
-        if self.budget_tokens is not None:
-            return min(self.budget_tokens, cached)
-        return min(cached, max(1, int(self.budget * cached)))
 
     def _select(self, layer: int, q_part: torch.Tensor, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
-        """What each (row, KV head) of `layer` reads this step: (index list [B, Hkv, W] on the CPU, its picks first,
-        then the row's new token at position step.start; picks a head [B]). On kvlib's C kernels one call
-        (kvlib.kernels.cpu_kernel.infinigen_select); elsewhere the PyTorch ops below, which choose the same."""
-        rows, cached = step.rows, step.start  # tokens already in the cache per row (the current one is not)
-        cap = torch.tensor([self.fetch_cap(int(n)) for n in cached])
-        keys = self.partial_k[layer - self.dense]
-        if self.decode_kernel == "c":
-            # alpha=inf (every token a candidate) as a finite float: the C kernel takes fp32 numbers
-            return cpu_kernel.infinigen_select(q_part, keys, rows, cached, cap, self.scale, min(self.alpha, 1e30),
-                                               int(cap.max()) + 1)
-        k_part = rows_view(keys, rows)[..., :int(cached.max())]  # [B, Hkv, r, L]
-        approx = torch.matmul(q_part, k_part).amax(dim=2) * self.scale  # [B, Hkv, L]
-        if int(cached.min()) < approx.shape[-1]:  # rows shorter than the longest: their tail is no candidate
-            valid = (torch.arange(approx.shape[-1])[None, :] < cached[:, None]).to(self.device)
-            approx = approx.masked_fill(~valid[:, None, :], float("-inf"))
-        peak = approx.amax(dim=-1, keepdim=True)
-        candidates = (approx > peak - self.alpha).sum(dim=-1).sum(dim=-1).cpu() // approx.shape[1]  # [B]: int(mean)
-        count = torch.minimum(candidates, cap).clamp(min=1)
-        # best first, equal scores the earlier token first: the C selection's order
-        chosen = approx.sort(dim=-1, descending=True, stable=True).indices[..., :int(count.max())].cpu()
-        table = torch.cat([chosen, cached[:, None, None].expand(-1, chosen.shape[1], 1)], dim=-1)
-        table[torch.arange(len(rows)), :, count] = cached[:, None]
-        return table, count
+        """What each (row, KV head) of `layer` reads this step (kvlib.policies.infinigen_speculation.select)."""
+        cap = torch.tensor([speculation.fetch_cap(self.budget, self.budget_tokens, int(n)) for n in step.start])
+        return speculation.select(q_part, self.partial_k[layer - self.dense], step.rows, step.start, cap, self.scale,
+                                  self.alpha, self.decode_kernel)
 
     def _record_coverage(self, layer, query, key, step, chosen, count):
         """The true attention of layer over the whole cache, and the mass the picks and the oracle's carry of it."""
-        rows, i = step.rows, layer - self.dense
-        kv_len = int(step.start.max())
-        k_full = torch.cat([self.host_k[i][rows, :, :kv_len].to(self.device), key], dim=2)
-        group = self.spec.num_attention_heads // self.spec.num_kv_heads
-        logits = torch.einsum("bhgd,bhld->bhgl", query.view(len(rows), -1, group, self.spec.head_dim), k_full)
-        valid = (torch.arange(kv_len + 1)[None, :] < step.start[:, None]).to(self.device)
-        valid[:, -1] = True
-        probs = torch.softmax((logits * self.scale).masked_fill(~valid[:, None, None, :], float("-inf")), dim=-1)
-        self.coverage.append((layer, *speculation_coverage(probs, chosen.to(self.device), count)))
+        cached = self.host_k[layer - self.dense][step.rows, :, :int(step.start.max())].to(self.device)
+        probs = infinigen_coverage.true_attention(query, torch.cat([cached, key], dim=2), step.start, self.scale)
+        self.coverage.append((layer, *infinigen_coverage.coverage(probs, chosen.to(self.device), count)))
 
     def fork(self, src, dst):
         n = int(self.lengths[src])
@@ -387,8 +341,9 @@ class InfiniGenPolicy(BudgetedPolicy):
                         kv_reserved=self.dense_k.nbytes + self.dense_v.nbytes - tokens * self.dense * per_layer)
 
     def stats(self):
-        return {"bytes_moved_host_to_device": self.bytes_moved,
-                "bytes_moved_per_step": self.bytes_moved / max(self.decode_steps, 1),
-                **coverage_summary(self.coverage),
+        # what the work counter counts as leaving the host tier, where it is copied (read in place: nothing moves)
+        moved = self.work.counts["decode"]["host_to_device_bytes"] if self.fetches else 0
+        return {"bytes_moved_host_to_device": moved, "bytes_moved_per_step": moved / max(self.decode_steps, 1),
+                **infinigen_coverage.summary(self.coverage),
                 "transfer": ("pcie" if self.device.type == "cuda" else "host memory copy (no bus crossed)")
                 if self.fetches else "read in place (host and device tiers are one memory)"}

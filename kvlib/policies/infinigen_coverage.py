@@ -41,3 +41,13 @@ def summary(samples: list[tuple[int, float, float]]) -> dict:
             **means(len(samples), sum(picks), sum(oracle)),
             "coverage_by_layer": {layer: (mean([c for at, c, _ in samples if at == layer]),
                                           mean([o for at, _, o in samples if at == layer])) for layer in layers}}
+
+
+def true_attention(query: torch.Tensor, keys: torch.Tensor, cached: torch.Tensor, scale: float) -> torch.Tensor:
+    """probs [B, Hkv, G, L + 1]: a decode step's queries [B, Hq, D] over keys [B, Hkv, L + 1, D] (the cache, then the
+    new token), row b seeing its first cached[b] entries and the new one."""
+    rows, kv_heads, length, head_dim = keys.shape
+    logits = torch.einsum("bhgd,bhld->bhgl", query.view(rows, kv_heads, -1, head_dim), keys)
+    valid = (torch.arange(length)[None, :] < cached[:, None]).to(keys.device)
+    valid[:, -1] = True
+    return torch.softmax((logits * scale).masked_fill(~valid[:, None, None, :], float("-inf")), dim=-1)

@@ -91,7 +91,7 @@ class QuestPolicy(BudgetedPolicy):
     # -- storage ---------------------------------------------------------------------------------------------------
     def start(self, batch_size, prompt_lens, max_new_tokens):
         s, bs = self.spec, self.block_size
-        self.bytes_read = self.bytes_read_full = self.peak_blocks = 0
+        self.bytes_read_full = self.peak_blocks = 0
         bounds = {name: PerBlock(s.dtype, (s.num_kv_heads, s.head_dim)) for name in ("key_min", "key_max")}
         block_bytes = PagedKV.block_bytes(s, bs, per_block=bounds)
         blocks = self.num_blocks or self.pool_blocks(sum(-(-(n + max_new_tokens) // bs) for n in prompt_lens),
@@ -127,7 +127,7 @@ class QuestPolicy(BudgetedPolicy):
                 self.key_min[:, fresh] = float("inf")
                 self.key_max[:, fresh] = float("-inf")
             self.table = table.to(self.device)
-            self.row_blocks, self.scanned = torch.tensor(counts), sum(counts)
+            self.row_blocks = torch.tensor(counts)
             if step.phase == "decode":
                 seen = [start + 1 for start in starts]
                 pages = [self.pages_read(n) for n in seen]
@@ -171,12 +171,9 @@ class QuestPolicy(BudgetedPolicy):
                 k, v = (c[layer][:, slots][None] for c in (self.kv.keys, self.kv.values))
                 return prefill_attention(query, k, v, int(step.start[0]), step.prefill_mode, self.scale, self.ledger,
                                          layer)
-        per_token = 2 * s.head_dim * s.dtype_bytes  # one token's key and value, one KV head
-        full_read = step.tokens_seen * s.num_kv_heads * per_token
-        self.bytes_read_full += full_read
+        self.bytes_read_full += step.tokens_seen * s.num_kv_heads * 2 * s.head_dim * s.dtype_bytes  # a full read
         keys, values = self.kv.keys[layer], self.kv.values[layer]
         if layer < self.dense_layers:
-            self.bytes_read += full_read
             self.usage.add(layer, step.tokens_seen, step.tokens_seen, b)
             reads = DecodeReads(keys, values, self.seen, table=self.table, block_size=bs)
             return self.decode_attention(layer, query, reads)[0]
@@ -186,7 +183,6 @@ class QuestPolicy(BudgetedPolicy):
         self.work.add("decode", select_read_bytes=blocks * s.num_kv_heads * 2 * s.head_dim * s.dtype_bytes,
                       select_flops=4 * blocks * s.num_attention_heads * s.head_dim)
         self.usage.add(layer, self.attended, step.tokens_seen, b)  # per KV head: every head reads as many tokens
-        self.bytes_read += (self.attended + self.scanned) * s.num_kv_heads * per_token  # + every block's min/max
         return self.decode_attention(layer, query, DecodeReads(keys, values, lengths, table=table, block_size=bs))[0]
 
     def choose_blocks(self, layer: int, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -257,7 +253,10 @@ class QuestPolicy(BudgetedPolicy):
         self.ledger.set("device", kv=0, kv_reserved=0, overhead=0)
 
     def stats(self):
+        # what decode attention read (the work counter's count: the dense layers' every token, the sparse ones'
+        # selected blocks) and the block bounds the selection scanned, against a full read of every layer
+        decode = self.work.counts["decode"]
+        read = decode["kv_read_bytes"] + decode["select_read_bytes"]
         return {"block_size": self.block_size, "num_blocks": self.kv.pool.num_blocks if self.kv else None,
-                "peak_blocks_used": self.peak_blocks, "kv_bytes_read": self.bytes_read,
-                "kv_bytes_read_full": self.bytes_read_full,
-                "kv_read_share": self.bytes_read / self.bytes_read_full if self.bytes_read_full else None}
+                "peak_blocks_used": self.peak_blocks, "kv_bytes_read": read, "kv_bytes_read_full": self.bytes_read_full,
+                "kv_read_share": read / self.bytes_read_full if self.bytes_read_full else None}
