@@ -29,6 +29,7 @@ def serving_table(df: pd.DataFrame) -> pd.DataFrame:
         if key not in done.groupby(["policy", "request_rate"]).groups:
             table.loc[key, :] = "OOM"
     table = table.rename(columns=TABLE_COLUMNS).map(shown)
+    table.index = table.index.set_levels(table.index.levels[1].map(shown), level=1)  # a measured rate, 3 figures
     table.index.names = ["policy", "request rate (requests/s)"]
     return table
 
@@ -44,6 +45,7 @@ def trace_table(df: pd.DataFrame) -> pd.DataFrame:
         table.insert(0, "x service rate", g["rate_multiple"].first())
     table["runners"] = g["policy"].nunique()
     table["one trace for all"] = g["trace_sha"].nunique() == 1
+    table.index = table.index.map(shown)
     table.index.name = "request rate (requests/s)"
     return table
 
