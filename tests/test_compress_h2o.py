@@ -160,13 +160,13 @@ def test_the_compressed_requests_are_read_against_paged_on_the_same_trace(tmp_pa
     assert not agree.loc["h2o", "compressed"].any()
     table = report.compression_table(df)
     compressed, others = "tokens as paged's: compressed requests", "tokens as paged's: the others"
-    assert table.loc[(1.0, "compress_h2o"), compressed] == "0.75"
-    assert table.loc[(2.0, "compress_h2o"), compressed] == "0.5"  # (0.75 + 0.25) / 2
-    assert table.loc[(2.0, "compress_h2o"), others] == "1"
-    assert table.loc[(1.0, "h2o"), compressed] == "" and table.loc[(1.0, "h2o"), others] == f"{(1 + 0.75 + 1) / 3:.3g}"
-    assert table.loc[(1.0, "paged"), "preemptions"] == "4" and table.loc[(2.0, "compress_h2o"),
+    assert table.loc[("1", "compress_h2o"), compressed] == "0.75"
+    assert table.loc[("2", "compress_h2o"), compressed] == "0.5"  # (0.75 + 0.25) / 2
+    assert table.loc[("2", "compress_h2o"), others] == "1"
+    assert table.loc[("1", "h2o"), compressed] == "" and table.loc[("1", "h2o"), others] == f"{(1 + 0.75 + 1) / 3:.3g}"
+    assert table.loc[("1", "paged"), "preemptions"] == "4" and table.loc[("2", "compress_h2o"),
                                                                          "requests compressed"] == "2"
-    assert table.loc[(1.0, "vllm (real)"), compressed] == "" and table.loc[(1.0, "vllm (real)"), others] == ""
+    assert table.loc[("1", "vllm (real)"), compressed] == "" and table.loc[("1", "vllm (real)"), others] == ""
     text = "\n".join(report.lines(df))
     assert ("compress_h2o at 2 requests/s: 2 of 3 requests compressed (3 compressions, each keeping 50% of a "
             "request's entries on average), 0 preemptions against 8 of paged's; goodput 0.9 against 0.5 requests/s, "

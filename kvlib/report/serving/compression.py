@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from kvlib.report.serving.frame import serving_frame, shown
+from kvlib.report.serving.frame import rates_shown, serving_frame, shown
 
 REFERENCE = "paged"  # the lossless kvlib runner whose output tokens every other kvlib runner's are compared with
 
@@ -82,6 +82,7 @@ def compression_table(df: pd.DataFrame, reference: str = REFERENCE) -> pd.DataFr
                          (False, f"tokens as {reference}'s: the others")):
         table[header] = agree[agree["compressed"] == flag].groupby(["request_rate", "policy"])["agreement"].mean()
     table = table.rename(columns=COMPRESSION_COLUMNS).astype(object).map(shown)
+    table.index = rates_shown(table.index, level=0)
     table.index.names = ["request rate (requests/s)", "policy"]
     return table
 

@@ -19,3 +19,8 @@ def serving_frame(df: pd.DataFrame) -> pd.DataFrame:
 def shown(x) -> str:
     """A table cell as the book shows it: 3 significant digits, blank where nothing was measured."""
     return x if isinstance(x, str) else "" if pd.isna(x) else f"{x:.3g}"
+
+
+def rates_shown(index: pd.MultiIndex, level: int) -> pd.MultiIndex:
+    """A table's index with its measured request rates shown as its cells are (3 significant digits)."""
+    return index.set_levels(index.levels[level].map(shown), level=level)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from kvlib.report.serving.frame import serving_frame, shown
+from kvlib.report.serving.frame import rates_shown, serving_frame, shown
 from kvlib.report.serving.sustained import ATTAINMENT, sustained_rates
 
 TABLE_COLUMNS = {  # result column -> the table's header
@@ -29,7 +29,7 @@ def serving_table(df: pd.DataFrame) -> pd.DataFrame:
         if key not in done.groupby(["policy", "request_rate"]).groups:
             table.loc[key, :] = "OOM"
     table = table.rename(columns=TABLE_COLUMNS).map(shown)
-    table.index = table.index.set_levels(table.index.levels[1].map(shown), level=1)  # a measured rate, 3 figures
+    table.index = rates_shown(table.index, level=1)
     table.index.names = ["policy", "request rate (requests/s)"]
     return table
 
