@@ -19,6 +19,9 @@ def repo_root() -> Path:
     return Path(__file__).resolve().parents[1]
 
 
+MANIFEST = "points.json"  # an experiment's manifest in results/<profile>/<experiment>/ (kvlib.study.results)
+
+
 def machine_limits(profile: str) -> Path:
     """The limits of the machine that timed a profile's rows (kvlib.study.limits), stored beside them."""
     return repo_root() / "results" / profile / "machine.json"
@@ -30,4 +33,4 @@ def read_from(profile: str) -> Path:
     never mix this machine's with the reference's."""
     here = repo_root() / "results" / profile
     published = repo_root() / "reference" / profile
-    return published if (published / "reference.json").exists() and not any(here.glob("*/points.json")) else here
+    return published if (published / "reference.json").exists() and not any(here.glob(f"*/{MANIFEST}")) else here

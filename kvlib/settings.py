@@ -19,6 +19,13 @@ def construct(cls, settings: dict, what: str):
     return cls(**settings)
 
 
+def field_default(field: dataclasses.Field) -> object:
+    """A setting's default (its factory's value where it has one); dataclasses.MISSING where it has none."""
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return field.default
+
+
 def capacity_bytes(gib: float | None, what: str = "device_capacity_gb") -> int | None:
     """A device capacity in GiB (None: unlimited) as bytes; one error for a capacity that is not positive."""
     if gib is None:

@@ -77,7 +77,7 @@ def test_a_profile_never_run_here_reads_its_reference_and_one_run_here_does_not(
     (root / "results" / "p" / "machine.json").write_text("{}")  # limits alone: nothing run yet
     assert kvlib.paths.read_from("p") == root / "reference" / "p"
     (root / "results" / "p" / "ttft").mkdir()
-    (root / "results" / "p" / "ttft" / "points.json").write_text("{}")
+    (root / "results" / "p" / "ttft" / kvlib.paths.MANIFEST).write_text("{}")
     assert kvlib.paths.read_from("p") == root / "results" / "p"  # never a mix of this machine's rows and the reference's
     assert kvlib.paths.read_from("unpublished") == root / "results" / "unpublished"
 
@@ -98,7 +98,7 @@ def test_a_rebuild_says_which_verdicts_agree(published, monkeypatch):
 
 def test_the_published_book_stands_in_only_where_nothing_was_run(published):
     note = reference.reproduction_markdown(PUBLISHED, pd.DataFrame(published["verdicts"]))
-    results_here = any((kvlib.paths.repo_root() / "results" / PUBLISHED).glob("*/points.json"))
+    results_here = any((kvlib.paths.repo_root() / "results" / PUBLISHED).glob(f"*/{kvlib.paths.MANIFEST}"))
     assert note.startswith("**Reproduction.**") == results_here
     assert ("reads the reference book's results" in note) == (not results_here)
 
@@ -107,5 +107,6 @@ def test_publishing_needs_the_chapters_the_run_executes():
     from kvlib.errors import UserError
     from kvlib.study import run_study
 
-    with pytest.raises(UserError, match="--publish publishes the chapters"):
-        run_study("smoke", publish=True, notebooks=False)
+    for partial in ({"notebooks": False}, {"experiments": ["ttft"]}, {"policies": ["h2o"]}):
+        with pytest.raises(UserError, match="--publish publishes the whole profile"):
+            run_study("smoke", publish=True, **partial)

@@ -3,9 +3,8 @@ results (kvlib.report.choose); with --hardware, the workload projected onto a ma
 
 from __future__ import annotations
 
-import sys
-
 import json
+import sys
 
 from kvlib.errors import UserError
 from kvlib.settings import capacity_bytes

@@ -15,6 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from kvlib.errors import UserError
+from kvlib.settings import field_default
 
 
 @dataclass(frozen=True)
@@ -49,12 +50,10 @@ def kvlib_value(cls, rule: Rule) -> object:
     defaults = {f.name: f for f in dataclasses.fields(cls)}
     if rule.setting not in defaults:
         raise UserError(f"{cls.name}: fidelity rule {rule.rule!r} names setting {rule.setting!r}, which it lacks")
-    field = defaults[rule.setting]
-    if field.default is not dataclasses.MISSING:
-        return field.default
-    if field.default_factory is not dataclasses.MISSING:
-        return field.default_factory()
-    raise UserError(f"{cls.name}: setting {rule.setting!r} has no default")
+    default = field_default(defaults[rule.setting])
+    if default is dataclasses.MISSING:
+        raise UserError(f"{cls.name}: setting {rule.setting!r} has no default")
+    return default
 
 
 def verdict(cls, rule: Rule) -> str:

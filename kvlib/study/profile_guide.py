@@ -13,6 +13,7 @@ import io
 import tokenize
 from pathlib import Path
 
+from kvlib.settings import field_default
 from kvlib.study import schema
 
 PROFILE = {
@@ -88,11 +89,6 @@ SETTINGS = {
 }
 
 
-def kind(check) -> str:
-    """A check's type in words (kvlib.study.schema.described)."""
-    return check.kind
-
-
 def _defaults(experiment: str) -> dict[str, str]:
     """`values.get("key", default)` in the experiment's module and the shared one: the default of each key it reads."""
     folder = Path(schema.__file__).parent / "experiments"
@@ -115,7 +111,7 @@ def workload_table(experiment: str) -> str:
     lines = ["| key | type | default | meaning |", "|---|---|---|---|"]
     for key, check in keys.items():
         default = "required" if key in _required(experiment) else defaults.get(key, "none")
-        lines.append(f"| `{key}` | {kind(check)} | {default if default == 'required' else f'`{default}`'} "
+        lines.append(f"| `{key}` | {check.kind} | {default if default == 'required' else f'`{default}`'} "
                      f"| {WORKLOAD[key]} |")
     return "\n".join(lines)
 
@@ -148,9 +144,9 @@ def settings_table(runner: str) -> str:
             meaning[rule.setting] = "; ".join(filter(None, [meaning.get(rule.setting), f"{rule.rule}; {official}"]))
     rows = []
     for f in dataclasses.fields(cls):
-        default = f.default if f.default is not dataclasses.MISSING else (
-            f.default_factory() if f.default_factory is not dataclasses.MISSING else "required")
-        rows.append(f"| `{f.name}` | `{f.type}` | `{default!r}` | {meaning.get(f.name, '')} |")
+        default = field_default(f)
+        shown = "required" if default is dataclasses.MISSING else f"`{default!r}`"
+        rows.append(f"| `{f.name}` | `{f.type}` | {shown} | {meaning.get(f.name, '')} |")
     return "\n".join(["| setting | type | default | why / meaning |", "|---|---|---|---|", *rows]) if rows else \
         "(no settings)"
 
@@ -159,22 +155,22 @@ def markdown() -> str:
     from kvlib.study.runners import runners
 
     out = ["# Writing a profile", "",
-           "A profile is a YAML file: `params/<name>.yaml`, or a path of your own (`kvlib study --profile "
+           ("A profile is a YAML file: `params/<name>.yaml`, or a path of your own (`kvlib study --profile "
            "path/to/mine.yaml`; its results go to `results/<file name>/`). `kvlib study` checks every key before "
            "anything runs and reports every problem at once, each at its key path. This page is generated from that "
            "check (`kvlib.study.schema`), the experiments' code and the runners' settings "
            "(`kvlib.study.profile_guide`): it lists what the code accepts. `params/smoke.yaml` is the smallest "
-           "example, `params/embedded.yaml` the book's.", "", "## The profile", "",
+           "example, `params/embedded.yaml` the book's."), "", "## The profile", "",
            "| key | meaning |", "|---|---|", *[f"| `{k}` | {v} |" for k, v in PROFILE.items()], "",
            "## An experiment", "", "| key | meaning |", "|---|---|",
            *[f"| `{k}` | {v} |" for k, v in EXPERIMENT.items()], "",
-           "A key of `grid` or `fixed` is either the experiment's workload value (below) or a runner's setting "
-           "(further below), which applies to the runners that have it.", ""]
+           ("A key of `grid` or `fixed` is either the experiment's workload value (below) or a runner's setting "
+            "(further below), which applies to the runners that have it."), ""]
     for experiment in schema.WORKLOAD:
         out += [f"### {experiment}", "", workload_table(experiment), ""]
     out += ["## Runners' settings", "",
-            "Per runner in `policy_settings`, or in an experiment's `grid` / `fixed` (as `kvlib run --set key=value`); "
-            "a setting that departs from the policy's official code is a row of the methods page's fidelity table.",
+            ("Per runner in `policy_settings`, or in an experiment's `grid` / `fixed` (as `kvlib run --set key=value`); "
+             "a setting that departs from the policy's official code is a row of the methods page's fidelity table."),
             ""]
     for runner in sorted(runners()):
         out += [f"### {runner}", "", settings_table(runner), ""]

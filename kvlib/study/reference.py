@@ -24,7 +24,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from kvlib.paths import read_from, repo_root
+from kvlib.paths import machine_limits, read_from, repo_root
 from kvlib.study import results
 
 JSON_COLUMNS = b"kvlib_json_columns"  # parquet metadata: the object columns, stored as JSON text
@@ -75,10 +75,10 @@ def _decoded(value):
 def _write_rows(frame: pd.DataFrame, path: Path) -> None:
     """One parquet file per experiment; its object columns (a task's int and str targets, a setting that is a bool in
     one policy's rows and missing in another's, per-layer arrays) as JSON text, so that they come back as they were."""
-    mixed = [c for c in frame.columns if frame[c].dtype == object]
-    frame = frame.assign(**{c: [json.dumps(v, default=_plain) for v in frame[c]] for c in mixed})
+    objects = [c for c in frame.columns if frame[c].dtype == object]
+    frame = frame.assign(**{c: [json.dumps(v, default=_plain) for v in frame[c]] for c in objects})
     table = pa.Table.from_pandas(frame, preserve_index=False)
-    table = table.replace_schema_metadata({**table.schema.metadata, JSON_COLUMNS: json.dumps(mixed).encode()})
+    table = table.replace_schema_metadata({**table.schema.metadata, JSON_COLUMNS: json.dumps(objects).encode()})
     pq.write_table(table, path, compression="zstd")
 
 
@@ -86,7 +86,7 @@ def save(profile: str, gate: float) -> Path:
     """Publish results/<profile>/ with the chapters the build executed from it (book/executed/) and the verdicts the
     findings page draws from the published rows (at the profile's validity gate)."""
     from kvlib.report.findings import verdict_table
-    from kvlib.study.executor import machine_metadata, run_metadata
+    from kvlib.study.executor import run_metadata
     from kvlib.study.profile import EXPERIMENTS
 
     out = folder(profile)
@@ -100,12 +100,12 @@ def save(profile: str, gate: float) -> Path:
             _write_rows(frame, out / "results" / f"{name}.parquet")
     frames = {name: load(profile, name) for name in EXPERIMENTS}
     verdicts = verdict_table(frames, gate)
-    limits = repo_root() / "results" / profile / "machine.json"
+    limits = machine_limits(profile)
     if limits.exists():
         shutil.copy(limits, out / "machine.json")
     for chapter in sorted((repo_root() / "book" / "executed").glob("*.ipynb")):
         shutil.copy(chapter, out / "chapters" / chapter.name)
-    computed = pd.concat([f[["finished_at", "git_sha"]] for f in frames.values() if "git_sha" in f])
+    computed = pd.concat([f[["finished_at", "git_sha", "device_name"]] for f in frames.values() if "git_sha" in f])
     machine = json.loads(limits.read_text()) if limits.exists() else {}
     (out / "reference.json").write_text(json.dumps({
         "profile": profile, "published_at": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -113,7 +113,7 @@ def save(profile: str, gate: float) -> Path:
         "computed_between": [computed.finished_at.min(), computed.finished_at.max()],
         "computed_at_commits": sorted(computed.git_sha.dropna().unique().tolist()),
         "machine": {"cpu": machine.get("machine_cpu"), "host": machine.get("machine_host"),
-                    "threads": machine.get("threads"), "device": machine_metadata()["device_name"],
+                    "threads": machine.get("threads"), "device": ", ".join(sorted(computed.device_name.dropna().unique())),
                     "torch": machine.get("torch_version")},
         "verdicts": verdicts[["finding", "verdict", "numbers"]].to_dict(orient="records"),
     }, indent=1) + "\n")
@@ -161,11 +161,11 @@ def readme_verdicts(profile: str) -> str:
     info = about(profile)
     table = pd.DataFrame(info["verdicts"]).assign(paper=lambda d: d.finding.map(FINDINGS))
     return "\n".join([
-        f"**What the study found**, in the reference book ({provenance(info)}): the paper's five findings and our "
-        "verdicts, each read from measurements by the rules on the methods page. Its pages, executed: "
-        f"[findings](reference/{profile}/chapters/findings.ipynb) and the chapters in "
-        f"[reference/{profile}/chapters/](reference/{profile}/chapters/); its rows: "
-        f"[reference/{profile}/results/](reference/{profile}/results/).",
+        (f"**What the study found**, in the reference book ({provenance(info)}): the paper's five findings and our "
+         "verdicts, each read from measurements by the rules on the methods page. Its pages, executed: "
+         f"[findings](reference/{profile}/chapters/findings.ipynb) and the chapters in "
+         f"[reference/{profile}/chapters/](reference/{profile}/chapters/); its rows: "
+         f"[reference/{profile}/results/](reference/{profile}/results/)."),
         "",
         verdict_markdown(table),
         "",
@@ -186,8 +186,9 @@ def readme_choose(profile: str) -> str:
     answer = choose(frames, w["prompt_tokens"], w["batch"], w["output_tokens"], w["max_accuracy_drop"],
                     None, load_profile(profile).validity_gate)
     return "\n".join([
-        "```bash", f".venv/bin/python -m kvlib choose --profile {profile} --prompt-tokens {w['prompt_tokens']} "
-        f"--batch {w['batch']} --output-tokens {w['output_tokens']} --max-accuracy-drop {w['max_accuracy_drop']:g}",
+        "```bash", (f".venv/bin/python -m kvlib choose --profile {profile} --prompt-tokens {w['prompt_tokens']} "
+                    f"--batch {w['batch']} --output-tokens {w['output_tokens']} "
+                    f"--max-accuracy-drop {w['max_accuracy_drop']:g}"),
         "```", "", f"prints, from the reference book's rows ({provenance(about(profile))}):", "", "```text",
         answer.text(), "```"])
 

@@ -13,9 +13,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from kvlib.paths import repo_root
-
-MANIFEST = "points.json"
+from kvlib.paths import MANIFEST, repo_root
 
 
 def results_dir(profile: str, experiment: str) -> Path:

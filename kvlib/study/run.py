@@ -34,8 +34,9 @@ def run_study(profile: str, experiments: list[str] | None = None, force: bool = 
     if prof.name != load_profile(profile).name and (notebooks or build):
         raise UserError("--device and --toy store results only: add --compute-only (the book's notebooks read a "
                         "profile by its file's name; for a book of your own size, write a profile)")
-    if publish and not notebooks:
-        raise UserError("--publish publishes the chapters the run executes: drop --compute-only")
+    if publish and (not notebooks or experiments or policies):
+        raise UserError("--publish publishes the whole profile and the chapters the run executes from it: drop "
+                        "--compute-only, --experiments and --policies")
     names = experiments or [e for e in EXPERIMENTS if e in prof.experiments]
     failed = []
     for name in names:  # a unit that fails stops nothing: the other experiments are computed before the run fails
@@ -71,7 +72,7 @@ def load(profile: str, experiment: str, compute_missing: bool = True) -> pd.Data
     if reference.stands_in(profile):
         print(f"{profile}/{experiment}: the reference book's rows ({reference.provenance(reference.about(profile))}); "
               f"`kvlib study --profile {profile} --experiments {experiment} --compute-only` computes this machine's")
-        return stored(profile, experiment)
+        return reference.load(profile, experiment)
     missing = results.missing_units(profile, experiment)
     if missing is None and experiment not in load_profile(profile).experiments:
         print(f"{profile}: the profile has no {experiment} experiment")  # (the paper's, say, has no offload grid)
@@ -83,4 +84,4 @@ def load(profile: str, experiment: str, compute_missing: bool = True) -> pd.Data
         else:
             print(f"{profile}/{experiment}: {count}; computing them now, as `{command}` would")
             run_experiment(load_profile(profile), experiment)
-    return stored(profile, experiment)
+    return results.load(profile, experiment)
