@@ -8,7 +8,10 @@ import math
 import pandas as pd
 
 from kvlib.report import stats
+from kvlib.report.accuracy_findings import retention_claims
+from kvlib.report.drop_words import change, signed_pp  # noqa: F401 -- the chapters' words, by name
 from kvlib.report.gate import GATE, accuracy_gate, beyond_model, passing, retention_gate
+from kvlib.report.pages import ACCURACY
 from kvlib.report.paper import PAPER
 from kvlib.report.tables import accuracy_item, accuracy_table, retention_design, ruler_table, wilson
 
@@ -20,25 +23,15 @@ def role(df: pd.DataFrame, policy: str) -> str:
     return " (exploratory)" if (df.loc[df["policy"] == policy, "role"] == "exploratory").any() else ""
 
 
-def signed_pp(drop_share: float) -> str:
-    """A drop (a share of items) as the score's move in pp: the reader sees the score move, so a drop of 12 pp reads
-    -12.0."""
-    return f"{-drop_share * 100 + 0.0:+.1f}"  # + 0.0: no "-0.0" for an unchanged score
-
-
-def change(drop: stats.Drop) -> str:
-    """A policy's change from its reference in pp with the interval and the verdict word (signed_pp)."""
-    return f"{signed_pp(drop.drop)} pp, interval {signed_pp(drop.high)} to {signed_pp(drop.low)}: {drop.verdict}"
-
-
-def accuracy_rule(drops: dict, resampled: str = "items resampled") -> list[str]:
-    """The rule behind the accuracy verdicts, said once per page, and the fallback where rows carried no item ids."""
+def accuracy_rule(drops: dict, section: str, resampled: str = "items resampled") -> list[str]:
+    """The rule behind a section's accuracy verdicts, said once per section (the page's error rate is said at its
+    top), and the fallback where rows carried no item ids."""
     if not drops:
         return []
     level = next(iter(drops.values())).level
     rule = (f"How differences are judged: each change is read on the same items (paired) with a bootstrap interval "
-            f"({resampled}); the {len(drops)} intervals here are adjusted together (Bonferroni: each at "
-            f"{level * 100:.1f} %, all at {(1 - stats.ALPHA) * 100:.0f} %); 'equivalent' when the interval lies within "
+            f"({resampled}); the {len(drops)} intervals of {section} spend its {ACCURACY.share(section):.2%} of the "
+            f"page's error rate (Bonferroni: each at {level:.2%}); 'equivalent' when the interval lies within "
             f"+-{stats.EQUIVALENCE_MARGIN * 100:.0f} pp, 'lower'/'higher' when it excludes 0, else 'inconclusive'.")
     unpaired = sum(not d.paired for d in drops.values())
     note = (f"Ours: {unpaired} of these {len(drops)} comparisons could not pair their items: the rows carry no item "
@@ -47,9 +40,10 @@ def accuracy_rule(drops: dict, resampled: str = "items resampled") -> list[str]:
 
 
 def family(pairs: dict, value: str, item: list[str], cluster: list[str] | None = None,
-            stratum: str | None = None) -> dict:
-    """The paired drops of every (reference rows, policy rows) pair, their intervals adjusted together."""
-    level = stats.family_level(len(pairs))
+            stratum: str | None = None, alpha: float = stats.ALPHA) -> dict:
+    """The paired drops of every (reference rows, policy rows) pair, their intervals spending `alpha` together
+    (a page's section: kvlib.report.pages)."""
+    level = stats.family_level(len(pairs), alpha)
     return {key: stats.paired_drop(ref, other, value, item, cluster, stratum, level=level)
             for key, (ref, other) in pairs.items()}
 
@@ -90,15 +84,10 @@ def accuracy(df: pd.DataFrame, gate: float = GATE) -> list[str]:
     policy's paired change from it; a task the full cache fails is said to be beyond the model, with no verdict."""
     out = [f"Paper: {PAPER['accuracy']}"]
     table = accuracy_table(df)
-    rows = scored_rows(df)
     gated = accuracy_gate(df, gate)
     gated = gated[gated["length"].isna()]
     valid = passing(gated, "task")
-    pairs = {}
-    for task in table.loc[table["metric"] == "accuracy", "task"].unique():
-        if task in valid:
-            pairs.update(pairs_against_full(rows[rows["task"] == task], (task,)))
-    drops = family(pairs, "correct", accuracy_item(rows))
+    drops = multiple_choice_drops(df, gate)
     for task, t in table.groupby("task"):
         full = t[t["policy"] == "full"]
         if full.empty:
@@ -122,7 +111,21 @@ def accuracy(df: pd.DataFrame, gate: float = GATE) -> list[str]:
             if (task, budget, H2O_VS_INFINIGEN) in drops:
                 out.append(f"Ours: {task} at budget {budget:g}: "
                            f"{_who_loses_more(drops[(task, budget, H2O_VS_INFINIGEN)])}.")
-    return out + accuracy_rule(drops) + ruler(df, gate)
+    return out + accuracy_rule(drops, "multiple choice") + ruler(df, gate)
+
+
+def multiple_choice_drops(df: pd.DataFrame, gate: float = GATE) -> dict:
+    """(task, budget, policy) -> each policy's paired drop from the full cache (and H2O's from InfiniGen) on every
+    multiple-choice task the full cache passes: the accuracy page's first section, read by its lead and its body."""
+    rows = scored_rows(df)
+    table = accuracy_table(df)
+    gated = accuracy_gate(df, gate)
+    valid = passing(gated[gated["length"].isna()], "task")
+    pairs = {}
+    for task in table.loc[table["metric"] == "accuracy", "task"].unique():
+        if task in valid:
+            pairs.update(pairs_against_full(rows[rows["task"] == task], (task,)))
+    return family(pairs, "correct", accuracy_item(rows), alpha=ACCURACY.share("multiple choice"))
 
 
 def ruler(df: pd.DataFrame, gate: float = GATE) -> list[str]:
@@ -137,7 +140,9 @@ def ruler(df: pd.DataFrame, gate: float = GATE) -> list[str]:
     gated = gated[gated["length"].notna()]
     valid = {(t, int(n)) for t, n, ok in zip(gated["task"], gated["length"], gated["passes"]) if ok}
     kept = d[[(t, int(n)) in valid for t, n in zip(d["task"], d["length"])]]
-    return beyond_model(gated, gate, "RULER subtask") + per_protocol(_ruler, kept)
+    protocols = kept["protocol"].nunique() if "protocol" in kept and not kept.empty else 1
+    share = ACCURACY.share("RULER") / max(protocols, 1)  # each protocol's intervals a part of the section's share
+    return beyond_model(gated, gate, "RULER subtask") + per_protocol(lambda g: _ruler(g, share), kept)
 
 
 def per_protocol(lines_of, df: pd.DataFrame) -> list[str]:
@@ -151,7 +156,7 @@ def per_protocol(lines_of, df: pd.DataFrame) -> list[str]:
     return out
 
 
-def _ruler(df: pd.DataFrame) -> list[str]:
+def _ruler(df: pd.DataFrame, alpha: float) -> list[str]:
     table = ruler_table(df)
     if table.empty:
         return []
@@ -160,7 +165,7 @@ def _ruler(df: pd.DataFrame) -> list[str]:
     pairs = {}
     for length, at in rows.groupby("length"):
         pairs.update(pairs_against_full(at, (length,)))
-    drops = family(pairs, "ruler_score", accuracy_item(rows), stratum="task")
+    drops = family(pairs, "ruler_score", accuracy_item(rows), stratum="task", alpha=alpha)
     out = []
     means = table[table["task"] == "mean"]
     for length, t in means.groupby("length"):
@@ -181,13 +186,13 @@ def _ruler(df: pd.DataFrame) -> list[str]:
                 out.append(f"Ours: RULER at {length:,} tokens, budget {budget:g}: "
                            f"{_who_loses_more(drops[(length, budget, H2O_VS_INFINIGEN)])}.")
     return out + [line.replace("each change", "each RULER change", 1)
-                  for line in accuracy_rule(drops, "items resampled within each subtask")]
+                  for line in accuracy_rule(drops, "RULER", "items resampled within each subtask")]
 
 
 def retention(df: pd.DataFrame, gate: float = GATE) -> list[str]:
-    """Each policy's retention against the full cache's on the same questions, conversations resampled within each
-    bucket (a conversation's questions share one context: they are not independent), over the buckets the full cache
-    passes (the validity gate; the others said to be beyond the model), per protocol."""
+    """Each policy's share of facts retained per protocol, described, over the buckets the full cache passes (the
+    validity gate; the others said to be beyond the model); then the page's tested statements, finding 5's claims,
+    the same objects the findings page reads (kvlib.report.accuracy_findings.retention_claims)."""
     out = [f"Paper: {PAPER['retention']}"]
     if df.empty or "full" not in set(df["policy"]):
         return out + ["Ours: no full-cache run to compare with."]
@@ -197,37 +202,31 @@ def retention(df: pd.DataFrame, gate: float = GATE) -> list[str]:
     kept = df[df["bucket"].isin(valid)]
     if kept.empty:
         return out + ["Ours: no bucket passes the validity gate: no verdict on retention."]
-    return out + per_protocol(_retention, kept)
+    claims = retention_claims(df, gate)
+    tested = ([f"Ours, finding 5 (as deployed): {line}." for line in claims.context]
+              + [f"Ours, finding 5 (as deployed): {c.line()}." for c in claims.claims]
+              + [f"Ours, finding 5: {name}: inconclusive." for name in claims.untested])
+    return out + per_protocol(_retention, kept) + tested
 
 
 def _retention(df: pd.DataFrame) -> list[str]:
-    out = []
+    """The shares retained, described (a verdict is finding 5's, below)."""
     item, cluster, stratum = retention_design(df)
-    paired = set(item) <= set(df.columns)
     d = df.assign(correct=df["correct"].astype(float), budget=df["budget"].fillna(1.0) if "budget" in df else 1.0)
     full = d[d["policy"] == "full"]
-    if paired:
+    if set(item) <= set(df.columns):
         low, high = stats.mean_interval(full, "correct", cluster, stratum)
         how = (f"in {full[cluster].drop_duplicates().shape[0]} conversations; 95 % interval {low:.0%}-{high:.0%}, "
                f"conversations resampled within buckets")
     else:
         low, high = wilson(full["correct"].sum(), len(full))
         how = f"95 % interval {low:.0%}-{high:.0%}, Wilson"
-    out.append(f"Ours: {len(full)} questions per policy; the full cache answers {full['correct'].mean():.0%} ({how}).")
-    drops = family(pairs_against_full(d, ()), "correct", item, cluster if paired else None, stratum)
-    budgeted = df.dropna(subset=["budget"]).groupby("policy")["budget"].nunique() if "budget" in df else pd.Series()
-    for (budget, policy), drop in drops.items():
-        if policy == H2O_VS_INFINIGEN:
-            continue
-        g = d[(d["policy"] == policy) & (d["budget"] == budget)]
-        at = f" at budget {budget:g}" if budgeted.get(policy, 0) > 1 else ""
+    out = [f"Ours: {len(full)} questions per policy; the full cache answers {full['correct'].mean():.0%} ({how})."]
+    for (policy, budget), g in d[d["policy"] != "full"].groupby(["policy", "budget"]):
         used = (f"; attending {g['kv_share_attended'].median():.0%} of the KV"
                 if "kv_share_attended" in g and g["kv_share_attended"].notna().any() else "")
-        out.append(f"Ours: {policy}{role(df, policy)}{at} answers {drop.score:.0%} ({change(drop)}{used}).")
+        out.append(f"Ours: {policy}{role(df, policy)} at budget {budget:g} answers {g['correct'].mean():.0%}{used}.")
     by_bucket = df.groupby(["bucket", "policy"])["correct"].mean().unstack()
     for bucket, row in by_bucket.iterrows():
         out.append(f"Ours: bucket {bucket}: " + ", ".join(f"{p} {v:.0%}" for p, v in row.items()) + ".")
-    for (budget, policy), drop in drops.items():
-        if policy == H2O_VS_INFINIGEN:
-            out.append(f"Ours: retention over all buckets and turns at budget {budget:g}: {_who_loses_more(drop)}.")
-    return out + accuracy_rule(drops, "whole conversations resampled within each bucket")
+    return out

@@ -8,10 +8,12 @@ from __future__ import annotations
 import pandas as pd
 
 from kvlib.report import frontier, offload, stats
-from kvlib.report.accuracy_lines import change, family, pairs_against_full, scored_rows
-from kvlib.report.gate import GATE, accuracy_gate, passing, retention_gate
+from kvlib.report.accuracy_findings import retention_claims
+from kvlib.report.accuracy_lines import change, multiple_choice_drops, scored_rows
+from kvlib.report.gate import GATE, passing, retention_gate
+from kvlib.report.pages import ACCURACY, FINDINGS, TIMING
 from kvlib.report.serving import sustained_rates
-from kvlib.report.tables import accuracy_item, decode_spread, geometric_mean, retention_design, ttft_spread
+from kvlib.report.tables import decode_spread, geometric_mean, retention_design, ttft_spread
 
 NOTHING = "Nothing was measured for this chapter in this profile."
 
@@ -138,19 +140,17 @@ def _drops_text(drops: dict, who: tuple[str, ...]) -> str:
 def accuracy(df: pd.DataFrame, gate: float = GATE) -> str:
     if df.empty:
         return NOTHING
-    rows = scored_rows(df)
-    gated = accuracy_gate(df, gate)
-    valid = sorted(passing(gated[gated["length"].isna()], "task") & set(rows.get("task", [])))
-    if not valid:
+    drops = multiple_choice_drops(df, gate)  # the objects the page's reading prints
+    tasks = sorted({task for task, _, _ in drops})
+    if not tasks:
         return "No multiple-choice task passes the validity gate: the chapter shows the scores, and no verdict."
+    rows = scored_rows(df)
     out = []
-    for task in valid:
-        t = rows[rows["task"] == task]
-        drops = family(pairs_against_full(t, (task,)), "correct", accuracy_item(t))
-        full = t.loc[t["policy"] == "full", "correct"].astype(float)
+    for task in tasks:
+        full = rows.loc[(rows["task"] == task) & (rows["policy"] == "full"), "correct"].astype(float)
+        on_task = {key: d for key, d in drops.items() if key[0] == task}
         out.append(f"On {task} (the full cache {full.mean():.1%} over {len(full)} items), the paper's two sparse "
-                   f"methods change by: {_drops_text(drops, ('h2o', 'infinigen'))} (paired, intervals adjusted "
-                   f"together).")
+                   f"methods change by: {_drops_text(on_task, ('h2o', 'infinigen'))} (paired).")
     hybrids = frontier.comparisons(df, gate)
     if hybrids:
         out.append(f"Against the uniform policy that lost least at the same budget, {frontier.tally(hybrids)} (the "
@@ -161,19 +161,18 @@ def accuracy(df: pd.DataFrame, gate: float = GATE) -> str:
 def retention(df: pd.DataFrame, gate: float = GATE) -> str:
     if df.empty or "full" not in set(df["policy"]):
         return NOTHING
-    d = df[df["bucket"].isin(passing(retention_gate(df, gate), "bucket"))]
-    if d.empty:
-        return "No context-length bucket passes the validity gate: no verdict on retention."
+    claims = retention_claims(df, gate)  # finding 5's, as the findings page reads them
+    if claims.unanswered:
+        return f"No verdict on retention: {claims.unanswered[1]}."
+    d = df[(df["policy"] == "full") & df["bucket"].isin(passing(retention_gate(df, gate), "bucket"))]
     if "protocol" in d and d["protocol"].nunique() > 1:
         d = d[d["protocol"] == "deployed"]
-    d = d.assign(correct=d["correct"].astype(float), budget=d["budget"].fillna(1.0) if "budget" in d else 1.0)
-    item, cluster, stratum = retention_design(d)
-    drops = family(pairs_against_full(d, ("retention",)), "correct", item, cluster, stratum)
-    full = d[d["policy"] == "full"]
-    conversations = full[cluster].drop_duplicates().shape[0] if set(cluster) <= set(full.columns) else len(full)
+    _, cluster, _ = retention_design(d)
+    conversations = d[cluster].drop_duplicates().shape[0] if set(cluster) <= set(d.columns) else len(d)
     return (f"As deployed, over {conversations} conversations, the full cache recalls the early fact "
-            f"{full['correct'].mean():.0%} of the time; {_drops_text(drops, ('h2o', 'infinigen'))} (conversations "
-            f"resampled within buckets, intervals adjusted together).")
+            f"{d['correct'].astype(float).mean():.0%} of the time; "
+            + "; ".join(c.line() for c in claims.claims) + " (finding 5's claims, conversations resampled within "
+            "buckets).")
 
 
 ANSWERS = {"ttft": ttft, "batch_scaling": batch_scaling, "decode_length": decode_length, "offload": offload.answer,
@@ -183,4 +182,13 @@ ANSWERS = {"ttft": ttft, "batch_scaling": batch_scaling, "decode_length": decode
 def answer(name: str, df: pd.DataFrame, gate: float = GATE) -> str:
     """A chapter's opening sentences, as Markdown."""
     read = ANSWERS[name]
-    return "**In short.** " + (read(df, gate) if name in ("accuracy", "retention") else read(df))
+    lead = read(df, gate) if name in ("accuracy", "retention") else read(df)
+    return f"**In short.** {lead}" + ("" if lead == NOTHING else f"\n\n{PAGE_ERROR_RATES[name]}")
+
+
+# each chapter's error rate, said once at its top, under its lead (kvlib.report.pages)
+PAGE_ERROR_RATES = {
+    **{name: TIMING.statement() for name in ("ttft", "batch_scaling", "decode_length", "offload", "serving")},
+    "accuracy": ACCURACY.statement(),
+    "retention": FINDINGS.borrowed("finding 5", 3),
+}

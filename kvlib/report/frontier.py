@@ -13,7 +13,7 @@ the same count of entries (kvlib.policies.base.BudgetedPolicy.tokens_allowed; du
 not always the same bytes. A hybrid is
 compared with the uniform policy that lost least there (by its point estimate) among those whose measured bytes are
 within a factor EQUAL_BYTES of its own (all of them where none is, and the sentence says so), item by item
-(kvlib.report.stats.paired_drop), the intervals of the page adjusted together (Bonferroni); the bytes both held are
+(kvlib.report.stats.paired_drop), the section's intervals spending its share of the page's error rate (kvlib.report.pages); the bytes both held are
 said beside the verdict.
 """
 
@@ -24,9 +24,10 @@ import pandas as pd
 
 from kvlib.policies import REGISTRY
 from kvlib.report import stats
-from kvlib.report.accuracy_lines import change, role, scored_rows
+from kvlib.report.accuracy_lines import change, role
 from kvlib.report.figure_style import policy_colours, set_style
-from kvlib.report.gate import GATE, accuracy_gate, passing
+from kvlib.report.gate import GATE, passing_units
+from kvlib.report.pages import ACCURACY
 from kvlib.report.tables import accuracy_item
 
 HYBRIDS = ("duo", "adakv", "pyramidkv")
@@ -35,27 +36,9 @@ EQUAL_BYTES = 1.25  # two policies whose bytes held per token are within this fa
 
 
 def units(df: pd.DataFrame, gate: float = GATE) -> dict[str, tuple[pd.DataFrame, str, str | None]]:
-    """Each scored unit whose full cache passes the validity gate, as (rows, value column, stratum): a multiple-choice
-    task (`correct`), or RULER at one length over its passing subtasks (`ruler_score`, resampled within each)."""
-    out = {}
-    if df.empty or "kv_share_held" not in df:
-        return out
-    gated = accuracy_gate(df, gate)
-    scored = scored_rows(df)
-    for task in sorted(passing(gated[gated["length"].isna()], "task")):
-        rows = scored[scored["task"] == task]
-        if "correct" in rows and rows["correct"].notna().any():
-            out[task] = (rows, "correct", None)
-    if "ruler_score" in df:
-        ruler = df[df["ruler_score"].notna()]
-        ruler = ruler.assign(budget=ruler["budget"].fillna(1.0) if "budget" in ruler else 1.0)
-        valid = {(t, int(n)) for t, n, ok in zip(gated["task"], gated["length"], gated["passes"])
-                 if ok and pd.notna(n)}
-        for length, at in ruler.groupby("length"):
-            kept = at[[(t, int(length)) in valid for t in at["task"]]]
-            if not kept.empty:
-                out[f"RULER at {int(length):,} tokens"] = (kept, "ruler_score", "task")
-    return out
+    """Each scored unit whose full cache passes the validity gate (kvlib.report.gate.passing_units), where the rows
+    measured the KV each policy held."""
+    return {} if df.empty or "kv_share_held" not in df else passing_units(df, gate)
 
 
 def points(df: pd.DataFrame, gate: float = GATE) -> pd.DataFrame:
@@ -106,7 +89,7 @@ def comparisons(df: pd.DataFrame, gate: float = GATE) -> dict:
                 best = min(equal or uniform, key=lost.get)
                 pairs[(unit, budget, hybrid, best)] = (b[b["policy"] == best], b[b["policy"] == hybrid], value,
                                                        item, stratum)
-    level = stats.family_level(len(pairs))
+    level = stats.family_level(len(pairs), ACCURACY.share("the frontier"))
     return {key: stats.paired_drop(ref, other, value, item, stratum=stratum, level=level)
             for key, (ref, other, value, item, stratum) in pairs.items()}
 
@@ -147,8 +130,8 @@ def lines(df: pd.DataFrame, gate: float = GATE) -> list[str]:
     out += shared_prompt_note(df, gate)
     level = next(iter(drops.values())).level
     out.append(f"How: each comparison pairs the two policies' answers item by item (a bootstrap interval, items "
-               f"resampled, RULER's within each subtask); the {len(drops)} intervals are adjusted together "
-               f"(Bonferroni: each at {level * 100:.1f} %); 'loses less' or 'more' needs the interval to exclude 0 and "
+               f"resampled, RULER's within each subtask); the {len(drops)} intervals spend the frontier's "
+               f"{ACCURACY.share('the frontier'):.2%} of the page's error rate (Bonferroni: each at {level:.2%}); 'loses less' or 'more' needs the interval to exclude 0 and "
                f"an exact sign test to agree, 'equivalent' an interval within +-{stats.EQUIVALENCE_MARGIN * 100:.0f} "
                f"pp. The uniform policy compared is the one that lost least at that budget, chosen after the fact: "
                f"the comparison favours it.")

@@ -64,3 +64,29 @@ def beyond_model(gate_frame: pd.DataFrame, gate: float = GATE, what: str = "task
                    f"{row['full_score']:.0%} on {row['items']} items, below the validity gate of {gate:.0%}; no "
                    f"verdict is drawn on the policies there.")
     return out
+
+
+def passing_units(df: pd.DataFrame, gate: float = GATE) -> dict[str, tuple[pd.DataFrame, str, str | None]]:
+    """label -> (rows, value column, stratum) for each scored unit the full cache passes: a multiple-choice task
+    (`correct`), and RULER at one length over its passing subtasks (`ruler_score`, resampled within each; the strict
+    protocol's rows where both ran: the paper scores every answer token, and two protocols are never pooled). Rows'
+    budgets filled with 1.0 for the full cache."""
+    units = {}
+    gated = accuracy_gate(df, gate)
+    scored = df[df["ruler_score"].isna()] if "ruler_score" in df else df
+    scored = scored.assign(budget=scored["budget"].fillna(1.0) if "budget" in scored else 1.0)
+    for task in sorted(passing(gated[gated["length"].isna()], "task")):
+        rows = scored[scored["task"] == task]
+        if "correct" in rows and rows["correct"].notna().any():
+            units[task] = (rows, "correct", None)
+    if "ruler_score" in df:
+        ruler = df[df["ruler_score"].notna()]
+        ruler = ruler.assign(budget=ruler["budget"].fillna(1.0) if "budget" in ruler else 1.0)
+        ok = gated[gated["length"].notna() & gated["passes"].astype(bool)]
+        for length, g in ok.groupby("length"):
+            kept = ruler[(ruler["length"] == length) & ruler["task"].isin(g["task"])]
+            if "protocol" in kept and kept["protocol"].nunique() > 1:
+                kept = kept[kept["protocol"] == "strict"]
+            if not kept.empty:
+                units[f"RULER at {int(length):,} tokens"] = (kept, "ruler_score", "task")
+    return units

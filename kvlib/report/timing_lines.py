@@ -21,17 +21,16 @@ from kvlib.report.tables import (
 
 def describe(name_a: str, a, name_b: str, b, what: str) -> str:
     """A's repeats against B's (a, b: their values) as a ratio of geometric means with the timing rule's interval,
-    described, never ranked: a page's ranking sentences are its declared family's claims (`verdict_table`). Where the
-    interval holds 1, the two are "not distinguishable at n repeats", or equivalent where the two one-sided tests put
-    them within +-10 % (kvlib.report.stats.timing_equivalent)."""
+    described, never ranked nor called alike: the page's one tested statement is its lead (kvlib.report.pages.TIMING),
+    and a claim of equivalence would be a second. Where the interval holds 1, the two are "not distinguishable at n
+    repeats", which spends no error rate."""
     c = stats.compare_timings(a, b)
     head = f"{name_a} / {name_b} {what}: {c.ratio:.2f}x"
     if not c.judged:
         return f"{head} (too few repeats for an interval: {c.n_a} and {c.n_b})"
     words = f"{head} (interval {c.low:.2f}-{c.high:.2f}x"
     if c.verdict == stats.NOT_DISTINGUISHABLE:
-        words += (f"; equivalent within +-{stats.EQUIVALENCE_TIMING:.0%}" if stats.timing_equivalent(a, b)
-                  else f"; not distinguishable at {min(c.n_a, c.n_b)} repeats")
+        words += f"; not distinguishable at {min(c.n_a, c.n_b)} repeats"
     return words + ")"
 
 
@@ -46,8 +45,8 @@ def timing_rule_line(df: pd.DataFrame) -> str:
     """How the page's timings are read, said once: the rule with its real size and coverage at the page's repeats."""
     rule = stats.timing_rule(repeats=repeats_of(df), paired="repeat" in df)
     return (f"How timings are read: {rule}; every ratio on this page is described "
-            f"with that interval, none is a tested ranking (the tested claims are the findings' family, on the findings "
-            f"page); only rows measured on one kind of machine (CPU model and GPU) are compared.")
+            f"with that interval, none is a tested ranking or likeness (the page's one tested statement is its lead; "
+            f"the findings' claims are on the findings page); only rows measured on one kind of machine (CPU model and GPU) are compared.")
 
 
 def per_machine(lines_of, df: pd.DataFrame) -> list[str]:

@@ -5,14 +5,13 @@ validity gate."""
 
 from __future__ import annotations
 
-import math
-
 import pandas as pd
 
 from kvlib.report import stats
-from kvlib.report.accuracy_lines import H2O_VS_INFINIGEN, change, family, pairs_against_full, scored_rows
-from kvlib.report.gate import GATE, accuracy_gate, passing, retention_gate
-from kvlib.report.tables import accuracy_item, outside_label, retention_design
+from kvlib.report.accuracy_findings import Claims, accuracy_claims, retention_claims
+from kvlib.report.gate import GATE
+from kvlib.report.pages import FINDINGS as FINDINGS_FAMILY
+from kvlib.report.tables import outside_label
 
 CONFIRMED, REFUTED, INCONCLUSIVE = stats.CONFIRMED, stats.REFUTED, stats.INCONCLUSIVE
 NOT_TESTABLE = "not testable on this machine"
@@ -37,9 +36,13 @@ FINDINGS = {
        "GB within a factor of sqrt(2) of 3x vLLM's; at batch 1, vLLM's TTFT below H2O's and InfiniGen's)",
     3: "InfiniGen's host memory grows with batch; H2O's is small (tested: InfiniGen's host peak larger at the largest "
        "batch than at the smallest, and above H2O's there)",
-    4: "at budget 0.5 H2O and InfiniGen are near the full cache; at 0.1 H2O loses more than InfiniGen",
-    5: "retention: InfiniGen within a few pp of the full cache, H2O 17-27 pp lower (tested: InfiniGen's drop within "
-       "+-5 pp; H2O's drop inside 17-27 pp widened by 5 pp, refuted where its interval misses 12-32 pp)",
+    4: "at budget 0.5 H2O and InfiniGen are near the full cache; at 0.1 InfiniGen loses ~6 pp on average and H2O "
+       "more (tested as four claims over every item of the tasks the full cache passes: at 0.5 each drop within "
+       "+-5 pp; at 0.1 InfiniGen's drop inside 1-11 pp, and H2O's change from InfiniGen a loss)",
+    5: "retention: InfiniGen within a few pp of the full cache, H2O 17-27 pp lower and worse with longer contexts "
+       "(tested as three claims over the buckets the full cache passes: InfiniGen's drop within +-5 pp; H2O's inside "
+       "17-27 pp widened by 5 pp, refuted where its interval misses 12-32 pp; H2O's drop in the longest bucket larger "
+       "than in the shortest)",
 }
 
 
@@ -68,10 +71,12 @@ def _paper_claim(paper: str) -> str:
     return paper.split(" (tested")[0]
 
 
-def verdict_markdown(table: pd.DataFrame) -> str:
-    """The verdict table as the findings page opens with it: the paper's claim and our verdict, one line each; the
+def verdict_markdown(table: pd.DataFrame, error_rate: bool = True) -> str:
+    """The verdict table as the findings page opens with it: the page's error rate (`error_rate`: False where the
+    table is shown away from its page, as README does), then the paper's claim and our verdict, one line each; the
     numbers follow per finding (`evidence_markdown`)."""
-    lines = ["| # | the paper | our verdict |", "|---|---|---|"]
+    lines = ([FINDINGS_FAMILY.statement(), ""] if error_rate else []) + ["| # | the paper | our verdict |",
+                                                                        "|---|---|---|"]
     lines += [f"| {r.finding} | {_paper_claim(r.paper)} | **{r.verdict}** |" for r in table.itertuples()]
     return "\n".join(lines)
 
@@ -186,13 +191,16 @@ def _throughput_finding(df: pd.DataFrame) -> tuple[str, str]:
     claims, batch = throughput_claims(df)
     if not claims:
         return INCONCLUSIVE, "vLLM, H2O or InfiniGen did not run at the largest batch"
-    verdicts = stats.settle(claims)
+    share = FINDINGS_FAMILY.share("finding 2")
+    verdicts = stats.settle(claims, share)
     n = min(min(c.n_a, c.n_b) for c in claims)
     paired = all(c.paired for c in claims)
     parts = [f"{c.name}: {c.ratio:.2f}x, p = {c.p_value:.3f}: {v}" for c, v in zip(claims, verdicts)]
-    rule = (f"{len(claims)} claims, family-wise error held at {stats.ALPHA:.0%} (Holm) over {n} "
-            f"{'rounds' if paired else 'repeats a side'} (the smallest p-value they can give: "
-            f"{stats.smallest_p_value(n, n, paired):.3f})")
+    smallest, first = stats.smallest_p_value(n, n, paired), share / len(claims)
+    rule = (f"{len(claims)} claims settled by Holm at this finding's {share:.2%} of the page's error rate, over {n} "
+            f"{'rounds' if paired else 'repeats a side'}: the smallest p-value they can give, {smallest:.4f}, "
+            + ("is under Holm's first threshold " if smallest <= first else "is above Holm's first threshold ")
+            + f"{first:.4f}" + ("" if smallest <= first else ", so no claim can be settled at these rounds"))
     if one_memory(df):
         parts.append(f"{outside_label(df)} / infinigen an order of magnitude: {NO_BUS}")
         verdicts = [*verdicts, NOT_TESTABLE]
@@ -217,133 +225,20 @@ def _host_memory_finding(df: pd.DataFrame) -> tuple[str, str]:
                      f"at batch {large}; {h2o_text} (booked bytes, the same every run)")
 
 
-def _drop_text(name: str, drop: stats.Drop) -> str:
-    return f"{name} {change(drop)} ({drop.items} items)"
-
-
-def _accuracy_units(df: pd.DataFrame, gate: float) -> dict:
-    """(label, rows, value, stratum) per scored unit the full cache passes: each multiple-choice task, and RULER per
-    length over its passing subtasks."""
-    units = {}
-    gated = accuracy_gate(df, gate)
-    rows = scored_rows(df)
-    if "correct" in rows:
-        for task in passing(gated[gated["length"].isna()], "task"):
-            units[task] = (rows[rows["task"] == task], "correct", None)
-    if "ruler_score" in df:
-        ruler_rows = df[df["ruler_score"].notna()]
-        ruler_rows = ruler_rows.assign(budget=ruler_rows["budget"].fillna(1.0) if "budget" in ruler_rows else 1.0)
-        ok = gated[gated["length"].notna() & gated["passes"].astype(bool)]
-        for length, g in ok.groupby("length"):
-            kept = ruler_rows[(ruler_rows["length"] == length) & ruler_rows["task"].isin(g["task"])]
-            if "protocol" in kept and kept["protocol"].nunique() > 1:
-                kept = kept[kept["protocol"] == "strict"]  # the paper scores every answer token under the budget
-            units[f"RULER at {int(length):,} tokens"] = (kept, "ruler_score", "task")
-    return units
-
-
-def reach(units: int, level: float, claim: str, half_width_needed: float) -> str:
-    """What `units` independent units at `level` can show of a claim that needs an interval no wider than
-    +-half_width_needed: no interval is narrower than Wilson's bound at zero (stats.resolution), whatever the data."""
-    floor = stats.resolution(units, level)
-    can = "can" if floor < half_width_needed else "cannot"
-    return (f"reachable at {units} units and {level:.1%}: no interval narrower than +-{floor * 100:.1f} pp, so {claim} "
-            f"{can} come out confirmed")
-
-
-def _near_baseline(drop: stats.Drop) -> str:
-    """The paper's "near the full cache": confirmed by an equivalence, refuted only by a loss beyond the margin that
-    the drop's own rule establishes (its sign test included), so the verdict never outruns its line."""
-    if drop.verdict == stats.EQUIVALENT:
-        return CONFIRMED
-    return REFUTED if drop.verdict == stats.LOWER and drop.low > stats.EQUIVALENCE_MARGIN else INCONCLUSIVE
+def _claims_finding(claims: Claims, level: float) -> tuple[str, str]:
+    """A finding read from its declared claims (kvlib.report.accuracy_findings): its sizes' reach, then each claim."""
+    if claims.unanswered:
+        return claims.unanswered
+    parts = claims.context + [c.line() for c in claims.claims] + [f"{name}: inconclusive" for name in claims.untested]
+    n = len(claims.claims) + len(claims.untested)
+    return _combined(claims.verdicts), "; ".join(parts) + f"; {n} claims, each interval at {level:.2%}"
 
 
 def _accuracy_finding(df: pd.DataFrame, gate: float) -> tuple[str, str]:
-    if df.empty:
-        return NOT_RUN, "the accuracy experiment has no results"
-    units = _accuracy_units(df, gate)
-    if not units:
-        return NOT_TESTABLE, f"no scored task passes the validity gate ({gate:.0%} with the full cache)"
-    pairs = {}
-    for label, (rows, value, stratum) in units.items():
-        for key, pair in pairs_against_full(rows, (label,)).items():
-            if key[1] in (0.1, 0.5) and key[2] in ("h2o", "infinigen", H2O_VS_INFINIGEN):
-                pairs[key] = (pair, value, stratum)
-    if not pairs:
-        return INCONCLUSIVE, "H2O and InfiniGen did not both run at budgets 0.1 and 0.5 on a task that passes"
-    level = stats.family_level(len(pairs))
-    item = accuracy_item(df)
-    drops = {key: stats.paired_drop(*pair, value, item, None, stratum, level=level)
-             for key, (pair, value, stratum) in pairs.items()}
-    claims = []
-    parts = [f"{label}: full cache {_full_score(rows, value):.1%}" for label, (rows, value, _) in units.items()
-             if any(key[0] == label for key in drops)]
-    sizes = {label: drop.clusters for (label, _, _), drop in drops.items()}
-    parts += [f"{label}: " + reach(n, level, f"\"near the full cache\" (+-{stats.EQUIVALENCE_MARGIN * 100:g} pp)",
-                                   stats.EQUIVALENCE_MARGIN) for label, n in sizes.items()]
-    for (label, budget, who), drop in sorted(drops.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])):
-        if budget == 0.5 and who != H2O_VS_INFINIGEN:  # the paper: near the baseline
-            claims.append(_near_baseline(drop))
-            parts.append(f"{label}, budget 0.5: " + _drop_text(who, drop))
-        elif budget == 0.1 and who == H2O_VS_INFINIGEN:  # the paper: H2O loses more
-            claims.append(CONFIRMED if drop.verdict == stats.LOWER else
-                          REFUTED if drop.verdict in (stats.HIGHER, stats.EQUIVALENT) else INCONCLUSIVE)
-            parts.append(f"{label}, budget 0.1: H2O against InfiniGen {change(drop)} ({drop.items} items)")
-        elif budget == 0.1:
-            parts.append(f"{label}, budget 0.1: " + _drop_text(who, drop))
-    return _combined(claims), "; ".join(parts) + f"; {len(drops)} intervals at {level * 100:.1f} % each (Bonferroni)"
-
-
-def _full_score(rows: pd.DataFrame, value: str) -> float:
-    return rows.loc[rows["policy"] == "full", value].astype(float).mean()
-
-
-H2O_RETENTION_DROP = (0.17, 0.27)  # the paper's H2O: 17-27 pp below the full cache
-
-
-def _in_range(drop: stats.Drop, low: float, high: float) -> str:
-    """A drop the paper gives as a range, read with the equivalence margin as its tolerance: confirmed where its
-    interval lies inside the range widened by the margin, refuted where its interval misses that widened range
-    altogether, else inconclusive (one widened range for both words, so that no interval is both)."""
-    margin = stats.EQUIVALENCE_MARGIN
-    if math.isnan(drop.low) or math.isnan(drop.high):
-        return INCONCLUSIVE
-    if low - margin <= drop.low and drop.high <= high + margin:
-        return CONFIRMED
-    return REFUTED if drop.high < low - margin or drop.low > high + margin else INCONCLUSIVE
+    level = FINDINGS_FAMILY.level("finding 4", 4)
+    return _claims_finding(accuracy_claims(df, gate, level), level)
 
 
 def _retention_finding(df: pd.DataFrame, gate: float) -> tuple[str, str]:
-    if df.empty:
-        return NOT_RUN, "the retention experiment has no results"
-    if "full" not in set(df["policy"]):
-        return NOT_TESTABLE, "the retention experiment has no full-cache results"
-    valid = passing(retention_gate(df, gate), "bucket")
-    d = df[df["bucket"].isin(valid)]
-    if d.empty:
-        return NOT_TESTABLE, f"no context-length bucket passes the validity gate ({gate:.0%} with the full cache)"
-    if "protocol" in d and d["protocol"].nunique() > 1:
-        d = d[d["protocol"] == "deployed"]  # the paper's systems answer as deployed
-    d = d.assign(correct=d["correct"].astype(float), budget=d["budget"].fillna(1.0) if "budget" in d else 1.0)
-    item, cluster, stratum = retention_design(d)
-    pairs = {key: pair for key, pair in pairs_against_full(d, ()).items()
-             if key[1] in ("h2o", "infinigen", H2O_VS_INFINIGEN)}
-    if not {k[1] for k in pairs} >= {"h2o", "infinigen"}:
-        return INCONCLUSIVE, "H2O and InfiniGen did not both run on a bucket that passes"
-    drops = family(pairs, "correct", item, cluster, stratum)
-    claims, parts = [], [f"buckets {', '.join(sorted(valid))}; full cache {_full_score(d, 'correct'):.1%}"]
-    some = next(iter(drops.values()))
-    low, high = H2O_RETENTION_DROP
-    parts += [reach(some.clusters, some.level, f"InfiniGen's +-{stats.EQUIVALENCE_MARGIN * 100:g} pp",
-                    stats.EQUIVALENCE_MARGIN),
-              reach(some.clusters, some.level, f"H2O's {low * 100:g}-{high * 100:g} pp (+-{stats.EQUIVALENCE_MARGIN * 100:g})",
-                    (high - low) / 2 + stats.EQUIVALENCE_MARGIN)]
-    for (budget, who), drop in drops.items():
-        if who == "infinigen":
-            claims.append(_near_baseline(drop))
-        elif who == "h2o":
-            claims.append(_in_range(drop, *H2O_RETENTION_DROP))
-        name = "H2O against InfiniGen" if who == H2O_VS_INFINIGEN else who
-        parts.append(f"budget {budget:g}: {name} {change(drop)} ({drop.clusters} conversations)")
-    return _combined(claims), "; ".join(parts)
+    level = FINDINGS_FAMILY.level("finding 5", 3)
+    return _claims_finding(retention_claims(df, gate, level), level)

@@ -156,6 +156,7 @@ def _word(verdict: str) -> str:
 def readme_verdicts(profile: str) -> str:
     """README's first screen: the reference book's verdicts, its figure and where its pages are."""
     from kvlib.report.findings import verdict_markdown
+    from kvlib.report.pages import FINDINGS as FINDINGS_FAMILY
     from kvlib.report.verdicts import FINDINGS
 
     info = about(profile)
@@ -165,9 +166,10 @@ def readme_verdicts(profile: str) -> str:
          "verdicts, each read from measurements by the rules on the methods page. Its pages, executed: "
          f"[findings](reference/{profile}/chapters/findings.ipynb) and the chapters in "
          f"[reference/{profile}/chapters/](reference/{profile}/chapters/); its rows: "
-         f"[reference/{profile}/results/](reference/{profile}/results/)."),
+         f"[reference/{profile}/results/](reference/{profile}/results/). Its claims are one family: the chance "
+         f"that any verdict below is wrong is at most {FINDINGS_FAMILY.alpha:.0%}."),
         "",
-        verdict_markdown(table),
+        verdict_markdown(table, error_rate=False),
         "",
         f"![The study's trade-off in one picture](book/figures/overview-{profile}.png)",
     ])

@@ -1,7 +1,8 @@
 """The statistics the book's verdicts rest on: pure functions of numbers and frames (numpy, pandas), seeded, so the
 same results always read the same way. Timings (kvlib.report.stats.timing): a permutation test on the repeats, read
 round by round, ratios of geometric means, families of claims settled by Holm. Accuracy
-(kvlib.report.stats.accuracy): paired drops against the full cache with bootstrap intervals.
+(kvlib.report.stats.accuracy): paired drops against the full cache with bootstrap intervals. Every page's tested
+statements are one family (kvlib.report.stats.family).
 """
 
 from kvlib.report.stats.accuracy import (
@@ -9,6 +10,7 @@ from kvlib.report.stats.accuracy import (
     EQUIVALENCE_MARGIN,
     Drop,
     bootstrap_means,
+    drop_change,
     drop_verdict,
     family_level,
     mean_interval,
@@ -18,6 +20,7 @@ from kvlib.report.stats.accuracy import (
     sign_test_p,
     two_sided_z,
 )
+from kvlib.report.stats.family import PageFamily
 from kvlib.report.stats.rule import (
     ALPHA,
     CONFIRMED,
@@ -69,12 +72,14 @@ __all__ = [
     "SMALLER",
     "TOO_FEW",
     "Drop",
+    "PageFamily",
     "RangeClaim",
     "TimingComparison",
     "attained_size",
     "bootstrap_means",
     "by_round",
     "compare_timings",
+    "drop_change",
     "drop_verdict",
     "family_level",
     "holm",

@@ -148,35 +148,44 @@ def mean_interval(frame: pd.DataFrame, value: str, cluster: list[str] | None = N
     return _interval(replicates, level)
 
 
+def _joined(reference: pd.DataFrame, other: pd.DataFrame, value: str, item: list[str], cluster: list[str] | None,
+            stratum: str | None) -> pd.DataFrame | None:
+    """Both sides' scores on their shared items (columns `<value>_ref` and `<value>`), or None where the rows carry
+    no item ids to join on or share no item."""
+    columns = set(item) | set(cluster or []) | ({stratum} if stratum else set())
+    if not (columns <= set(reference.columns) and set(item) <= set(other.columns)):
+        return None
+    ref = reference.dropna(subset=[value]).drop_duplicates(item)
+    joined = ref[sorted(columns) + [value]].merge(other.dropna(subset=[value])[item + [value]], on=item,
+                                                  suffixes=("_ref", ""))
+    return None if joined.empty else joined
+
+
 def paired_drop(reference: pd.DataFrame, other: pd.DataFrame, value: str, item: list[str],
                 cluster: list[str] | None = None, stratum: str | None = None, level: float = 1 - ALPHA,
                 margin: float = EQUIVALENCE_MARGIN, draws: int = DRAWS, seed: int = SEED) -> Drop:
     """The drop of `other`'s score from `reference`'s (rows: one per item, `value` the item's score in [0, 1]),
     joined on the `item` columns; resampled by `cluster` (columns naming a cluster; none: items) within `stratum`.
     Where the item columns are missing or the rows share no item, the drop is unpaired (and says so)."""
-    columns = set(item) | set(cluster or []) | ({stratum} if stratum else set())
-    if columns <= set(reference.columns) and set(item) <= set(other.columns):
-        ref = reference.dropna(subset=[value]).drop_duplicates(item)
-        joined = ref[sorted(columns) + [value]].merge(other.dropna(subset=[value])[item + [value]], on=item,
-                                                      suffixes=("_ref", ""))
-        if not joined.empty:
-            ref_scores, scores = joined[f"{value}_ref"].astype(float), joined[value].astype(float)
-            groups = _cluster_labels(joined, cluster)
-            differences = ref_scores - scores
-            replicates = bootstrap_means(differences, groups, joined[stratum] if stratum else None,
-                                         draws_for(level, draws), seed)
-            drop = float(ref_scores.mean() - scores.mean())
-            per_cluster = differences.groupby(groups.to_numpy() if cluster else np.arange(len(joined))).mean()
-            low, high = _floored(drop, *_interval(replicates, level), len(per_cluster), level)
-            # a loss or gain also needs the exact sign test over the units (a bootstrap of 2 items both lost would
-            # otherwise call it at any level): where it cannot reject, the interval reaches 0, so that the interval
-            # and the word are one reading
-            if (low > 0 or high < 0) and sign_test_p(int((per_cluster > 0).sum()),
-                                                     int((per_cluster < 0).sum())) > 1 - level:
-                low, high = min(low, 0.0), max(high, 0.0)
-            verdict = drop_verdict(low, high, margin)
-            return Drop(float(ref_scores.mean()), float(scores.mean()), drop, low, high, len(joined),
-                        len(per_cluster), level, True, verdict)
+    joined = _joined(reference, other, value, item, cluster, stratum)
+    if joined is not None:
+        ref_scores, scores = joined[f"{value}_ref"].astype(float), joined[value].astype(float)
+        groups = _cluster_labels(joined, cluster)
+        differences = ref_scores - scores
+        replicates = bootstrap_means(differences, groups, joined[stratum] if stratum else None,
+                                     draws_for(level, draws), seed)
+        drop = float(ref_scores.mean() - scores.mean())
+        per_cluster = differences.groupby(groups.to_numpy() if cluster else np.arange(len(joined))).mean()
+        low, high = _floored(drop, *_interval(replicates, level), len(per_cluster), level)
+        # a loss or gain also needs the exact sign test over the units (a bootstrap of 2 items both lost would
+        # otherwise call it at any level): where it cannot reject, the interval reaches 0, so that the interval
+        # and the word are one reading
+        if (low > 0 or high < 0) and sign_test_p(int((per_cluster > 0).sum()),
+                                                 int((per_cluster < 0).sum())) > 1 - level:
+            low, high = min(low, 0.0), max(high, 0.0)
+        verdict = drop_verdict(low, high, margin)
+        return Drop(float(ref_scores.mean()), float(scores.mean()), drop, low, high, len(joined),
+                    len(per_cluster), level, True, verdict)
     ref_scores = reference[value].dropna().astype(float)
     scores = other[value].dropna().astype(float)
     if ref_scores.empty or scores.empty:
@@ -185,4 +194,31 @@ def paired_drop(reference: pd.DataFrame, other: pd.DataFrame, value: str, item: 
     replicates = bootstrap_unpaired_drops(ref_scores, scores, draws_for(level, draws), seed)
     low, high = _floored(drop, *_interval(replicates, level), n, level)
     return Drop(float(ref_scores.mean()), float(scores.mean()), drop, low, high, n, n, level, False,
+                drop_verdict(low, high, margin))
+
+
+def drop_change(near: tuple[pd.DataFrame, pd.DataFrame], far: tuple[pd.DataFrame, pd.DataFrame], value: str,
+                item: list[str], cluster: list[str] | None = None, level: float = 1 - ALPHA,
+                margin: float = EQUIVALENCE_MARGIN, draws: int = DRAWS, seed: int = SEED) -> Drop:
+    """How much more a policy loses against its reference in one cell of a design (`far`: (reference rows, policy
+    rows), e.g. the longest context bucket) than in another (`near`), the two cells holding different items: each
+    cell's paired differences resampled on their own (by `cluster`), the replicates subtracted. As a Drop: reference
+    and score are 1 - the near and far cells' drops, so `drop` is far's drop less near's and LOWER reads "loses more
+    in the far cell". No interval is narrower than both cells' floors together; rows without item ids give an
+    inconclusive Drop (a trend needs the pairs)."""
+    cells = [_joined(ref, other, value, item, cluster, None) for ref, other in (near, far)]
+    if any(c is None for c in cells):
+        return Drop(math.nan, math.nan, math.nan, math.nan, math.nan, 0, 0, level, False, INCONCLUSIVE)
+    drops, replicates, units = [], [], []
+    for offset, c in enumerate(cells):
+        differences = c[f"{value}_ref"].astype(float) - c[value].astype(float)
+        groups = _cluster_labels(c, cluster)
+        drops.append(float(differences.mean()))
+        replicates.append(bootstrap_means(differences, groups, None, draws_for(level, draws), seed + offset))
+        units.append(int(groups.nunique()) if cluster else len(c))
+    change = drops[1] - drops[0]
+    low, high = _interval(replicates[1] - replicates[0], level)
+    floor = math.hypot(resolution(units[0], level), resolution(units[1], level))
+    low, high = max(min(low, change - floor), -1.0), min(max(high, change + floor), 1.0)
+    return Drop(1 - drops[0], 1 - drops[1], change, low, high, sum(len(c) for c in cells), sum(units), level, True,
                 drop_verdict(low, high, margin))
