@@ -203,6 +203,9 @@ def test_the_offload_files_are_removed_after_an_exception(tiny, tmp_path):
 SIGINT_CHILD = textwrap.dedent("""
     import faulthandler, signal, sys, torch
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks for every thread's stack if it hangs
+    # Ctrl-C as a terminal delivers it: a suite started in the background of a non-interactive shell inherits SIGINT
+    # ignored (POSIX), and Python then leaves it ignored, so the child would never see the signal (the one hang seen)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     from transformers import LlamaConfig, LlamaForCausalLM
     from kvlib.kernels.attention import register_attention
     from kvlib.models import LoadedModel, ModelSpec
