@@ -16,7 +16,7 @@ from kvlib.report.drop_words import change
 from kvlib.report.gate import passing, passing_units, retention_gate
 from kvlib.report.pages import FINDINGS
 from kvlib.report.stats import CONFIRMED, INCONCLUSIVE, REFUTED
-from kvlib.report.tables import accuracy_item, retention_design
+from kvlib.report.tables import accuracy_item, budgeted, retention_design
 
 MARGIN = stats.EQUIVALENCE_MARGIN
 INFINIGEN_ACCURACY_DROP = 0.06  # the paper: at budget 0.1 "InfiniGen loses ~6 pp on average"
@@ -105,7 +105,7 @@ def _full_score(rows: pd.DataFrame, value: str) -> float:
     return rows.loc[rows["policy"] == "full", value].astype(float).mean()
 
 
-def accuracy_claims(df: pd.DataFrame, gate: float, level: float = FINDINGS.level("finding 4", 4)) -> Claims:
+def accuracy_claims(df: pd.DataFrame, gate: float, level: float = FINDINGS.level("finding 4")) -> Claims:
     """Finding 4's four claims over the pooled items: H2O and InfiniGen near the full cache at budget 0.5, InfiniGen's
     drop at 0.1 inside ~6 pp (1-11: the margin either side), H2O losing more than InfiniGen at 0.1."""
     if df.empty:
@@ -158,7 +158,16 @@ def bucket_start(label: str) -> int:
     return int(first[:-1]) * 1024 if first.endswith("K") else int(first)
 
 
-def retention_claims(df: pd.DataFrame, gate: float, level: float = FINDINGS.level("finding 5", 3)) -> Claims:
+def deployed_rows(df: pd.DataFrame, gate: float) -> pd.DataFrame:
+    """Retention's rows as finding 5 reads them: the buckets the full cache passes, as deployed where both protocols
+    ran (the paper's systems answer as deployed), budgeted, `correct` as a share."""
+    d = df[df["bucket"].isin(passing(retention_gate(df, gate), "bucket"))]
+    if "protocol" in d and d["protocol"].nunique() > 1:
+        d = d[d["protocol"] == "deployed"]
+    return budgeted(d).assign(correct=d["correct"].astype(float))
+
+
+def retention_claims(df: pd.DataFrame, gate: float, level: float = FINDINGS.level("finding 5")) -> Claims:
     """Finding 5's three claims, as deployed (the paper's systems answer as deployed), over the buckets the full cache
     passes, at the smallest budget both H2O and InfiniGen ran: InfiniGen's drop within +-5 pp, H2O's inside 17-27 pp
     (widened by the margin), and H2O's drop larger in the longest bucket than in the shortest."""
@@ -166,14 +175,10 @@ def retention_claims(df: pd.DataFrame, gate: float, level: float = FINDINGS.leve
         return Claims([], [], ("not run in this profile", "the retention experiment has no results"))
     if "full" not in set(df["policy"]):
         return Claims([], [], ("not testable on this machine", "the retention experiment has no full-cache results"))
-    valid = passing(retention_gate(df, gate), "bucket")
-    d = df[df["bucket"].isin(valid)]
+    d = deployed_rows(df, gate)
     if d.empty:
         return Claims([], [], ("not testable on this machine", (f"no context-length bucket passes the validity gate "
                                                                f"({gate:.0%} with the full cache)")))
-    if "protocol" in d and d["protocol"].nunique() > 1:
-        d = d[d["protocol"] == "deployed"]
-    d = d.assign(correct=d["correct"].astype(float), budget=d["budget"].fillna(1.0) if "budget" in d else 1.0)
     budgets = [b for b in sorted(d["budget"].unique()) if {"h2o", "infinigen"} <= set(d.loc[d["budget"] == b,
                                                                                           "policy"])]
     if not budgets:
@@ -190,7 +195,7 @@ def retention_claims(df: pd.DataFrame, gate: float, level: float = FINDINGS.leve
                         near_baseline(infinigen), "conversations"),
               DropClaim(f"h2o {low * 100:g}-{high * 100:g} pp lower (widened by {MARGIN * 100:g})", h2o,
                         in_range(h2o, low, high), "conversations")]
-    buckets = sorted(valid, key=bucket_start)
+    buckets = sorted(d["bucket"].unique(), key=bucket_start)
     context = [f"buckets {', '.join(buckets)} at budget {budgets[0]:g}; full cache {_full_score(d, 'correct'):.1%}",
                reach(infinigen.clusters, level, f"InfiniGen's +-{MARGIN * 100:g} pp", MARGIN, "conversations"),
                reach(h2o.clusters, level, f"H2O's {low * 100:g}-{high * 100:g} pp (+-{MARGIN * 100:g})",

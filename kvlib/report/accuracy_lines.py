@@ -13,7 +13,16 @@ from kvlib.report.drop_words import change, signed_pp  # noqa: F401 -- the chapt
 from kvlib.report.gate import GATE, accuracy_gate, beyond_model, passing, retention_gate
 from kvlib.report.pages import ACCURACY
 from kvlib.report.paper import PAPER
-from kvlib.report.tables import accuracy_item, accuracy_table, retention_design, ruler_table, wilson
+from kvlib.report.tables import (
+    accuracy_item,
+    accuracy_table,
+    budgeted,
+    retention_design,
+    ruler_rows,
+    ruler_table,
+    scored_rows,
+    wilson,
+)
 
 
 def role(df: pd.DataFrame, policy: str) -> str:
@@ -72,11 +81,6 @@ def _who_loses_more(drop: stats.Drop) -> str:
              stats.EQUIVALENT: f"H2O and InfiniGen are equivalent within +-{stats.EQUIVALENCE_MARGIN * 100:.0f} pp",
              stats.INCONCLUSIVE: f"H2O and InfiniGen are not distinguishable on these {drop.clusters} units"}
     return f"{words[drop.verdict]} (H2O's change from InfiniGen {change(drop)}; paper: H2O loses more)"
-
-
-def scored_rows(df: pd.DataFrame) -> pd.DataFrame:
-    d = df[df["ruler_score"].isna()] if "ruler_score" in df else df
-    return d.assign(budget=d["budget"].fillna(1.0) if "budget" in d else 1.0)
 
 
 def accuracy(df: pd.DataFrame, gate: float = GATE) -> list[str]:
@@ -160,8 +164,7 @@ def _ruler(df: pd.DataFrame, alpha: float) -> list[str]:
     table = ruler_table(df)
     if table.empty:
         return []
-    rows = df[df["ruler_score"].notna()]
-    rows = rows.assign(budget=rows["budget"].fillna(1.0) if "budget" in rows else 1.0)
+    rows = ruler_rows(df)
     pairs = {}
     for length, at in rows.groupby("length"):
         pairs.update(pairs_against_full(at, (length,)))
@@ -212,7 +215,7 @@ def retention(df: pd.DataFrame, gate: float = GATE) -> list[str]:
 def _retention(df: pd.DataFrame) -> list[str]:
     """The shares retained, described (a verdict is finding 5's, below)."""
     item, cluster, stratum = retention_design(df)
-    d = df.assign(correct=df["correct"].astype(float), budget=df["budget"].fillna(1.0) if "budget" in df else 1.0)
+    d = budgeted(df).assign(correct=df["correct"].astype(float))
     full = d[d["policy"] == "full"]
     if set(item) <= set(df.columns):
         low, high = stats.mean_interval(full, "correct", cluster, stratum)

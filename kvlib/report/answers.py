@@ -8,12 +8,12 @@ from __future__ import annotations
 import pandas as pd
 
 from kvlib.report import frontier, offload, stats
-from kvlib.report.accuracy_findings import retention_claims
-from kvlib.report.accuracy_lines import change, multiple_choice_drops, scored_rows
-from kvlib.report.gate import GATE, passing, retention_gate
+from kvlib.report.accuracy_findings import deployed_rows, retention_claims
+from kvlib.report.accuracy_lines import change, multiple_choice_drops
+from kvlib.report.gate import GATE
 from kvlib.report.pages import ACCURACY, FINDINGS, TIMING
 from kvlib.report.serving import sustained_rates
-from kvlib.report.tables import decode_spread, geometric_mean, retention_design, ttft_spread
+from kvlib.report.tables import decode_spread, geometric_mean, retention_design, scored_rows, ttft_spread
 
 NOTHING = "Nothing was measured for this chapter in this profile."
 
@@ -164,13 +164,12 @@ def retention(df: pd.DataFrame, gate: float = GATE) -> str:
     claims = retention_claims(df, gate)  # finding 5's, as the findings page reads them
     if claims.unanswered:
         return f"No verdict on retention: {claims.unanswered[1]}."
-    d = df[(df["policy"] == "full") & df["bucket"].isin(passing(retention_gate(df, gate), "bucket"))]
-    if "protocol" in d and d["protocol"].nunique() > 1:
-        d = d[d["protocol"] == "deployed"]
-    _, cluster, _ = retention_design(d)
-    conversations = d[cluster].drop_duplicates().shape[0] if set(cluster) <= set(d.columns) else len(d)
+    rows = deployed_rows(df, gate)
+    full = rows[rows["policy"] == "full"]
+    _, cluster, _ = retention_design(full)
+    conversations = full[cluster].drop_duplicates().shape[0] if set(cluster) <= set(full.columns) else len(full)
     return (f"As deployed, over {conversations} conversations, the full cache recalls the early fact "
-            f"{d['correct'].astype(float).mean():.0%} of the time; "
+            f"{full['correct'].mean():.0%} of the time; "
             + "; ".join(c.line() for c in claims.claims) + " (finding 5's claims, conversations resampled within "
             "buckets).")
 
@@ -190,5 +189,5 @@ def answer(name: str, df: pd.DataFrame, gate: float = GATE) -> str:
 PAGE_ERROR_RATES = {
     **{name: TIMING.statement() for name in ("ttft", "batch_scaling", "decode_length", "offload", "serving")},
     "accuracy": ACCURACY.statement(),
-    "retention": FINDINGS.borrowed("finding 5", 3),
+    "retention": FINDINGS.borrowed("finding 5"),
 }

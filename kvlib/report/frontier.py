@@ -13,8 +13,8 @@ the same count of entries (kvlib.policies.base.BudgetedPolicy.tokens_allowed; du
 not always the same bytes. A hybrid is
 compared with the uniform policy that lost least there (by its point estimate) among those whose measured bytes are
 within a factor EQUAL_BYTES of its own (all of them where none is, and the sentence says so), item by item
-(kvlib.report.stats.paired_drop), the section's intervals spending its share of the page's error rate (kvlib.report.pages); the bytes both held are
-said beside the verdict.
+(kvlib.report.stats.paired_drop), the section's intervals spending its share of the page's error rate
+(kvlib.report.pages); the bytes both held are said beside the verdict.
 """
 
 from __future__ import annotations
@@ -131,8 +131,8 @@ def lines(df: pd.DataFrame, gate: float = GATE) -> list[str]:
     level = next(iter(drops.values())).level
     out.append(f"How: each comparison pairs the two policies' answers item by item (a bootstrap interval, items "
                f"resampled, RULER's within each subtask); the {len(drops)} intervals spend the frontier's "
-               f"{ACCURACY.share('the frontier'):.2%} of the page's error rate (Bonferroni: each at {level:.2%}); 'loses less' or 'more' needs the interval to exclude 0 and "
-               f"an exact sign test to agree, 'equivalent' an interval within +-{stats.EQUIVALENCE_MARGIN * 100:.0f} "
+               f"{ACCURACY.share('the frontier'):.2%} of the page's error rate (Bonferroni: each at {level:.2%}); "
+               f"'loses less' or 'more' needs the interval to exclude 0 and an exact sign test to agree, 'equivalent' an interval within +-{stats.EQUIVALENCE_MARGIN * 100:.0f} "
                f"pp. The uniform policy compared is the one that lost least at that budget, chosen after the fact: "
                f"the comparison favours it.")
     return out

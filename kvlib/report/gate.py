@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import pandas as pd
 
+from kvlib.report.tables import ruler_rows, scored_rows
+
 GATE = 0.70  # the share of items the full cache must get right for a comparison on them to be reported
 
 
@@ -73,15 +75,13 @@ def passing_units(df: pd.DataFrame, gate: float = GATE) -> dict[str, tuple[pd.Da
     budgets filled with 1.0 for the full cache."""
     units = {}
     gated = accuracy_gate(df, gate)
-    scored = df[df["ruler_score"].isna()] if "ruler_score" in df else df
-    scored = scored.assign(budget=scored["budget"].fillna(1.0) if "budget" in scored else 1.0)
+    scored = scored_rows(df)
     for task in sorted(passing(gated[gated["length"].isna()], "task")):
         rows = scored[scored["task"] == task]
         if "correct" in rows and rows["correct"].notna().any():
             units[task] = (rows, "correct", None)
     if "ruler_score" in df:
-        ruler = df[df["ruler_score"].notna()]
-        ruler = ruler.assign(budget=ruler["budget"].fillna(1.0) if "budget" in ruler else 1.0)
+        ruler = ruler_rows(df)
         ok = gated[gated["length"].notna() & gated["passes"].astype(bool)]
         for length, g in ok.groupby("length"):
             kept = ruler[(ruler["length"] == length) & ruler["task"].isin(g["task"])]

@@ -146,12 +146,27 @@ def _perplexity_interval(g: pd.DataFrame, draws: int = 1000, seed: int = 0) -> t
     return float(np.quantile(values, 0.025)), float(np.quantile(values, 0.975))
 
 
+def budgeted(df: pd.DataFrame) -> pd.DataFrame:
+    """The rows with the full cache's missing budget read as 1.0 (it keeps every entry), as every reading by budget
+    takes it."""
+    return df.assign(budget=df["budget"].fillna(1.0) if "budget" in df else 1.0)
+
+
+def scored_rows(df: pd.DataFrame) -> pd.DataFrame:
+    """The accuracy rows scored per item (multiple choice, perplexity), RULER's aside, budgeted."""
+    return budgeted(df[df["ruler_score"].isna()] if "ruler_score" in df else df)
+
+
+def ruler_rows(df: pd.DataFrame) -> pd.DataFrame:
+    """RULER's accuracy rows, budgeted."""
+    return budgeted(df[df["ruler_score"].notna()])
+
+
 def accuracy_table(df: pd.DataFrame) -> pd.DataFrame:
     """One score per (task, policy, budget) with its 95 % interval: accuracy (Wilson) for multiple-choice tasks, word
     perplexity (bootstrap over documents) for rolling ones; and the KV share the policy actually attended while
     scoring. The full cache has no budget: it is listed at budget 1.0. RULER's rows are left to `ruler_table`."""
-    df = df[df["ruler_score"].isna()] if "ruler_score" in df else df
-    d = df.assign(budget=df["budget"].fillna(1.0) if "budget" in df else 1.0)
+    d = scored_rows(df)
     rows = []
     for (task, policy, budget), g in d.groupby(["task", "policy", "budget"]):
         attended = g["kv_share_attended"].median() if "kv_share_attended" in g else math.nan
@@ -216,8 +231,7 @@ def ruler_table(df: pd.DataFrame) -> pd.DataFrame:
     columns = ["task", "length", "policy", "budget", "kv_share_attended", "metric", "score", "low", "high", "items"]
     if "ruler_score" not in df or df["ruler_score"].isna().all():
         return pd.DataFrame(columns=columns)
-    d = df[df["ruler_score"].notna()]
-    d = d.assign(budget=d["budget"].fillna(1.0) if "budget" in d else 1.0)
+    d = ruler_rows(df)
     rows = []
     for (length, policy, budget), point in d.groupby(["length", "policy", "budget"]):
         attended = point["kv_share_attended"].median() if "kv_share_attended" in point else math.nan

@@ -46,7 +46,8 @@ def timing_rule_line(df: pd.DataFrame) -> str:
     rule = stats.timing_rule(repeats=repeats_of(df), paired="repeat" in df)
     return (f"How timings are read: {rule}; every ratio on this page is described "
             f"with that interval, none is a tested ranking or likeness (the page's one tested statement is its lead; "
-            f"the findings' claims are on the findings page); only rows measured on one kind of machine (CPU model and GPU) are compared.")
+            f"the findings' claims are on the findings page); only rows measured on one kind of machine (CPU model "
+            f"and GPU) are compared.")
 
 
 def per_machine(lines_of, df: pd.DataFrame) -> list[str]:

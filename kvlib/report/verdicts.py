@@ -235,10 +235,10 @@ def _claims_finding(claims: Claims, level: float) -> tuple[str, str]:
 
 
 def _accuracy_finding(df: pd.DataFrame, gate: float) -> tuple[str, str]:
-    level = FINDINGS_FAMILY.level("finding 4", 4)
+    level = FINDINGS_FAMILY.level("finding 4")
     return _claims_finding(accuracy_claims(df, gate, level), level)
 
 
 def _retention_finding(df: pd.DataFrame, gate: float) -> tuple[str, str]:
-    level = FINDINGS_FAMILY.level("finding 5", 3)
+    level = FINDINGS_FAMILY.level("finding 5")
     return _claims_finding(retention_claims(df, gate, level), level)

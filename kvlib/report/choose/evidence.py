@@ -11,7 +11,7 @@ import pandas as pd
 
 from kvlib.report import stats
 from kvlib.report.gate import GATE, accuracy_gate, passing
-from kvlib.report.tables import accuracy_item, accuracy_table
+from kvlib.report.tables import accuracy_item, accuracy_table, scored_rows
 
 WITHIN, RULED_OUT, CANNOT_TELL = "within the tolerance", "ruled out", "cannot tell"
 
@@ -100,8 +100,7 @@ def accuracy_evidence(accuracy: pd.DataFrame, budgets: dict[str, float | None], 
     table = table[table["metric"] == "accuracy"]
     gated = accuracy_gate(accuracy, gate)
     valid = passing(gated[gated["length"].isna()], "task")
-    rows = accuracy[accuracy["ruler_score"].isna()] if "ruler_score" in accuracy else accuracy
-    rows = rows.assign(budget=rows["budget"].fillna(1.0) if "budget" in rows else 1.0)
+    rows = scored_rows(accuracy)
     item = accuracy_item(rows)
     out = {}
     for policy, g in table[table["policy"] != "full"].groupby("policy"):

@@ -49,7 +49,6 @@ from kvlib.report.stats.timing import (
     repeats_needed,
     settle,
     smallest_p_value,
-    timing_equivalent,
     timing_rule,
 )
 
@@ -92,7 +91,6 @@ __all__ = [
     "settle",
     "sign_test_p",
     "smallest_p_value",
-    "timing_equivalent",
     "timing_rule",
     "two_sided_z",
 ]

@@ -29,9 +29,11 @@ class PageFamily:
         """The part of ALPHA a section may spend (Holm among its claims at this, or Bonferroni among its intervals)."""
         return self.alpha * dict(self.weights)[section] / self.total
 
-    def level(self, section: str, intervals: int) -> float:
-        """Each of a section's `intervals` intervals at this level, so that together they spend its share."""
-        return 1 - self.share(section) / max(intervals, 1)
+    def level(self, section: str, intervals: int | None = None) -> float:
+        """Each of a section's `intervals` intervals at this level, so that together they spend its share (by default
+        as many as its declared weight: the findings page weighs each finding by its claims)."""
+        count = dict(self.weights)[section] if intervals is None else intervals
+        return 1 - self.share(section) / max(count, 1)
 
     def statement(self) -> str:
         """The page's error rate, said once at its top."""
@@ -43,10 +45,11 @@ class PageFamily:
                 f"Words that say a difference was not shown (inconclusive, not distinguishable) cannot be false "
                 f"positives and spend nothing.")
 
-    def borrowed(self, section: str, claims: int) -> str:
+    def borrowed(self, section: str) -> str:
         """The error rate of a page whose tested statements are all one section of this page's family, read at its
         level (the retention chapter prints finding 5's claims): what that section spends, said once at its top."""
-        return (f"**One error rate for this page.** Its tested statements are {self.page}'s {section}, its {claims} "
-                f"claims read as the {self.page} page reads them (each interval at {self.level(section, claims):.2%}), "
+        return (f"**One error rate for this page.** Its tested statements are {self.page}'s {section}, its "
+                f"{dict(self.weights)[section]} claims read as the {self.page} page reads them (each interval at "
+                f"{self.level(section):.2%}), "
                 f"so the chance that any of them is wrong is at most {self.share(section):.2%}. The other shares "
                 f"below are described, without a verdict word.")

@@ -16,9 +16,8 @@ not every pair). Each claim is a range the ratio is said to lie in ("A faster th
 magnitude": 10x within a factor of sqrt(10)); it is confirmed where the test rejects both of the range's edges with
 the ratio inside, refuted where it rejects the nearer edge with the ratio outside, and the family-wise error across
 the family's claims is held at ALPHA by Holm's step-down rule (`holm`). Every other pair is shown as a ratio with
-its interval, described, never ranked. A sameness claim needs an equivalence test with a margin
-(`timing_equivalent`: the two one-sided tests, +-EQUIVALENCE_TIMING); otherwise two runners are "not
-distinguishable at n repeats", never "the same".
+its interval, described, never ranked. A sameness claim is a range claim too (finding 2's "similar": within
++-EQUIVALENCE_TIMING); otherwise two runners are "not distinguishable at n repeats", never "the same".
 """
 
 from __future__ import annotations
@@ -214,13 +213,6 @@ def compare_timings(a, b, alpha: float = ALPHA, permutations: int = PERMUTATIONS
     verdict = LARGER if low > 0 else SMALLER if high < 0 else NOT_DISTINGUISHABLE
     return TimingComparison(math.exp(centre), math.exp(low), math.exp(high), n_a, n_b, test.p(0.0), verdict,
                             test.exact, test.paired)
-
-
-def timing_equivalent(a, b, margin: float = EQUIVALENCE_TIMING, alpha: float = ALPHA) -> bool:
-    """A and B's speeds equivalent within +-margin: the two one-sided tests at alpha, i.e. the test's 1 - 2 alpha
-    interval of the ratio inside 1/(1 + margin) to 1 + margin. The only way the book says two runners are alike."""
-    c = compare_timings(a, b, alpha=2 * alpha)
-    return c.judged and 1 / (1 + margin) < c.low and c.high < 1 + margin
 
 
 def holm(p_values, alpha: float = ALPHA) -> list[bool]:
