@@ -4,6 +4,7 @@ every policy is the full cache and every runner equally fast (an A/A of the whol
 
 import numpy as np
 import pandas as pd
+import pytest
 
 from kvlib.report import stats
 from kvlib.report.accuracy_findings import accuracy_claims, retention_claims
@@ -90,7 +91,7 @@ def test_an_unadjusted_page_would_be_wrong_more_often():
 
 
 def test_the_weights_are_declared_and_spend_alpha_exactly():
-    assert sum(FINDINGS.share(name) for name, _ in FINDINGS.weights) == __import__("pytest").approx(stats.ALPHA)
+    assert sum(FINDINGS.share(name) for name, _ in FINDINGS.weights) == pytest.approx(stats.ALPHA)
     assert FINDINGS.level("finding 4", 4) == FINDINGS.level("finding 5", 3) == 1 - stats.ALPHA / 13
-    assert sum(ACCURACY.share(name) for name, _ in ACCURACY.weights) == __import__("pytest").approx(stats.ALPHA)
+    assert sum(ACCURACY.share(name) for name, _ in ACCURACY.weights) == pytest.approx(stats.ALPHA)
     assert "at most 5%" in FINDINGS.statement() and "finding 2 2.31%" in FINDINGS.statement()
