@@ -278,3 +278,28 @@ def test_the_accuracy_path_with_a_shared_store_scores_each_item_as_without(tiny,
         assert answers[True] == answers[False], name
         assert all(len(json.loads(r["choice_logliks"])) == 3 for r in rows[True])
     assert store.hits > 0 and store.own == 0
+
+
+def test_one_prefill_mode_for_every_policy_records_an_item_once(tiny, tmp_path):
+    """The accuracy experiment's `prefill: full`: every policy (H2O's matrix, the fused ones' too) adopts the same
+    record of an item, so the store records each context once, not once per arithmetic; each policy's scores are
+    still its own prefill's in that mode."""
+    folder = write_offline_tasks(tiny.tokenizer, recall_lengths=[40], recall_items=2, recall_choices=3,
+                                 perplexity_docs_n=1, perplexity_tokens=48, seed=1)
+    policies = (("full", {}), ("h2o", {"budget": 0.3}), ("infinigen", {"budget": 0.3}), ("quest", {"budget": 0.3}))
+
+    def misses(prefill):
+        store = PrefillStore()
+        for name, settings in policies:
+            lm = KVLibLM(policy=name, loaded=tiny, prefill_store=store, batch_size=4, prefill=prefill, **settings)
+            assert lm.prefill_mode == (prefill or make_policy(name).preferred_prefill)
+            rows = evaluate(lm, ["kvlib_recall"], include_path=folder)
+            alone = evaluate(KVLibLM(policy=name, loaded=tiny, batch_size=4, prefill=prefill, **settings),
+                             ["kvlib_recall"], include_path=folder)
+            assert [r["correct"] for r in rows] == [r["correct"] for r in alone], name
+        return store.misses
+
+    assert misses("full") == 2  # the two items' contexts
+    assert misses(None) == 4  # H2O's matrix record and the others' fused one, per item
+    with pytest.raises(UserError):
+        KVLibLM(policy="flexgen_h2o", loaded=tiny, prefill="fused")  # it scores only under the full matrix

@@ -177,3 +177,24 @@ def test_identical_prompts_fork_instead_of_prefilling_again(tiny, name):
     for plain, shared in zip(runs[0].outputs, runs[1].outputs):
         assert shared["logprobs"] == pytest.approx(plain["logprobs"], abs=1e-5)
         assert shared["greedy"] == plain["greedy"]
+
+
+@pytest.mark.parametrize("mode", ["fused", "chunked"])
+def test_a_prefill_whose_logits_nobody_reads_skips_the_lm_head(smollm, mode):
+    """A chunk before a prompt's last, or a turn prefilled with logits=False, runs no LM head (kvlib's forward pass;
+    transformers' computes them and they are dropped); the next step's logits are the same as when they were read."""
+    prompt = smollm.tokenizer.encode("Once upon a time, in a land far away, there lived a dragon who guarded gold")
+    calls = []
+    hook = smollm.model.lm_head.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        nexts = {}
+        for read in (True, False):
+            engine = Engine(smollm, make_policy("full"))
+            with engine.session([len(prompt) + 2], 2) as session:
+                calls.clear()
+                out = session.prefill(0, prompt, mode, chunk_size=8, logits=read)
+                assert (out is not None) == read and len(calls) == int(read)  # chunked: never the earlier chunks'
+                nexts[read] = session.decode([0], [prompt[-1]])
+        torch.testing.assert_close(nexts[True], nexts[False], rtol=0, atol=0)
+    finally:
+        hook.remove()

@@ -91,3 +91,29 @@ def test_protocols_in_one_pass_answer_as_each_protocol_alone(tiny, conversations
     joint = [{k: r[k] for k in keep} for r in retention.run_conversations(
         engine(), conversations, [2, 4], "chunked", 64, answer_tokens=5, protocol=["deployed", "strict"])]
     assert sorted(joint, key=str) == sorted(alone, key=str) and len(joint) == 12
+
+
+def test_rows_under_both_protocols_share_their_decode_steps(tiny):
+    """answer_rows with each row's own protocol: the answers are each protocol's alone, in the decode steps of one
+    protocol's answering (a strict row's prompt token fed beside a deployed row's first answer token)."""
+    from kvlib.evaluation.generation import answer_rows
+
+    prompts = [tiny.tokenizer.encode(t) for t in TEXTS[:3]]
+    engine = Engine(tiny, make_policy("h2o", budget=0.3))
+
+    def answer(protocols):
+        steps = []
+        with engine.session([len(p) + 6 for p in prompts] * 2, 6) as session:
+            decode = session.decode
+            session.decode = lambda rows, tokens: steps.append(len(rows)) or decode(rows, tokens)
+            answers = answer_rows(session, list(range(len(protocols))), prompts * (len(protocols) // 3), 6,
+                                  protocols, "chunked")
+        return answers, steps
+
+    deployed, deployed_steps = answer(["deployed"] * 3)
+    strict, strict_steps = answer(["strict"] * 3)
+    joint, joint_steps = answer(["deployed"] * 3 + ["strict"] * 3)
+    assert joint == deployed + strict
+    assert len(joint_steps) == max(len(deployed_steps), len(strict_steps)) < len(deployed_steps) + len(strict_steps)
+    with pytest.raises(ValueError, match="2 protocols for 3 rows"):
+        answer_rows(None, [0, 1, 2], prompts, 6, ["strict", "deployed"], "chunked")

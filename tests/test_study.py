@@ -335,6 +335,7 @@ def test_a_unit_measured_under_load_is_measured_again_then_flagged(root, monkeyp
     monkeypatch.setattr(ttft, "run_point", lambda point: calls.append(1) or [{"ttft_s": 0.1}])
     frame = run_experiment("p")
     assert len(calls) == 2 and frame["attempts"].tolist() == [2] and not frame["disturbed"].any()
+    assert frame["unit_compute_s"].tolist() == [2.0]  # what the unit cost the build: both attempts
     busy = iter([True, True])
     frame = run_experiment("p", force=True)
     assert frame["attempts"].tolist() == [2] and frame["disturbed"].all()

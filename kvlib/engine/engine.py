@@ -58,15 +58,17 @@ class Engine:
             policy.calibrate(calibration if calibration is not None else calibration_prompt(model))
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, step: Step) -> torch.Tensor:
-        """Run the model on [B, T] new tokens of step.rows; return the last position's logits [B, V] (fp32)."""
+    def forward(self, input_ids: torch.Tensor, step: Step) -> torch.Tensor | None:
+        """Run the model on [B, T] new tokens of step.rows; return the last position's logits [B, V] (fp32), or None
+        where the step's are not read (step.logits) and the model's forward skips them."""
         positions = step.start[:, None] + torch.arange(step.q_len)[None, :]
 
         def layers() -> torch.Tensor:
             with self.ledger.transient("device", "activations", activation_bytes(self.model, *input_ids.shape),
                                        f"{step.phase} forward"):
                 return self.model.forward(input_ids, positions, step)
-        return self.run_pass(step, "compute", layers).float()
+        logits = self.run_pass(step, "compute", layers)
+        return None if logits is None else logits.float()
 
     def run_pass(self, step: Step, section: str, layers: Callable[[], T]) -> T:
         """One pass as every policy goes through it, computed (forward) or adopted from a recorded prefill

@@ -105,7 +105,7 @@ def record_prefill(engine, tokens: list[int], arithmetic: str, passes: tuple[tup
             recorder.pass_index = index
             step = Step(recorder, torch.tensor([0]), torch.tensor([begin]), length, "prefill",
                         "full" if arithmetic == "matrix" else "fused", last_chunk=begin + length >= len(tokens),
-                        end=end)
+                        end=end, logits=begin + length >= len(tokens))
             positions = step.start[:, None] + torch.arange(length)[None, :]
             logits = model.forward(torch.tensor([tokens[begin:begin + length]]), positions, step)
     return PrefillRecord(tuple(tokens), arithmetic, tuple(passes), recorder.keys, recorder.values, recorder.queries,

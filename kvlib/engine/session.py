@@ -90,16 +90,19 @@ class Session:
             self.lengths[row] = self.policy.reuse_prefix(row, prompt)
         return self.lengths[row]
 
-    def prefill_chunk(self, row: int, tokens: list[int], mode: str, end: int) -> torch.Tensor:
+    def prefill_chunk(self, row: int, tokens: list[int], mode: str, end: int, logits: bool = True
+                      ) -> torch.Tensor | None:
         """Extend a row by tokens, one forward pass; `end` is the row's length once its whole prompt (this prefill)
-        is in. Returns the logits after the last token [V]."""
+        is in. Returns the logits after the last token [V] of the prompt's last chunk where `logits`, else None (the
+        model's LM head not run)."""
         self.timers.phase = "prefill"
         start = self.lengths[row]
+        last = start + len(tokens) >= end
         step = Step(self.policy, torch.tensor([row]), torch.tensor([start]), len(tokens), "prefill", mode,
-                    last_chunk=start + len(tokens) >= end, end=torch.tensor([end]))
-        logits = self.engine.forward(torch.tensor([tokens]), step)
+                    last_chunk=last, end=torch.tensor([end]), logits=logits and last)
+        out = self.engine.forward(torch.tensor([tokens]), step)
         self.lengths[row] = start + len(tokens)
-        return logits[0]
+        return None if out is None else out[0]
 
     def prefill_next(self, row: int, tokens: list[int], mode: str, chunk_size: int,
                      shared: PrefillStore | None = None) -> torch.Tensor:
@@ -114,18 +117,20 @@ class Session:
         return logits
 
     def prefill(self, row: int, tokens: list[int], mode: str, chunk_size: int = 512,
-                shared: PrefillStore | None = None) -> torch.Tensor:
+                shared: PrefillStore | None = None, logits: bool = True) -> torch.Tensor | None:
         """Extend a row by a whole prompt (or the next turn of a conversation), in chunks for `chunked` prefill.
-        shared: a PrefillStore whose record of this prompt the policy adopts where it can (adopt), else ignored."""
+        shared: a PrefillStore whose record of this prompt the policy adopts where it can (adopt), else ignored.
+        logits: False where the caller reads none (a conversation's turn, a strict prompt's head): None is
+        returned, and a pass the row computes itself skips the LM head."""
         if shared is not None:
-            logits = self.adopt(row, tokens, mode, chunk_size, shared)
-            if logits is not None:
-                return logits
+            adopted = self.adopt(row, tokens, mode, chunk_size, shared)
+            if adopted is not None:
+                return adopted if logits else None
         end = self.lengths[row] + len(tokens)
-        logits = None
+        out = None
         for begin, length in prefill_passes(len(tokens), mode, chunk_size):
-            logits = self.prefill_chunk(row, tokens[begin:begin + length], mode, end)
-        return logits
+            out = self.prefill_chunk(row, tokens[begin:begin + length], mode, end, logits)
+        return out
 
     def adopt(self, row: int, tokens: list[int], mode: str, chunk_size: int, store: PrefillStore
               ) -> torch.Tensor | None:

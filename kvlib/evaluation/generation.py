@@ -31,21 +31,27 @@ def split_prompt(prompt: list[int], protocol: str) -> tuple[list[int], list[int]
     return prompt, []
 
 
-def answer_rows(session, rows: list[int], prompts: list[list[int]], max_new_tokens: int, protocol: str,
-                prefill_mode: str, chunk_size: int = 512, eos: int | None = None, prefill_store=None
-                ) -> list[list[int]]:
+def answer_rows(session, rows: list[int], prompts: list[list[int]], max_new_tokens: int,
+                protocol: str | list[str], prefill_mode: str, chunk_size: int = 512, eos: int | None = None,
+                prefill_store=None) -> list[list[int]]:
     """Extend each row by its prompt, then answer greedily in lockstep; returns each row's answer tokens.
+    protocol: one for every row, or each row's own (rows under both protocols then share their decode steps: a
+    strict row's first step feeds its prompt's last token while a deployed row's feeds its first answer token).
     prefill_store: a kvlib.engine.prefill_record.PrefillStore whose records the policy adopts (Session.prefill)."""
+    protocols = [protocol] * len(rows) if isinstance(protocol, str) else list(protocol)
+    if len(protocols) != len(rows):
+        raise ValueError(f"{len(protocols)} protocols for {len(rows)} rows")
     answers: dict[int, list[int]] = {row: [] for row in rows}
-    fed: dict[int, int] = {}
-    for row, prompt in zip(rows, prompts):
-        head, tail = split_prompt(prompt, protocol)
-        logits = session.prefill(row, head, prefill_mode, chunk_size, shared=prefill_store)
+    tails: dict[int, int] = {}
+    for row, prompt, row_protocol in zip(rows, prompts, protocols):
+        head, tail = split_prompt(prompt, row_protocol)
+        logits = session.prefill(row, head, prefill_mode, chunk_size, shared=prefill_store, logits=not tail)
         if tail:
-            fed[row] = tail[0]
+            tails[row] = tail[0]
         else:
             answers[row].append(int(logits.argmax()))
-    fed = fed or _unfinished(answers, max_new_tokens, eos)  # deployed: the first tokens came from the prefills
+    answering = _unfinished(answers, max_new_tokens, eos)  # deployed rows: their first tokens came from the prefills
+    fed = {row: tails[row] if row in tails else answering[row] for row in rows if row in tails or row in answering}
     while fed:
         for row, logits in zip(fed, session.decode(list(fed), list(fed.values()))):
             answers[row].append(int(logits.argmax()))

@@ -36,12 +36,15 @@ class KVLibLM(TemplateLM):
     def __init__(self, pretrained: str = "smollm2-135m", policy: str = "full", batch_size: int | str = 8,
                  device: str | None = None, max_length: int | None = None, loaded=None,
                  calibration: list[int] | None = None, protocol: str = "deployed", prefill_store=None,
-                 **policy_settings):
+                 prefill: str | None = None, **policy_settings):
         """protocol: where generated answers' first token comes from (kvlib.evaluation.generation); scored
-        continuations always come from decode steps. prefill_store: prefills shared with other models (above)."""
+        continuations always come from decode steps. prefill_store: prefills shared with other models (above).
+        prefill: the prefill mode of every prompt (the policy's preferred one by default)."""
         super().__init__()
         self.protocol = check_protocol(protocol)
         kv_policy = make_policy(policy, **policy_settings)  # bad settings fail here, before the model is loaded
+        self.prefill_mode = prefill or kv_policy.preferred_prefill
+        kv_policy.check_prefill(self.prefill_mode)
         self.loaded = loaded or load_model(pretrained, device=device)
         self.tokenizer = self.loaded.tokenizer
         self.batch_size = 8 if batch_size in (None, "auto") else int(str(batch_size).split(":")[0])
@@ -54,7 +57,7 @@ class KVLibLM(TemplateLM):
         self.speculation = [0, 0.0, 0.0]  # InfiniGen's measure_coverage: samples, speculated mass, oracle mass
 
     def _generate(self, prompts, max_new_tokens, **kwargs):
-        result = self.engine.generate(prompts, max_new_tokens, prefill_mode=self.engine.policy.preferred_prefill,
+        result = self.engine.generate(prompts, max_new_tokens, prefill_mode=self.prefill_mode,
                                       prefill_store=self.prefill_store, **kwargs)
         self._count(result.stats)
         return result
@@ -173,7 +176,7 @@ class KVLibLM(TemplateLM):
         return self.tok_encode(context)[-(self.max_length - max_new):], max_new, until
 
     def _answer(self, prompts: list[list[int]], max_new: int, until: tuple[str, ...]) -> list[str]:
-        engine, mode = self.engine, self.engine.policy.preferred_prefill
+        engine, mode = self.engine, self.prefill_mode
         for prompt in prompts:
             engine.validate([prompt], max_new, mode, 512)
         with engine.session([len(p) for p in prompts], max_new) as session:

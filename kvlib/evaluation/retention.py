@@ -164,7 +164,7 @@ def run_conversations(engine: Engine, convs: list[Conversation], query_turns: li
                       protocol: str | Sequence[str] = "deployed") -> list[dict]:
     """Conversations in lockstep on one Session: each conversation in a row of its own, fed turn by turn; after a
     query turn each conversation's question is branched into one more row per protocol and all of them are answered
-    together, protocol by protocol (kvlib.evaluation.generation). One row per question and protocol; each answer is
+    together, every protocol's rows in the same decode steps (kvlib.evaluation.generation). One row per question and protocol; each answer is
     the one the conversation alone, under that protocol alone, would get (tested).
 
     Several protocols share one pass: the conversation's own row never sees a question, so its turns (the prefill
@@ -182,20 +182,19 @@ def run_conversations(engine: Engine, convs: list[Conversation], query_turns: li
         for turn in range(max(len(plan.pieces) for plan in plans)):
             for c, plan in enumerate(plans):
                 if turn < len(plan.pieces):
-                    session.prefill(stride * c, plan.pieces[turn], prefill_mode, chunk_size)
+                    session.prefill(stride * c, plan.pieces[turn], prefill_mode, chunk_size, logits=False)
                     held[c] += len(plan.pieces[turn])
-            asking = [c for c, plan in enumerate(plans) if turn in plan.asks]
-            for j, p in enumerate(protocols):
-                for c in asking:
-                    session.fork(stride * c, stride * c + 1 + j)
-                answers = answer_rows(session, [stride * c + 1 + j for c in asking],
-                                      [plans[c].asks[turn] for c in asking], answer_tokens, p, prefill_mode,
-                                      chunk_size, tok.eos_token_id)
-                usage = engine.policy.usage.summary()
-                for c, answer in zip(asking, answers):
-                    conv, text = plans[c].conv, tok.decode(answer, skip_special_tokens=True)
-                    rows.append({"conversation": conv.id, "bucket": bucket_label(conv.bucket), "turn": turn,
-                                 "context_tokens": held[c], "fact": conv.fact.question, "expected": conv.fact.answer,
-                                 "answer": text, "correct": answered(conv.fact.answer, text),
-                                 "answer_tokens": answer_tokens, "protocol": p, **usage})
+            asked = [(j, c) for j in range(len(protocols)) for c, plan in enumerate(plans) if turn in plan.asks]
+            for j, c in asked:
+                session.fork(stride * c, stride * c + 1 + j)
+            answers = answer_rows(session, [stride * c + 1 + j for j, c in asked],
+                                  [plans[c].asks[turn] for _, c in asked], answer_tokens,
+                                  [protocols[j] for j, _ in asked], prefill_mode, chunk_size, tok.eos_token_id)
+            usage = engine.policy.usage.summary()
+            for (j, c), answer in zip(asked, answers):
+                conv, text = plans[c].conv, tok.decode(answer, skip_special_tokens=True)
+                rows.append({"conversation": conv.id, "bucket": bucket_label(conv.bucket), "turn": turn,
+                             "context_tokens": held[c], "fact": conv.fact.question, "expected": conv.fact.answer,
+                             "answer": text, "correct": answered(conv.fact.answer, text),
+                             "answer_tokens": answer_tokens, "protocol": protocols[j], **usage})
     return rows

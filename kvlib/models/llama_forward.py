@@ -228,8 +228,9 @@ class LlamaForward:
                 return None
         return LlamaForward(model)
 
-    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, step) -> torch.Tensor:
-        """Logits [B, V] after the last of the [B, T] new tokens at positions position_ids [B, T]. A pass cut into
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, step) -> torch.Tensor | None:
+        """Logits [B, V] after the last of the [B, T] new tokens at positions position_ids [B, T] (None where the
+        step's logits are not read: step.logits). A pass cut into
         micro-batches (step.parts) runs each layer on each part in turn, the layer's weights brought to the device once
         for all of them (FlexGen's zig-zag over a block of GPU batches); each part keeps its own hidden state."""
         x = self.embed(input_ids)
@@ -247,6 +248,8 @@ class LlamaForward:
                 deltas[k] = mlp.down_proj(silu_mul(mlp.gate_up(add_rms_norm(h, delta, norm2))))
             if streamer is not None:
                 streamer.after(i)
+        if not step.logits:
+            return None
         logits = [self.lm_head(add_rms_norm(h[:, -1] + d[:, -1], None, self.norm)) for (_, h, _), d in zip(parts, deltas)]
         if not step.parts:
             return logits[0]

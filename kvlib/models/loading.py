@@ -156,15 +156,15 @@ class LoadedModel:
         return sum(m.weight.numel() * m.weight.element_size() for m in self.model.modules()
                    if isinstance(m, PackedLinear) and m.copies_shared)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, step) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, step) -> torch.Tensor | None:
         """The logits [B, V] after the last of the [B, T] new tokens, attention handed to step.policy: the one way the
-        model is run inside kvlib."""
+        model is run inside kvlib. None where the step's logits are not read (step.logits)."""
         input_ids, position_ids = input_ids.to(self.device), position_ids.to(self.device)
         if self.kvlib_forward is not None:
             return self.kvlib_forward(input_ids, position_ids, step)
         out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=1,
                          kv_step=step)
-        return out.logits[:, -1]
+        return out.logits[:, -1] if step.logits else None
 
 
 def default_dtype(device: torch.device) -> torch.dtype:

@@ -36,6 +36,9 @@ class Step:
     prefill_mode: str = "fused"
     last_chunk: bool = True  # the pass that ends a row's prompt
     end: torch.Tensor | None = None  # [B] each row's length once this prefill (all its chunks) is in
+    # whether the pass's logits are read: not those of a chunk before its prompt's last, nor of a conversation's turn
+    # fed with no question after it (the model's forward then skips its LM head, as vLLM does for a partial prefill)
+    logits: bool = True
     # micro-batches: the pass cut into parts that kvlib's forward runs each layer on in turn (set by a policy's
     # prepare, FlexGen's zig-zag; kvlib.models.llama_forward), and a part's positions among its pass's rows
     parts: list[Step] | None = None
@@ -48,7 +51,7 @@ class Step:
             index = torch.nonzero(keys == key).flatten()
             parts.append(Step(self.policy, self.rows[index], self.start[index], self.q_len, self.phase,
                               self.prefill_mode, self.last_chunk, None if self.end is None else self.end[index],
-                              index=index))
+                              logits=self.logits, index=index))
         return parts
 
     def own(self, values: torch.Tensor) -> torch.Tensor:

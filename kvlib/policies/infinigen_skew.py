@@ -58,7 +58,7 @@ class QKRecorder(KVPolicy):
 @torch.inference_mode()
 def capture_qk(model: LoadedModel, prompt: list[int]) -> tuple[dict, dict]:
     capture = QKRecorder()
-    step = Step(capture, torch.tensor([0]), torch.tensor([0]), len(prompt), "prefill")
+    step = Step(capture, torch.tensor([0]), torch.tensor([0]), len(prompt), "prefill", logits=False)
     model.forward(torch.tensor([prompt]), torch.arange(len(prompt))[None], step)
     return capture.queries, capture.keys
 

@@ -83,13 +83,15 @@ def in_outside_process(fn, *args):
 def _compute_unit(point: Point, repeat: int, meta: dict) -> pd.DataFrame:
     experiment = importlib.import_module(f"kvlib.study.experiments.{point.experiment}")
     # a disturbed run is worth measuring again only where time is what it measures: a score is the same under load
+    compute_s = 0.0  # what the unit cost the build, every attempt (benchmarks/book_times.py adds them up)
     for attempt in range(1, (ATTEMPTS if experiment.TIMED else 1) + 1):
         with measured_load() as load:
             rows = experiment.run_point(point)
+        compute_s += load.wall_s
         if not load.disturbed:
             break
     return pd.DataFrame([{**point.columns(), **row, **meta, **machine(), "repeat": repeat, "attempts": attempt,
-                          **load.columns()} for row in rows])
+                          "unit_compute_s": compute_s, **load.columns()} for row in rows])
 
 
 class UnitsFailed(UserError):

@@ -5,7 +5,8 @@ the same items, so each item's dense prefill is computed once and every policy t
 (each item's result is the one its own prefill gives). The store holds at most `prefill_store_gb` (a fixed value of
 the experiment; a quarter of the machine's memory by default), least recently used records first out: it pays when
 it holds one task's items in one arithmetic, so the points run task by task and, within a task, the policies that
-prefill alike together (`order`).
+prefill alike together (`order`). A point's `prefill` (one mode for every policy, `full` in the embedded profile)
+makes every policy adopt the same record of an item: one recording pass an item instead of one per arithmetic.
 """
 
 import weakref
@@ -39,7 +40,7 @@ def order(point) -> tuple:
     """The executor's order for this experiment's points: task by task, and within a task by the prefill mode the
     policy scores under (a record serves the modes of one arithmetic), so that the store holds what the next point
     reads."""
-    return point.values["task"], runner_class(point.runner).preferred_prefill
+    return point.values["task"], point.values.get("prefill", runner_class(point.runner).preferred_prefill)
 
 
 def run_point(point) -> list[dict]:
@@ -47,6 +48,7 @@ def run_point(point) -> list[dict]:
     loaded = model_of(point)
     protocol = v.get("protocol", "deployed")
     lm = KVLibLM(policy=point.runner, loaded=loaded, batch_size=v.get("batch_size", 8), protocol=protocol,
+                 prefill=v.get("prefill"),
                  calibration=calibration_prompt(loaded, v.get("calibration_source")),
                  prefill_store=prefill_store(loaded, v.get("prefill_store_gb")), **point.settings)
     if v["task"] in RULER_TASKS:  # lm-eval's RULER: items sized per length (kvlib.evaluation.ruler)
