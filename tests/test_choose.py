@@ -50,7 +50,7 @@ def test_the_fastest_policy_that_fits_and_keeps_its_accuracy():
         c = choose(f, 512, 8, 32, max_accuracy_drop=tolerance)
         assert c.fastest_decode == "full" and "sparse" not in c.excluded and "sparse" not in c.decode
         why = c.undecided["sparse"]
-        assert why.startswith(f"cannot tell at 50 items whether it stays within {tolerance:g} pp: the interval spans")
+        assert why.startswith(f"cannot tell at 50 items whether it stays within {tolerance:g} pp: the 98.8% interval spans")
         assert "measured drop 8.0 pp" in why and "nearest scored budget below 0.3" in why
         assert "items would resolve it" in why and f"Not ranked: sparse: {why}." in c.text()
     assert choose(f, 512, 8, 32, max_accuracy_drop=20.0).fastest_decode == "sparse"  # the interval's top is ~16 pp
@@ -161,3 +161,44 @@ def test_the_answer_names_the_policies_it_cannot_be_told_from():
     row = regimes(f, tolerances=(None,)).query("batch == 4").iloc[0]
     assert row["fastest decode"].startswith("a (") and row["decode, not distinguishable"] == "twin"
     assert "TTFT: this profile's TTFT grid does not run a, slow, twin" in c.text()
+
+
+def test_an_answer_is_one_family_with_declared_shares():
+    """Each answer spends 5 % in declared shares: its accuracy intervals share a quarter (each at that quarter over
+    as many intervals as the rows could give), its decode ties half, its TTFT ties a quarter; the answer says so."""
+    from kvlib.report import stats
+    from kvlib.report.choose.evidence import evidence_for
+    from kvlib.report.pages import CHOOSER
+
+    assert sum(CHOOSER.share(name) for name, _ in CHOOSER.weights) == pytest.approx(stats.ALPHA)
+    f = frames()
+    one = evidence_for(f["accuracy"], f["batch_scaling"], page=CHOOSER)
+    assert one["sparse"][0].drop.level == pytest.approx(1 - CHOOSER.share("accuracy"))
+    # a second lossy policy scored on the task: two intervals the rows could give, each at half the quarter
+    other = f["accuracy"][f["accuracy"]["policy"] == "sparse"].assign(policy="other")
+    two = evidence_for(pd.concat([f["accuracy"], other]), f["batch_scaling"], page=CHOOSER)
+    assert two["sparse"][0].drop.level == pytest.approx(1 - CHOOSER.share("accuracy") / 2)
+    assert evidence_for(f["accuracy"], f["batch_scaling"])["sparse"][0].drop.level == pytest.approx(0.95)
+    text = choose(f, 512, 4, 32, max_accuracy_drop=5.0).text()
+    assert "at most 5%: 1.25% to the accuracy intervals" in text and "Holm at 2.50% and 1.25%" in text
+    assert f"{1 - CHOOSER.share('accuracy'):.1%} interval" in choose(f, 512, 4, 1, max_accuracy_drop=1.0).text()
+
+
+def test_the_ties_are_read_at_the_answers_share_for_decode():
+    """Four clearly slower rivals over 8 rounds: each by-round p-value is 2 / 256, below 5 % / 4 (a test at 5 % for
+    the answer would reject them all) but above Holm's first threshold at the decode share, 2.5 % / 4: so every
+    rival is named not distinguishable. The answer's family is what decides it."""
+    jitters = [0.0, 3.0, -3.0, 1.5, -1.5, 0.5, -0.5, 1.0]
+    rows = [{"policy": p, "lossless": True, "batch_size": b, "oom": False, "decode_tokens_per_s": base * b + jitter,
+             "device_peak_bytes": GIB, "min_prompt_tokens": 128, "max_prompt_tokens": 1024, "max_new_tokens": 32,
+             "budget": None, "repeat": r, "stat_decode_attention": "c"}
+            for p, base in [("a", 100.0), ("b", 50.0), ("c", 49.0), ("d", 48.0), ("e", 47.0)] for b in (1, 4)
+            for r, jitter in enumerate(jitters)]
+    c = choose({"batch_scaling": pd.DataFrame(rows)}, 512, 4, 32)
+    assert c.fastest_decode == "a" and c.decode_ties == ["b", "c", "d", "e"]
+    from kvlib.report import stats
+
+    runs = {p: pd.Series([r["decode_tokens_per_s"] for r in rows if r["policy"] == p and r["batch_size"] == 4])
+            for p in "abcde"}
+    p_values = [stats.compare_timings(runs[p], runs["a"]).p_value for p in "bcde"]
+    assert all(stats.holm(p_values, 0.05))  # at 5 % for the answer alone, all four would be told apart

@@ -156,12 +156,15 @@ def test_the_tables_show_every_point_and_oom():
     assert len(table) == 12
     assert (table.loc[("snapkv", "1")] == "OOM").all()  # (rates shown to 3 figures, as every cell)
     assert table.loc[("h2o", "2"), "within SLO"] == "0.9"
+    views = report.serving_views(SYNTHETIC)  # the same cells, in two narrower tables
+    assert sorted(c for v in views.values() for c in v.columns) == sorted(table.columns)
+    assert all(v.index.equals(table.index) for v in views.values())
     traces = report.trace_table(SYNTHETIC.assign(trace_sha=SYNTHETIC["request_rate"].astype(str), prompt_tokens_total=99,
                                                  output_tokens_total=9, trace_span_s=3.0))
-    assert traces["one trace for all"].all() and (traces["runners"] == 4).all()
+    assert traces.loc["one trace for all"].all() and (traces.loc["runners"] == 4).all()
     assert list(report.trace_table(SYNTHETIC.assign(request_rate=SYNTHETIC["request_rate"] / 3, trace_sha="t",
                                                     prompt_tokens_total=99, output_tokens_total=9, trace_span_s=3.0)
-                                   ).index) == sorted({f"{r / 3:.3g}" for r in SYNTHETIC["request_rate"]}, key=float)
+                                   ).columns) == sorted({f"{r / 3:.3g}" for r in SYNTHETIC["request_rate"]}, key=float)
     closing = report.sustained_table(SYNTHETIC)
     assert list(closing.index[:2]) == ["h2o", "paged"]  # the highest sustained rate first
     assert closing.loc["paged", "preemptions there"] == "0"  # at 1 request/s, where paged still sustains

@@ -12,6 +12,16 @@ FINDINGS = PageFamily("findings", (("finding 2", 6), ("finding 4", 4), ("finding
 # The accuracy chapter: the multiple-choice tasks' drops (its lead reads the same objects), RULER's, the frontier's.
 ACCURACY = PageFamily("accuracy", (("multiple choice", 1), ("RULER", 1), ("the frontier", 1)))
 
+# The chooser: each answer to a workload (`kvlib choose`, a row of the chooser page's regimes table) is one family: a
+# quarter to the accuracy intervals against the tolerance (every lossy policy on every task scored at the budget read:
+# kvlib.report.choose.evidence), half to the decode answer's ties, a quarter to the TTFT answer's (Holm over the
+# answer's candidates at one grid point). Why an answer and not the page: the table's rows are separate questions
+# that reread the same grid points with the same tests, and Holm over ten rivals at a quarter of 5 % shared among the
+# four grid points the decode question reads would need 13 rounds (the by-round test's smallest p-value, 2 / 2^13)
+# to separate any runner; half of 5 % for one answer needs the 10 the embedded book runs.
+CHOOSER = PageFamily("chooser answer", (("accuracy", 1), ("decode", 2), ("TTFT", 1)))
+SERVING = PageFamily("serving", (("accuracy", 1),))
+
 # A timing chapter tests at most one statement, its lead's comparison of the first runner with the next
 # (kvlib.report.answers); its other ratios are described with their interval and no verdict word.
 TIMING = PageFamily("timing", (("the lead", 1),))

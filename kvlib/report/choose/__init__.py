@@ -3,7 +3,7 @@ answers one workload; .evidence weighs accuracy; .regimes runs it over regimes; 
 
 from kvlib.report.choose.evidence import CANNOT_TELL, RULED_OUT, WITHIN, AccuracyEvidence, accuracy_evidence
 from kvlib.report.choose.projected import ProjectedChoice, choose_projected
-from kvlib.report.choose.regimes import by_question, largest_workload, regimes, tight_memory_gb
+from kvlib.report.choose.regimes import by_question, error_rate_statement, largest_workload, regimes, tight_memory_gb
 from kvlib.report.choose.serving import ServingChoice, choose_serving
 from kvlib.report.choose.workload import Choice, Estimate, choose, read_at
 
@@ -21,6 +21,7 @@ __all__ = [
            "choose",
            "choose_projected",
            "choose_serving",
+           "error_rate_statement",
            "largest_workload",
            "read_at",
            "regimes",

@@ -29,12 +29,12 @@ class AccuracyEvidence:
 
     def text(self, tolerance: float | None = None) -> str:
         d = self.drop
-        measured = (f"measured drop {d.drop * 100:.1f} pp on {self.task} at {self.where}, 95 % interval "
+        measured = (f"measured drop {d.drop * 100:.1f} pp on {self.task} at {self.where}, {d.level:.1%} interval "
                     f"{d.low * 100:.1f} to {d.high * 100:.1f} pp over {d.items} items")
         if self.outcome == RULED_OUT:
             return f"loses more than the {tolerance:g} pp allowed ({measured}: its lower end is above it)"
         if self.outcome == CANNOT_TELL:
-            return (f"cannot tell at {d.items} items whether it stays within {tolerance:g} pp: the interval spans "
+            return (f"cannot tell at {d.items} items whether it stays within {tolerance:g} pp: the {d.level:.1%} interval spans "
                     f"{d.low * 100:.1f} to {d.high * 100:.1f} pp (measured drop {d.drop * 100:.1f} pp on {self.task} at "
                     f"{self.where}); {items_to_resolve(d, tolerance)}")
         return measured
@@ -72,7 +72,7 @@ def compressed(*frames: pd.DataFrame) -> dict[str, bool]:
     return out
 
 
-def evidence_for(accuracy: pd.DataFrame, *systems: pd.DataFrame, gate: float = GATE
+def evidence_for(accuracy: pd.DataFrame, *systems: pd.DataFrame, gate: float = GATE, page: stats.PageFamily | None = None
                  ) -> dict[str, list[AccuracyEvidence]]:
     """accuracy_evidence for the runners of these systems rows, each read as it ran there: at its budget (a later
     frame's where several give one) and with its cache compressed or not."""
@@ -80,16 +80,19 @@ def evidence_for(accuracy: pd.DataFrame, *systems: pd.DataFrame, gate: float = G
     for df in systems:
         if "budget" in df:
             budgets.update(df.dropna(subset=["budget"]).groupby("policy")["budget"].first().to_dict())
-    return accuracy_evidence(accuracy, budgets, gate, compressed(*systems))
+    return accuracy_evidence(accuracy, budgets, gate, compressed(*systems), page)
 
 
 def accuracy_evidence(accuracy: pd.DataFrame, budgets: dict[str, float | None], gate: float = GATE,
-                      compression: dict[str, bool] | None = None) -> dict[str, list[AccuracyEvidence]]:
+                      compression: dict[str, bool] | None = None, page: stats.PageFamily | None = None
+                      ) -> dict[str, list[AccuracyEvidence]]:
     """Per lossy policy, its paired drop on each accuracy-scored task the full cache passes (the validity gate: no
     accuracy statement from a task the model fails), at the policy's budget in the systems experiments or the nearest
     scored budget below it. budgets: the policy's budget there (None: not a budgeted policy). compression: whether
     each ran compressed there (`compressed`); accuracy rows run otherwise are no evidence for it (FlexGen + H2O's
-    4-bit drop says nothing of it uncompressed)."""
+    4-bit drop says nothing of it uncompressed). page: the page whose `accuracy` section these intervals are (each at
+    its level for as many intervals as the rows could give, every lossy policy on every task scored at the budget
+    read, counted before the gate: what the rows hold, not what they found); none: each at 95 %."""
     if accuracy.empty:
         return {}
     if compression is not None and "compress_cache" in accuracy:
@@ -102,7 +105,7 @@ def accuracy_evidence(accuracy: pd.DataFrame, budgets: dict[str, float | None], 
     valid = passing(gated[gated["length"].isna()], "task")
     rows = scored_rows(accuracy)
     item = accuracy_item(rows)
-    out = {}
+    read = {}  # policy -> (the budget read, how it stands to the policy's own, the tasks scored there)
     for policy, g in table[table["policy"] != "full"].groupby("policy"):
         budget = budgets.get(policy)
         scored = sorted(g["budget"].unique())
@@ -110,13 +113,18 @@ def accuracy_evidence(accuracy: pd.DataFrame, budgets: dict[str, float | None], 
         used = below[-1] if below else scored[0]
         where = f"budget {used:g}" + ("" if budget is None or abs(used - budget) < 1e-9
                                       else f" (the nearest scored budget {'below' if below else 'above'} {budget:g})")
-        out[policy] = [AccuracyEvidence(stats.paired_drop(rows[(rows["task"] == task) & (rows["policy"] == "full")],
-                                                          rows[(rows["task"] == task) & (rows["policy"] == policy)
-                                                               & (rows["budget"] == used)], "correct", item),
-                                        task, used, where)
-                       for task in g.loc[g["budget"] == used, "task"] if task in valid]
-        if not out[policy]:
-            del out[policy]
+        read[policy] = used, where, list(g.loc[g["budget"] == used, "task"])
+    intervals = sum(len(tasks) for _, _, tasks in read.values())
+    level = page.level("accuracy", intervals) if page is not None else 1 - stats.ALPHA
+    out = {}
+    for policy, (used, where, tasks) in read.items():
+        evidence = [AccuracyEvidence(stats.paired_drop(rows[(rows["task"] == task) & (rows["policy"] == "full")],
+                                                       rows[(rows["task"] == task) & (rows["policy"] == policy)
+                                                            & (rows["budget"] == used)], "correct", item,
+                                                       level=level), task, used, where)
+                    for task in tasks if task in valid]
+        if evidence:
+            out[policy] = evidence
     return out
 
 

@@ -10,6 +10,7 @@ import pandas as pd
 from kvlib.report.choose.evidence import WITHIN, evidence_for, judge_accuracy
 from kvlib.report.choose.workload import Estimate, lossless_runners, read_at
 from kvlib.report.gate import GATE
+from kvlib.report.pages import SERVING
 
 SERVING_PERCENTILE = "p90"  # a runner meets a limit at a rate where 90 % of its requests are within it
 
@@ -29,6 +30,7 @@ class ServingChoice:
     excluded: dict[str, str] = field(default_factory=dict)  # runner -> why it was not read (memory, accuracy, rate)
     accuracy: dict[str, str] = field(default_factory=dict)  # runner -> the accuracy it loses, as read
     notes: list[str] = field(default_factory=list)
+    error_rate: str = ""  # what the accuracy intervals read spend together (kvlib.report.pages.SERVING)
 
     def text(self) -> str:
         limits = " and ".join(f"{SERVING_PERCENTILE} {name} <= {self.slo[key]:g} s"
@@ -43,7 +45,7 @@ class ServingChoice:
             lines.append("No runner measured meets it.")
         lines += [f"Misses it: {p}: {why}{self._accuracy(p)}." for p, why in sorted(self.misses.items())]
         lines += [f"Not read: {p}: {why}." for p, why in sorted(self.excluded.items())]
-        return "\n".join(lines + self.notes)
+        return "\n".join(lines + self.notes + ([self.error_rate] if self.error_rate else []))
 
     def _accuracy(self, policy: str) -> str:
         return f"; {self.accuracy[policy]}" if policy in self.accuracy else ""
@@ -106,7 +108,11 @@ def _weigh_accuracy(choice: ServingChoice, d: pd.DataFrame, accuracy: pd.DataFra
                     gate: float) -> None:
     """Each runner's accuracy as `choose` weighs it: the loss it shows, or, against a tolerance, excluded beyond it."""
     lossless = lossless_runners(d)
-    evidence = evidence_for(accuracy, d, gate=gate)
+    evidence = evidence_for(accuracy, d, gate=gate, page=SERVING)
+    if evidence:
+        level = next(iter(evidence.values()))[0].drop.level
+        choice.error_rate = (f"Error rate: the accuracy intervals read here, each at {level:.2%}, are wrong together "
+                             f"with a chance of at most {SERVING.alpha:.0%} (kvlib.report.pages.SERVING).")
     for p in sorted(d["policy"].unique()):
         if p in lossless:
             choice.accuracy[p] = "keeps every entry: no accuracy lost"

@@ -9,14 +9,15 @@ Evidence per question:
 - TTFT: the TTFT experiment, each policy at its fastest prefill mode, at the prompt length asked;
 - memory: the device peak measured at the point used (an OOM there rules the policy out);
 - accuracy: the drop against the full cache on the accuracy-scored tasks the full cache passes (the validity gate),
-  paired on the items with its 95 % interval, at the policy's budget in the systems experiments or, where that budget
+  paired on the items with its interval (at the chooser page's level: kvlib.report.pages.CHOOSER), at the policy's
+  budget in the systems experiments or, where that budget
   was not scored, the nearest scored budget below it. Three outcomes against a tolerance: within it (the interval's
   upper end below it on every task), ruled out (the interval's lower end above it on some task), or "cannot tell at
   n items" (the interval spans the tolerance; the answer says about how many items would resolve it), which keeps
   the policy out of the ranking without calling it lossy. Policies that keep and attend every entry (rows say
   `lossless`) lose nothing by construction.
 - ties: the runners the timing rule cannot tell from the answer at the grid point read, with the family-wise error
-  over the candidates held by Holm (kvlib.report.stats.holm); a figure interpolated between grid points has no
+  over the candidates held by Holm (kvlib.report.stats.holm) at the answer's share for that question; a figure interpolated between grid points has no
   repeats of its own and is said to be untested.
 - a runner that preallocates its KV pool from the memory it is given (vLLM) is, below the memory it was measured
   with, "not measured at this capacity", never "does not fit": it would start with a smaller pool.
@@ -33,6 +34,7 @@ import pandas as pd
 from kvlib.report import stats
 from kvlib.report.choose.evidence import CANNOT_TELL, RULED_OUT, evidence_for, judge_accuracy
 from kvlib.report.gate import GATE
+from kvlib.report.pages import CHOOSER
 from kvlib.report.tables import decode_kernels, geometric_mean, kernel_note
 
 
@@ -86,6 +88,7 @@ class Choice:
     # at the grid point read: a lead inside the noise is no lead
     decode_ties: list[str] = field(default_factory=list)
     ttft_ties: list[str] = field(default_factory=list)
+    error_rate: str = ""  # what the answer's tested statements spend together (kvlib.report.pages.CHOOSER)
 
     def text(self) -> str:
         lines = []
@@ -105,7 +108,7 @@ class Choice:
         lines += [f"Not ranked: {p}: {why}." for p, why in sorted(self.undecided.items())]
         lines += [f"Not measured: {p}: {why}." for p, why in sorted(self.unmeasured.items())]
         lines += [f"Not measured at this capacity: {p}: {why}." for p, why in sorted(self.unmeasured_capacity.items())]
-        return "\n".join(lines + self.notes)
+        return "\n".join(lines + self.notes + ([self.error_rate] if self.error_rate else []))
 
 
 def choose(frames: dict[str, pd.DataFrame], prompt_tokens: int, batch: int, output_tokens: int,
@@ -120,8 +123,10 @@ def choose(frames: dict[str, pd.DataFrame], prompt_tokens: int, batch: int, outp
     decode_df, axis, x = ((length_df, "output_tokens", output_tokens) if batch == 1 and not length_df.empty
                           else (batch_df, "batch_size", batch))
     policies = sorted(set(decode_df.get("policy", [])) | set(ttft_df.get("policy", [])))
+    alphas = {question: CHOOSER.share(question) for question in ("decode", "TTFT")}
     if max_accuracy_drop is not None:
-        evidence = evidence_for(frames.get("accuracy", pd.DataFrame()), length_df, batch_df, ttft_df, gate=gate)
+        evidence = evidence_for(frames.get("accuracy", pd.DataFrame()), length_df, batch_df, ttft_df, gate=gate,
+                                page=CHOOSER)
         lossy = [p for p in policies if p not in lossless_runners(decode_df) | lossless_runners(ttft_df)]
         _judge_accuracy(choice, lossy, evidence, max_accuracy_drop)
     for p in policies:
@@ -140,16 +145,26 @@ def choose(frames: dict[str, pd.DataFrame], prompt_tokens: int, batch: int, outp
     if choice.decode:
         choice.fastest_decode = max(choice.decode, key=lambda p: choice.decode[p].value)
         choice.decode_ties = _within_noise(decode_df, axis, "decode_tokens_per_s", choice.fastest_decode,
-                                           choice.decode)
+                                           choice.decode, alphas["decode"])
     if choice.ttft:
         choice.lowest_ttft = min(choice.ttft, key=lambda p: choice.ttft[p].value)
-        choice.ttft_ties = _within_noise(ttft_df, "prompt_tokens", "ttft_s", choice.lowest_ttft, choice.ttft)
+        choice.ttft_ties = _within_noise(ttft_df, "prompt_tokens", "ttft_s", choice.lowest_ttft, choice.ttft,
+                                         alphas["TTFT"])
     unmeasured = sorted(set(choice.decode) - set(ttft_df.get("policy", [])))
     if unmeasured and not ttft_df.empty:
         choice.notes.append(f"TTFT: this profile's TTFT grid does not run {', '.join(unmeasured)} (their TTFT at "
                             f"their own prefill is in the decode-length results).")
     choice.notes += _workload_notes(decode_df, axis, prompt_tokens, output_tokens)
+    choice.error_rate = _error_rate(alphas)
     return choice
+
+
+def _error_rate(alphas: dict[str, float]) -> str:
+    return (f"Error rate: the statements a test settles in this answer (ruled out, within the tolerance, faster than "
+            f"the runners not listed as not distinguishable) are one family, wrong together with a chance of at most "
+            f"{CHOOSER.alpha:.0%}: {CHOOSER.share('accuracy'):.2%} to the accuracy intervals (shared equally among "
+            f"them), the decode and TTFT ties by Holm at {alphas['decode']:.2%} and {alphas['TTFT']:.2%} "
+            f"(kvlib.report.pages.CHOOSER).")
 
 
 def _judge_accuracy(choice: Choice, lossy: list[str], evidence: dict, max_accuracy_drop: float) -> None:
@@ -182,9 +197,10 @@ def _keep_the_main_kernel(choice: Choice, decode_df: pd.DataFrame) -> None:
         choice.decode.pop(p)
 
 
-def _within_noise(df: pd.DataFrame, axis: str, value: str, best: str, estimates: dict[str, Estimate]) -> list[str]:
+def _within_noise(df: pd.DataFrame, axis: str, value: str, best: str, estimates: dict[str, Estimate], alpha: float
+                  ) -> list[str]:
     """The runners measured at the same grid point as the answer that the timing rule cannot tell from it there, the
-    family-wise error over the candidates held by Holm (TTFT: each runner's fastest prefill mode at that point). A
+    family-wise error over the candidates held at alpha by Holm (TTFT: each runner's fastest prefill mode there). A
     runner the rule could not test (too few repeats) is listed too: nothing shows it slower."""
     point = estimates[best]
     if len(point.points) != 1 or point.beyond_grid:
@@ -199,8 +215,8 @@ def _within_noise(df: pd.DataFrame, axis: str, value: str, best: str, estimates:
     reference = runs(best)
     rivals = [p for p in sorted(estimates) if p != best and len(estimates[p].points) == 1
               and estimates[p].at == point.at]
-    tests = [stats.compare_timings(runs(p), reference) for p in rivals]
-    rejected = stats.holm([c.p_value if c.judged else math.nan for c in tests])
+    tests = [stats.compare_timings(runs(p), reference, alpha) for p in rivals]
+    rejected = stats.holm([c.p_value if c.judged else math.nan for c in tests], alpha)
     return [p for p, r in zip(rivals, rejected) if not r]
 
 

@@ -28,7 +28,7 @@ from kvlib.report.serving.figures import latency_vs_rate, memory_vs_rate, pool_m
 from kvlib.report.serving.frame import MIB
 from kvlib.report.serving.sentences import lines
 from kvlib.report.serving.sustained import ATTAINMENT, Sustained, passes, sustained_rates
-from kvlib.report.serving.tables import TABLE_COLUMNS, serving_table, sustained_table, trace_table
+from kvlib.report.serving.tables import TABLE_COLUMNS, serving_table, serving_views, sustained_table, trace_table
 
 __all__ = [
     "ATTAINMENT",
@@ -47,6 +47,7 @@ __all__ = [
     "pool_mib",
     "request_agreement",
     "serving_table",
+    "serving_views",
     "sustained_rates",
     "sustained_table",
     "token_ids",

@@ -34,8 +34,21 @@ def serving_table(df: pd.DataFrame) -> pd.DataFrame:
     return table
 
 
+# serving_table cut in two for a page: what the requests saw, and what the runner did
+VIEWS = {"Latency and the SLO": ["TTFT p50 (s)", "TTFT p99 (s)", "TPOT p50 (s)", "TPOT p99 (s)", "within SLO"],
+         "Throughput, batch and memory": ["requests/s", "output tokens/s", "goodput (requests/s)", "max running",
+                                          "preemptions", "peak KV (MiB)"]}
+
+
+def serving_views(df: pd.DataFrame) -> dict[str, pd.DataFrame]:
+    """serving_table as two narrower tables (VIEWS), each with the columns the rows hold."""
+    table = serving_table(df)
+    return {title: table[[c for c in columns if c in table]] for title, columns in VIEWS.items()}
+
+
 def trace_table(df: pd.DataFrame) -> pd.DataFrame:
-    """What each rate's trace held, and whether every runner replayed the same one (one trace digest a rate)."""
+    """What each rate's trace held, and whether every runner replayed the same one (one trace digest a rate): a
+    column per rate, so that the table stays narrow however many rates the grid has."""
     cols = {"num_requests": "requests", "prompt_tokens_total": "prompt tokens", "output_tokens_total": "output tokens",
             "trace_span_s": "last arrival (s)"}
     g = df.groupby("request_rate")
@@ -47,7 +60,7 @@ def trace_table(df: pd.DataFrame) -> pd.DataFrame:
     table["one trace for all"] = g["trace_sha"].nunique() == 1
     table.index = table.index.map(shown)
     table.index.name = "request rate (requests/s)"
-    return table
+    return table.astype(object).T
 
 
 def sustained_table(df: pd.DataFrame, attainment: float = ATTAINMENT) -> pd.DataFrame:

@@ -40,7 +40,8 @@ def order(point) -> tuple:
     """The executor's order for this experiment's points: task by task, and within a task by the prefill mode the
     policy scores under (a record serves the modes of one arithmetic), so that the store holds what the next point
     reads."""
-    return point.values["task"], point.values.get("prefill", runner_class(point.runner).preferred_prefill)
+    runner = runner_class(point.runner)
+    return point.values["task"], point.values.get("prefill", runner.preferred_prefill)
 
 
 def run_point(point) -> list[dict]:
