@@ -156,7 +156,7 @@ def test_the_tables_show_every_point_and_oom():
     assert len(table) == 12
     assert (table.loc[("snapkv", "1")] == "OOM").all()  # (rates shown to 3 figures, as every cell)
     assert table.loc[("h2o", "2"), "within SLO"] == "0.9"
-    views = report.serving_views(SYNTHETIC)  # the same cells, in two narrower tables
+    views = report.serving_views(SYNTHETIC)  # the same cells, in three narrower tables
     assert sorted(c for v in views.values() for c in v.columns) == sorted(table.columns)
     assert all(v.index.equals(table.index) for v in views.values())
     traces = report.trace_table(SYNTHETIC.assign(trace_sha=SYNTHETIC["request_rate"].astype(str), prompt_tokens_total=99,
