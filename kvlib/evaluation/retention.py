@@ -164,8 +164,8 @@ def run_conversations(engine: Engine, convs: list[Conversation], query_turns: li
                       protocol: str | Sequence[str] = "deployed") -> list[dict]:
     """Conversations in lockstep on one Session: each conversation in a row of its own, fed turn by turn; after a
     query turn each conversation's question is branched into one more row per protocol and all of them are answered
-    together, every protocol's rows in the same decode steps (kvlib.evaluation.generation). One row per question and protocol; each answer is
-    the one the conversation alone, under that protocol alone, would get (tested).
+    together, every protocol's rows in the same decode steps (kvlib.evaluation.generation). One row per question and
+    protocol; each answer is the one the conversation alone, under that protocol alone, would get (tested).
 
     Several protocols share one pass: the conversation's own row never sees a question, so its turns (the prefill
     that dominates the test's time) are the same under every protocol and are computed once. The KV usage in a row

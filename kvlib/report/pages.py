@@ -16,9 +16,10 @@ ACCURACY = PageFamily("accuracy", (("multiple choice", 1), ("RULER", 1), ("the f
 # quarter to the accuracy intervals against the tolerance (every lossy policy on every task scored at the budget read:
 # kvlib.report.choose.evidence), half to the decode answer's ties, a quarter to the TTFT answer's (Holm over the
 # answer's candidates at one grid point). Why an answer and not the page: the table's rows are separate questions
-# that reread the same grid points with the same tests, and Holm over ten rivals at a quarter of 5 % shared among the
-# four grid points the decode question reads would need 13 rounds (the by-round test's smallest p-value, 2 / 2^13)
-# to separate any runner; half of 5 % for one answer needs the 10 the embedded book runs.
+# that reread the same grid points with the same tests, and Holm over ten rivals at half of 5 % shared among the four
+# grid points the decode question reads (a first threshold of 0.00063) would need 12 rounds (the by-round test's
+# smallest p-value, 2 / 2^12) to separate any runner; half of 5 % for one answer (0.0025) needs the 10 the embedded
+# book runs (2 / 2^10 = 0.0020).
 CHOOSER = PageFamily("chooser answer", (("accuracy", 1), ("decode", 2), ("TTFT", 1)))
 SERVING = PageFamily("serving", (("accuracy", 1),))
 
