@@ -51,15 +51,14 @@ QUESTIONS = {"Which decodes fastest?": ["fastest decode", "decode, not distingui
 def error_rate_statement() -> str:
     """The chooser page's error rate, said once at its top: one family per answer (kvlib.report.pages.CHOOSER says
     why not per page)."""
-    shares = "; ".join(f"{name} {CHOOSER.share(name):.2%}" for name, _ in CHOOSER.weights)
     return (f"**One error rate per answer.** Each row of the tables below is one answer to one workload, as `kvlib "
             f"choose` gives it: its tested statements (ruled out, within the tolerance, faster than the runners not "
             f"listed as not distinguishable) are one family, wrong together with a chance of at most "
-            f"{CHOOSER.alpha:.0%} ({shares}: the accuracy intervals share theirs equally, the ties are Holm's over the "
+            f"{CHOOSER.alpha:.0%} ({CHOOSER.shares()}: the accuracy intervals share theirs equally, the ties are Holm's over the "
             f"answer's candidates). Rows that read the same grid point repeat the same tests, so the table is not "
             f"one family: shared among every grid point the decode question reads, Holm's thresholds would fall "
-            f"below the smallest p-value the profile's rounds can give. Words that say a difference was not shown (cannot tell, not "
-            f"distinguishable) cannot be false positives and spend nothing.")
+            f"below the smallest p-value the profile's rounds can give. Words that say a difference was not shown "
+            f"(cannot tell, not distinguishable) cannot be false positives and spend nothing.")
 
 
 def by_question(table: pd.DataFrame) -> dict[str, pd.DataFrame]:

@@ -35,12 +35,15 @@ class PageFamily:
         count = dict(self.weights)[section] if intervals is None else intervals
         return 1 - self.share(section) / max(count, 1)
 
+    def shares(self) -> str:
+        """Each section's share, in words: "finding 2 2.31%; ..."."""
+        return "; ".join(f"{name} {self.share(name):.2%}" for name, _ in self.weights)
+
     def statement(self) -> str:
         """The page's error rate, said once at its top."""
-        sections = "; ".join(f"{name} {self.share(name):.2%}" for name, _ in self.weights)
         return (f"**One error rate for this page.** Every tested statement on it (a verdict word: confirmed, refuted, "
                 f"lower, higher, equivalent, larger, smaller) belongs to one family, and the chance that any of them "
-                f"is wrong is at most {self.alpha:.0%}: {self.alpha:.0%} divided among its sections ({sections}), "
+                f"is wrong is at most {self.alpha:.0%}: {self.alpha:.0%} divided among its sections ({self.shares()}), "
                 f"each section's part divided among its intervals or settled by Holm among its claims. "
                 f"Words that say a difference was not shown (inconclusive, not distinguishable) cannot be false "
                 f"positives and spend nothing.")
