@@ -31,3 +31,17 @@ def test_a_default_is_what_the_experiment_reads_and_a_required_key_says_so():
 def test_the_books_page_is_what_the_code_gives():
     assert (repo_root() / "book" / "profiles.md").read_text() == profile_guide.markdown() + "\n"
     assert "- file: profiles" in (repo_root() / "book" / "_toc.yml").read_text()
+
+
+def test_the_guides_validity_gate_is_the_codes():
+    """The guide's default gate is the one a profile without `validity_gate` gets (it once said 0.5 where the code's
+    was 0.70)."""
+    import dataclasses
+    import re
+
+    from kvlib.study.profile import Profile
+
+    row = next(line for line in profile_guide.markdown().splitlines() if line.startswith("| `validity_gate` |"))
+    stated = float(re.search(r"default ([0-9.]+)", row).group(1))
+    default = next(f.default for f in dataclasses.fields(Profile) if f.name == "validity_gate")
+    assert stated == default, row

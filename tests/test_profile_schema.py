@@ -106,3 +106,22 @@ def test_a_profile_that_fails_creates_nothing_under_results(root, capsys):
     assert cli.main(["study", "--profile", "bad", "--experiments", "ttft", "--compute-only"]) != 0
     assert "experiments.ttft.grid.prompt_tokens[0]: expected a positive integer, got 'abc'" in capsys.readouterr().err
     assert not (root / "results").exists() or not any((root / "results").rglob("*"))
+
+
+@pytest.mark.parametrize("name", ["embedded", "paper", "paper-shapes"])
+def test_the_books_profiles_run_rounds_the_by_round_test_can_settle_at(name):
+    """Finding 2 is settled by Holm at its share of the findings page (first threshold share / its declared claims),
+    a timing chapter's lead at its page's 5 %: the by-round test's smallest p-value at a profile's rounds, 2 / 2^n, must
+    reach them, or nothing can be settled (the paper profiles once ran 4 rounds: 2/16 = 0.125). The embedded book
+    trims TTFT and decode length to 2 rounds on purpose (params/embedded.yaml: no verdict rests on them)."""
+    from kvlib.report.pages import FINDINGS
+    from kvlib.report.stats import smallest_p_value
+    from kvlib.study.methods_figures import can_settle, threshold
+
+    profile = study.load_profile(name)
+    first = FINDINGS.share("finding 2") / dict(FINDINGS.weights)["finding 2"]
+    assert threshold("batch_scaling")[0] == pytest.approx(first)
+    n = profile.repeats("batch_scaling")
+    assert smallest_p_value(n, n, paired=True) <= first, (name, n)
+    for experiment in ("ttft", "decode_length") if name != "embedded" else ():
+        assert can_settle(profile.repeats(experiment), experiment), (name, experiment)

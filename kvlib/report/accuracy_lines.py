@@ -217,13 +217,18 @@ def _retention(df: pd.DataFrame) -> list[str]:
     item, cluster, stratum = retention_design(df)
     d = budgeted(df).assign(correct=df["correct"].astype(float))
     full = d[d["policy"] == "full"]
+    level = 1 - stats.ALPHA  # a description of the full cache's score, not a tested statement: unadjusted
     if set(item) <= set(df.columns):
-        low, high = stats.mean_interval(full, "correct", cluster, stratum)
-        how = (f"in {full[cluster].drop_duplicates().shape[0]} conversations; 95 % interval {low:.0%}-{high:.0%}, "
-               f"conversations resampled within buckets")
+        units = full[cluster].drop_duplicates().shape[0]
+        low, high = stats.mean_interval(full, "correct", cluster, stratum, level=level)
+        # the methods' floor (stats.resolution): a bootstrap of conversations all answered alike has no spread
+        floor, mean = stats.resolution(units, level), full["correct"].mean()
+        low, high = max(min(low, mean - floor), 0.0), min(max(high, mean + floor), 1.0)
+        how = (f"in {units} conversations; {level * 100:g} % interval {low:.0%}-{high:.0%}, conversations resampled "
+               f"within buckets, no narrower than {units} conversations resolve")
     else:
         low, high = wilson(full["correct"].sum(), len(full))
-        how = f"95 % interval {low:.0%}-{high:.0%}, Wilson"
+        how = f"{level * 100:g} % interval {low:.0%}-{high:.0%}, Wilson"
     out = [f"Ours: {len(full)} questions per policy; the full cache answers {full['correct'].mean():.0%} ({how})."]
     for (policy, budget), g in d[d["policy"] != "full"].groupby(["policy", "budget"]):
         used = (f"; attending {g['kv_share_attended'].median():.0%} of the KV"

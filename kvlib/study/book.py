@@ -81,7 +81,10 @@ def write_profile_guide() -> Path:
 
 
 def build() -> None:
+    from kvlib.study import methods_figures
+
     write_fidelity()
     write_profile_guide()
+    methods_figures.write()
     subprocess.run(["jupyter-book", "build", str(repo_root() / "book")], check=True,
                    env={**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})

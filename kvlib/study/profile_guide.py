@@ -13,6 +13,8 @@ import io
 import tokenize
 from pathlib import Path
 
+from kvlib.report.gate import GATE
+from kvlib.report.stats import ALPHA, repeats_needed
 from kvlib.settings import field_default
 from kvlib.study import schema
 
@@ -23,8 +25,8 @@ PROFILE = {
     "device_capacity_gb": "the device memory a runner may use, in GB; default: the device's own (none on a CPU). "
                           "A configured capacity places the OOM boundaries on a machine that has no separate device",
     "weights": "pretrained (default) or random weights of the model's shape, for the paper's shapes without a download",
-    "validity_gate": "the full cache's least score for a task to be compared on (default 0.5): a task the full cache "
-                     "fails says nothing about a policy",
+    "validity_gate": f"the full cache's least score for a task to be compared on (default {GATE:g}): a task the full "
+                     "cache fails says nothing about a policy",
     "policy_settings": "settings per runner for every experiment (`runner: {setting: value}`): the settings below",
     "experiments": "the experiments to run, each a mapping of the keys below; one left out is not run",
     "toy": "values laid over the profile for `kvlib study --toy` (the same code paths at a toy size)",
@@ -33,7 +35,9 @@ EXPERIMENT = {
     "policies": "the runners: `all` (every kvlib policy) or a list of registered names (`kvlib policies`)",
     "grid": "axes: each key a list of values; the points are their product, for every runner",
     "fixed": "values every point of the experiment shares",
-    "repeats": "how often each point runs (default 1); timings' intervals need several (methods: how runs are timed)",
+    "repeats": (f"how often each point runs, in rounds (default 1); the by-round test rejects from "
+                f"{repeats_needed(ALPHA, paired=True)} rounds at {ALPHA:.0%}, and a finding settled by Holm needs more "
+                "(methods: the table of rounds)"),
     "model": "this experiment's model instead of the profile's",
     "device_capacity_gb": "this experiment's device capacity instead of the profile's",
     "exploratory": "`policies` and `fixed` of runners read but not tested (no verdict rests on them)",
