@@ -24,7 +24,7 @@ WRONG = {
     "h2o's decode throughput within": REFUTED,
     "vllm faster than infinigen": CONFIRMED,
     "vllm / infinigen an order of magnitude": CONFIRMED,
-    "h2o's throughput per GB ~3x": CONFIRMED,
+    "h2o's throughput per GB ~3x": REFUTED,  # vLLM books 3x H2O's device memory (aa_page): per GB, 3x is the truth
     "vllm's TTFT below": CONFIRMED,
 }
 
@@ -35,7 +35,8 @@ def wrong(name: str, verdict: str) -> bool:
 
 def aa_page(rng, items=120, conversations=60, repeats=10):
     """One page's rows under the A/A truth: every policy answers as the full cache does, by the same chance and
-    independently; every runner's timings drawn alike."""
+    independently; every runner's timings drawn alike, vLLM booking 3x the device memory of the others (so that
+    ~3x per GB and "similar throughput" can both hold, and the per-GB claim is tested: kvlib.report.verdicts)."""
     def answers():
         return (rng.random(items) < 0.85).astype(float)
 
@@ -52,14 +53,15 @@ def aa_page(rng, items=120, conversations=60, repeats=10):
     drift = np.exp(0.1 * rng.standard_normal(repeats))
     batch = pd.DataFrame([{"policy": p, "outside": p == "vllm", "batch_size": size, "oom": False, "repeat": r,
                            "decode_tokens_per_s": 50 * drift[r] * np.exp(0.05 * rng.standard_normal()),
-                           "ttft_s": 0.1 / drift[r] * np.exp(0.05 * rng.standard_normal()), "device_peak_bytes": 2**30}
+                           "ttft_s": 0.1 / drift[r] * np.exp(0.05 * rng.standard_normal()),
+                           "device_peak_bytes": 2**30 * (3 if p == "vllm" else 1)}
                           for p in ("vllm", "h2o", "infinigen") for size in (1, 16) for r in range(repeats)])
     return accuracy, retention, batch
 
 
 def page_statements(accuracy, retention, batch):
     """Every tested statement of the findings page: (claim, verdict)."""
-    timing, _ = throughput_claims(batch)
+    timing = throughput_claims(batch).claims
     assert all(c.paired for c in timing)  # the by-round test, not the two-sample one
     out = list(zip([c.name for c in timing], stats.settle(timing, FINDINGS.share("finding 2"))))
     for claims in (accuracy_claims(accuracy, 0.7), retention_claims(retention, 0.7)):
@@ -86,7 +88,7 @@ def test_an_unadjusted_page_would_be_wrong_more_often():
     wrong_pages = 0
     for _ in range(60):
         accuracy, retention, batch = aa_page(rng, items=60, conversations=30)
-        timing, _ = throughput_claims(batch)
+        timing = throughput_claims(batch).claims
         statements = list(zip([c.name for c in timing], stats.settle(timing, 0.05 * len(timing))))
         for claims in (accuracy_claims(accuracy, 0.7, level=0.95), retention_claims(retention, 0.7, level=0.95)):
             statements += [(c.name, c.verdict) for c in claims.claims]

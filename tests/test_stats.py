@@ -2,6 +2,8 @@
 engines are called different about ALPHA of the time and a 20 % difference is found; a 20 pp accuracy drop is found,
 an equal policy is equivalent, retention resamples whole conversations."""
 
+import math
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -248,3 +250,26 @@ def test_thin_tails_get_enough_bootstrap_draws():
     assert stats.accuracy.draws_for(0.95) == stats.DRAWS
     level = stats.family_level(12)  # 0.2 % a tail
     assert stats.accuracy.draws_for(level) * (1 - level) / 2 >= 50
+
+
+def test_a_difference_is_read_on_its_side_of_zero_whatever_the_margin():
+    """drop_verdict reads near-the-baseline first; difference_verdict, for a claim that one side loses more, reads
+    only which side of 0 the interval lies: an extra loss of 1 to 4 pp is a loss."""
+    assert stats.drop_verdict(0.01, 0.04) == stats.EQUIVALENT
+    assert stats.accuracy.difference_verdict(0.01, 0.04) == stats.LOWER
+    assert stats.accuracy.difference_verdict(-0.04, -0.01) == stats.HIGHER
+    assert stats.accuracy.difference_verdict(-0.01, 0.04) == stats.INCONCLUSIVE
+    assert stats.accuracy.difference_verdict(math.nan, math.nan) == stats.INCONCLUSIVE
+
+
+def test_power_counts_the_units_at_which_a_claim_comes_out_confirmed_eight_times_in_ten():
+    """confirm_chance is the chance an interval lands inside the claim's range; units_for_power the fewest units
+    at which it reaches 80 %: 50 % at the range's edge, none where the interval is wider than the range."""
+    assert stats.accuracy.confirm_chance(0.2, 0.01, 0.05, 0.0, 0.25) == pytest.approx(0.5)
+    assert stats.accuracy.confirm_chance(0.2, 0.01, 0.2, 0.1, 0.3) == 0.0
+    assert stats.accuracy.confirm_chance(0.1, 0.0, 0.05, 0.0, math.inf) == 1.0
+    # a mean of n units each +-1: interval 1.96 / sqrt(n) at 95 %; 0.5 confirmed "above 0" 80 % of the time from 32
+    z = stats.two_sided_z(0.95)
+    needed = stats.accuracy.units_for_power(lambda n: stats.accuracy.confirm_chance(0.5, 1 / n**0.5, z / n**0.5, 0.0, math.inf))
+    assert needed == math.ceil(((z + stats.normal_quantile(0.8)) / 0.5) ** 2)
+    assert stats.accuracy.units_for_power(lambda n: 0.0, most=1000) is None

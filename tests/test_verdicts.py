@@ -3,9 +3,9 @@
 import numpy as np
 import pandas as pd
 
-from kvlib.report import findings
+from kvlib.report import findings, stats
 from kvlib.report.findings import CONFIRMED, INCONCLUSIVE, NOT_RUN, NOT_TESTABLE, REFUTED
-from kvlib.report.verdicts import CONFIRMED_WHERE_TESTABLE
+from kvlib.report.verdicts import CONFIRMED_WHERE_TESTABLE, HOLDS
 
 
 def accuracy_rows(full_share=0.9, h2o_lost_at_01=0.3, items=300, seed=0, infinigen_lost_at_01=0.06,
@@ -43,9 +43,16 @@ def retention_rows(h2o_keeps=0.6, conversations=40, seed=1, infinigen_keeps=1.0,
     return pd.DataFrame(rows)
 
 
-def verdict(frames, n):
+def verdict_text(frames, n):
+    """The verdict as the table shows it (its word, the claims' tally, which way a refutation goes) and its numbers."""
     table = findings.verdict_table(frames).set_index("finding")
     return table.loc[n, "verdict"], table.loc[n, "numbers"]
+
+
+def verdict(frames, n):
+    """The verdict's word and its numbers."""
+    text, numbers = verdict_text(frames, n)
+    return text.split(":")[0], numbers
 
 
 def test_finding_4_is_four_claims_over_the_pooled_items():
@@ -98,20 +105,35 @@ def test_finding_5_read_over_conversations():
 
 
 def test_finding_5_confirms_an_infinigen_truly_within_1_pp_at_the_size_its_reach_line_names():
-    """InfiniGen losing 1 % of the facts reads confirmed once there are as many conversations as the finding's own
-    reach line says it needs; the embedded profile's 40 a bucket-pair are fewer, and the line says so."""
-    from kvlib.report.accuracy_findings import smallest_size
+    """The reach line names the conversations at which InfiniGen "within a few pp" comes out confirmed with 80 % power
+    if it lost the middle of the paper's 1-4 pp (not the first size at which a drop of exactly 0 could confirm it);
+    InfiniGen losing 1 % of the facts reads confirmed there; the embedded profile's 40 are fewer, and the line says
+    so."""
+    from kvlib.report.accuracy_findings import units_needed
     from kvlib.report.pages import FINDINGS
 
     level = FINDINGS.level("finding 5", 3)
-    needed = smallest_size(level, 0.05)
+    needed = units_needed(level, -0.05, 0.05, 0.025)
+    assert needed > 2 * 159  # the old "could from 159" needed a drop of exactly 0
     _, few = verdict({"retention": retention_rows(h2o_keeps=0.78)}, 5)
-    assert f"InfiniGen's +-5 pp cannot come out confirmed, only refuted or inconclusive (it could from {needed:,} " \
-           "conversations)" in few
-    conversations = 2 * needed  # a margin over the floor for the 1 % actually lost
-    word, numbers = verdict({"retention": retention_rows(conversations=conversations, infinigen_keeps=0.99,
+    assert f"reach of \"InfiniGen within +-5 pp\" at 99.62%: 40 conversations here (no interval narrower than " \
+           f"+-17.3 pp), about {needed:,} conversations to confirm it with 80% power if InfiniGen loses 2.5 pp" in few
+    word, numbers = verdict({"retention": retention_rows(conversations=needed, infinigen_keeps=0.99,
                                                           h2o_keeps=0.93, h2o_keeps_long=0.63)}, 5)
     assert word == CONFIRMED and "infinigen within +-5 pp of the full cache" in numbers, numbers
+
+
+def test_a_reach_is_the_size_at_80_percent_power_not_the_first_size_a_lucky_drop_could_confirm():
+    """H2O's 17-27 pp (12-32 widened): at 76 conversations of two questions no attainable drop is confirmable, so
+    "it could from 76" was false; the reach now needs the paper's 22 pp to come out confirmed 8 times in 10, and a
+    larger effect (a trend) with two cells needs more than one cell's size."""
+    from kvlib.report.accuracy_findings import units_needed
+
+    level = 1 - 0.05 / 13
+    h2o = units_needed(level, 0.12, 0.32, 0.22)
+    assert h2o > 76 and stats.resolution(h2o, level) < 0.10
+    assert units_needed(level, 0.0, float("inf"), 0.17, 0.27) > h2o  # per bucket, two buckets
+    assert units_needed(level, -0.05, 0.05, 0.0) == 159  # no loss at all: the floor alone decides
 
 
 def batch(policy, tps, host, device_gib=1.0, outside=False, repeats=2, seed=0, ttft=None):
@@ -128,50 +150,58 @@ def test_findings_1_to_3_from_the_systems_experiments():
                           "device_capacity_gb": 1.25}
                          for p, m in (("full", "full"), ("infinigen", "fused"), ("h2o", "chunked"))
                          for n in (1024, 4096)])
-    word, numbers = verdict({"ttft": ttft}, 1)
-    assert word == CONFIRMED and "from 4,096 tokens (a configured 1.25 GB capacity" in numbers
+    text, numbers = verdict_text({"ttft": ttft}, 1)
+    assert text == f"{HOLDS}: a check, not a tested claim" and "from 4,096 tokens (a configured 1.25 GiB capacity" \
+        in numbers and "does not test the paper's ~10K tokens" in numbers
 
     rows = pd.DataFrame(batch("vllm (real)", 100.0, 0, 3.0, True) + batch("h2o", 90.0, 0) + batch("infinigen", 9.0, 2**20))
     word, numbers = verdict({"batch_scaling": rows}, 2)
     assert word == INCONCLUSIVE and "p = 0.333" in numbers  # 2 repeats a side can never settle a claim
-    assert verdict({"batch_scaling": rows}, 3)[0] == CONFIRMED
+    text, numbers = verdict_text({"batch_scaling": rows}, 3)
+    assert text == f"{HOLDS}: a check, not a tested claim" and "holds by construction" in numbers
     assert verdict({"batch_scaling": rows[rows["policy"] != "vllm (real)"]}, 2)[0] == NOT_TESTABLE
     assert verdict({}, 1)[0] == NOT_RUN  # no batch-scaling results: not that it cannot be tested here
 
 
 def test_finding_2_is_a_family_of_claims_with_magnitudes_settled_by_holm():
     def rows(infinigen_tps, repeats):
-        return pd.DataFrame(batch("vllm (real)", 100.0, 0, 3.0, True, repeats, 1) + batch("h2o", 97.0, 0, 1.0,
-                                                                                            repeats=repeats, seed=2)
-                            + batch("infinigen", infinigen_tps, 2**20, 1.0, repeats=repeats, seed=3))
-    # 6 repeats a side: every claim's edges rejected (p = 2/924 each, below Holm's 0.05 / 4)
+        return pd.DataFrame(batch("vllm (real)", 100.0, 0, 3.0, True, repeats, 1, ttft=0.10)
+                            + batch("h2o", 97.0, 0, 1.0, repeats=repeats, seed=2, ttft=0.15)
+                            + batch("infinigen", infinigen_tps, 2**20, 1.0, repeats=repeats, seed=3, ttft=0.20))
+    # 6 repeats a side: every claim's edges rejected (p = 2/924 each, below Holm's 2.31% / 6)
     word, numbers = verdict({"batch_scaling": rows(9.0, 6)}, 2)
     assert word == CONFIRMED, numbers
-    assert numbers.count(": confirmed") == 4 and "4 claims settled by Holm at this finding's 2.31% of the page's" in numbers
+    assert numbers.count(": confirmed") == 6 and "6 claims settled by Holm at this finding's 2.31% of the page's" in numbers
+    assert verdict_text({"batch_scaling": rows(9.0, 6)}, 2)[0] == "confirmed: all 6 claims confirmed"
     # InfiniGen at 0.8x vLLM: vLLM is still faster, but not by an order of magnitude
     word, numbers = verdict({"batch_scaling": rows(80.0, 6)}, 2)
     assert word == REFUTED and "an order of magnitude (10x within a factor of sqrt(10)): 1.25x, p = 0.002: refuted" \
         in numbers
-    # 4 repeats a side: one test's smallest p-value, 2/70, is above Holm's first threshold 0.05 / 4: nothing settled
+    # the table says which way, and that its other claims hold
+    assert verdict_text({"batch_scaling": rows(80.0, 6)}, 2)[0] == \
+        "refuted: InfiniGen closer to vllm (real) than an order of magnitude (1 of 6 claims refuted, 5 confirmed)"
+    # 4 repeats a side: one test's smallest p-value, 2/70, is above Holm's first threshold 2.31% / 6: nothing settled
     word, numbers = verdict({"batch_scaling": rows(9.0, 4)}, 2)
-    assert word == INCONCLUSIVE and numbers.count(": inconclusive") == 4
+    assert word == INCONCLUSIVE and numbers.count(": inconclusive") == 6
 
 
 def test_the_table_renders_as_markdown_with_five_rows():
     text = findings.verdict_markdown(findings.verdict_table({"accuracy": accuracy_rows(items=600)}))
-    assert text.count("\n") == 8 and "**confirmed**" in text and text.startswith("**One error rate for this page.**")
+    assert text.count("\n") == 8 and "**confirmed: all 4 claims confirmed**" in text
+    assert text.startswith("**One error rate for this page.**")
 
 
 def test_finding_2s_bus_claim_is_not_testable_where_host_and_device_are_one_memory():
     """The paper puts InfiniGen's order-of-magnitude gap on its per-step copies over PCIe: rows from a CPU (device
     and host one memory) test the other claims and say the bus claim cannot be tested here."""
-    rows = pd.DataFrame(batch("vllm (real)", 100.0, 0, 3.0, True, 6, 1) + batch("h2o", 97.0, 0, 1.0, repeats=6, seed=2)
-                        + batch("infinigen", 80.0, 2**20, 1.0, repeats=6, seed=3))
+    rows = pd.DataFrame(batch("vllm (real)", 100.0, 0, 3.0, True, 6, 1, ttft=0.10)
+                        + batch("h2o", 97.0, 0, 1.0, repeats=6, seed=2, ttft=0.15)
+                        + batch("infinigen", 80.0, 2**20, 1.0, repeats=6, seed=3, ttft=0.20))
     word, numbers = verdict({"batch_scaling": rows}, 2)
     assert word == REFUTED and "an order of magnitude (10x" in numbers  # tested where a GPU's bus is
     on_cpu = rows.assign(device_name="cpu")
     word, numbers = verdict({"batch_scaling": on_cpu}, 2)
-    assert "order of magnitude (10x" not in numbers and "3 claims settled by Holm" in numbers
+    assert "order of magnitude (10x" not in numbers and "5 claims settled by Holm" in numbers
     assert "an order of magnitude: not testable on this machine (no host-device bus" in numbers
     assert word == CONFIRMED_WHERE_TESTABLE, numbers
 
@@ -207,3 +237,104 @@ def test_finding_2_as_the_paper_states_it():
     assert word == REFUTED and "within +-10% of vllm (real)'s: 0.20x, p = 0.000: refuted" in numbers, numbers
     word, numbers = verdict({"batch_scaling": rows(100.0, 0.05)}, 2)  # H2O reaches its first token first
     assert word == REFUTED and "TTFT below h2o's at batch 1: 0.50x" in numbers
+
+
+def difference(low, high):
+    """A drop of H2O's from InfiniGen's (or a trend) with this interval, as paired_drop words it."""
+    return stats.Drop(reference=0.9, score=0.9 - (low + high) / 2, drop=(low + high) / 2, low=low, high=high, items=900,
+                      clusters=900, level=0.996, paired=True, verdict=stats.drop_verdict(low, high))
+
+
+def test_a_claim_that_h2o_loses_more_is_confirmed_by_a_real_smaller_extra_loss():
+    """An extra H2O loss of 2.5 pp with interval 1 to 4 pp lies inside the +-5 pp margin ("equivalent"), but it is a
+    loss: "H2O loses more" is confirmed, and refuted only by an interval on the other side (a gain), never by being
+    small (the old code read "equivalent" as a refutation). Finding 5's trend reads the same rule."""
+    from kvlib.report.accuracy_findings import as_difference, loses_more
+
+    small = difference(0.01, 0.04)
+    assert small.verdict == stats.EQUIVALENT and loses_more(small) == CONFIRMED
+    assert as_difference(small).verdict == stats.LOWER  # its line says "lower", beside "confirmed"
+    assert loses_more(difference(-0.04, -0.01)) == REFUTED
+    assert loses_more(difference(-0.02, 0.03)) == INCONCLUSIVE
+
+
+def test_finding_4_confirms_a_small_real_extra_loss_of_h2o():
+    """End to end: H2O loses 3 pp more than InfiniGen at 0.1 on 900 items, every one of them an item InfiniGen had
+    right: finding 4's fourth claim reads it as a loss, confirmed."""
+    rows = accuracy_rows(items=900, h2o_lost_at_01=0.0)
+    at = (rows["budget"] == 0.1)
+    infinigen = rows[at & (rows["policy"] == "infinigen")].set_index("doc_id")["correct"]
+    lost = infinigen[infinigen == 1].index[:27]  # 3 pp of 900 items, all kept by InfiniGen
+    h2o = at & (rows["policy"] == "h2o")
+    rows.loc[h2o, "correct"] = rows.loc[h2o, "doc_id"].map(infinigen).to_numpy()
+    rows.loc[h2o & rows["doc_id"].isin(lost), "correct"] = 0.0
+    _, numbers = verdict({"accuracy": rows}, 4)
+    assert "H2O loses more than InfiniGen at budget 0.1 (H2O's change from InfiniGen): -3.0 pp, interval -4.8 to -1.4: " \
+           "lower (900 items), confirmed" in numbers, numbers  # inside +-5 pp, yet a loss
+
+
+def test_a_throughput_claim_whose_runner_did_not_complete_the_largest_batch_is_untested():
+    """H2O runs out of device memory at the grid's largest batch: its claims are read there and said untested (the
+    old code read the largest batch any runner completed and dropped H2O's claims without a word)."""
+    rows = pd.DataFrame(batch("vllm (real)", 100.0, 0, 3.0, True, 6, 1, ttft=0.10)
+                        + batch("h2o", 97.0, 0, 1.0, repeats=6, seed=2, ttft=0.15)
+                        + batch("infinigen", 9.0, 2**20, 1.0, repeats=6, seed=3, ttft=0.20))
+    rows.loc[(rows["policy"] == "h2o") & (rows["batch_size"] == 8), "oom"] = True
+    text, numbers = verdict_text({"batch_scaling": rows}, 2)
+    assert "h2o's decode throughput within +-10% of vllm (real)'s: untested (h2o ran out of device memory at batch " \
+           "8)" in numbers, numbers
+    assert "h2o's throughput per GB ~3x vllm (real)'s (within a factor of sqrt(2)): untested" in numbers
+    assert text == "inconclusive: 4 of 6 claims confirmed, 2 untested"
+    # vLLM itself did not run the largest batch: every claim is untested there, none silently read elsewhere
+    text, numbers = verdict_text({"batch_scaling": rows[~((rows["policy"] == "vllm (real)")
+                                                         & (rows["batch_size"] == 8))]}, 2)
+    assert "vllm (real) did not run at batch 8" in numbers and text.startswith("inconclusive: 2 of 6 claims confirmed")
+
+
+def test_the_per_gb_claim_is_untested_where_the_configured_capacity_alone_rules_the_finding_out():
+    """Booked device memory is the same every run: vLLM booking 1.6x H2O's, ~3x per GB needs H2O at 1.32-2.65x vLLM's
+    speed while "similar" needs 0.91-1.10x. The two cannot both hold: the finding says it cannot be confirmed at
+    this capacity, shows the per-GB ratio against the capacity, and leaves the claim untested."""
+    rows = pd.DataFrame(batch("vllm (real)", 100.0, 0, 1.6, True, 6, 1, ttft=0.10)
+                        + batch("h2o", 97.0, 0, 1.0, repeats=6, seed=2, ttft=0.15)
+                        + batch("infinigen", 9.0, 2**20, 1.0, repeats=6, seed=3, ttft=0.20)).assign(
+                            device_capacity_gb=1.6 / 0.9)
+    text, numbers = verdict_text({"batch_scaling": rows}, 2)
+    assert text == ("inconclusive: 5 of 6 claims confirmed, 1 untested; it cannot be confirmed at the configured "
+                    "capacity"), text
+    assert "~3x per GB needs H2O at 1.33-2.65x vllm (real)'s throughput, \"similar\" 0.91-1.10x" in numbers, numbers
+    assert "the 1.60x device memory vllm (real) books over H2O's (1.60 GiB against 1.00 GiB" in numbers
+    assert "booking the same share of about 3.33 GiB, similar throughput would give ~3x per GB" in numbers
+
+
+def test_each_verdict_counts_its_claims_and_says_which_way_a_refutation_goes():
+    """H2O worse than the paper says is a refutation in the paper's direction, said so in the table; the finding's
+    other claims are counted beside it."""
+    from kvlib.report.verdicts import tally
+
+    assert tally([REFUTED, CONFIRMED, INCONCLUSIVE, INCONCLUSIVE, INCONCLUSIVE]) == \
+        "1 of 5 claims refuted, 1 confirmed, 3 inconclusive"
+    assert tally([CONFIRMED] * 3) == "all 3 claims confirmed"
+    text, _ = verdict_text({"retention": retention_rows(h2o_keeps=0.5, conversations=400)}, 5)
+    assert text.startswith("refuted: H2O loses more than the paper reports (1 of 3 claims refuted"), text
+
+
+def test_h2o_retaining_nothing_in_the_shortest_bucket_leaves_no_trend_to_read():
+    """H2O at 0 % in the shortest bucket cannot lose more in a longer one: the trend is untested, not inconclusive
+    at a +-41.7 pp interval."""
+    text, numbers = verdict_text({"retention": retention_rows(h2o_keeps=0.0, conversations=40)}, 5)
+    assert "h2o worse with longer contexts (H2O retains none of the facts in 1K-2K already: no room to lose more in " \
+           "2K-4K): untested" in numbers, numbers
+    assert "1 untested" in text
+
+
+def test_findings_1_and_3_are_checks_outside_the_family():
+    """The page and README say findings 1 and 3 are checks, not tested claims, outside the page's 5 %."""
+    from kvlib.report.verdicts import family_sentence
+
+    table = findings.verdict_table({})
+    assert "Findings 1 and 3 are checks, not tested claims" in findings.verdict_markdown(table)
+    evidence = findings.evidence_markdown(table)
+    assert "*Checked, not a tested claim:* where full-matrix prefill runs out" in evidence
+    assert "*Tested:* as one family of claims, Holm" in evidence
+    assert family_sentence().startswith("Findings 2, 4 and 5 are one family of tested claims")

@@ -208,7 +208,7 @@ def retention(df: pd.DataFrame, gate: float = GATE) -> list[str]:
     claims = retention_claims(df, gate)
     tested = ([f"Ours, finding 5 (as deployed): {line}." for line in claims.context]
               + [f"Ours, finding 5 (as deployed): {c.line()}." for c in claims.claims]
-              + [f"Ours, finding 5: {name}: inconclusive." for name in claims.untested])
+              + [f"Ours, finding 5: {name}: untested." for name in claims.untested])
     return out + per_protocol(_retention, kept) + tested
 
 

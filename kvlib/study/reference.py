@@ -156,8 +156,7 @@ def _word(verdict: str) -> str:
 def readme_verdicts(profile: str) -> str:
     """README's first screen: the reference book's verdicts, its figure and where its pages are."""
     from kvlib.report.findings import verdict_markdown
-    from kvlib.report.pages import FINDINGS as FINDINGS_FAMILY
-    from kvlib.report.verdicts import FINDINGS
+    from kvlib.report.verdicts import FINDINGS, family_sentence
 
     info = about(profile)
     table = pd.DataFrame(info["verdicts"]).assign(paper=lambda d: d.finding.map(FINDINGS))
@@ -166,8 +165,7 @@ def readme_verdicts(profile: str) -> str:
          "verdicts, each read from measurements by the rules on the methods page. Its pages, executed: "
          f"[findings](reference/{profile}/chapters/findings.ipynb) and the chapters in "
          f"[reference/{profile}/chapters/](reference/{profile}/chapters/); its rows: "
-         f"[reference/{profile}/results/](reference/{profile}/results/). Its claims are one family: the chance "
-         f"that any verdict below is wrong is at most {FINDINGS_FAMILY.alpha:.0%}."),
+         f"[reference/{profile}/results/](reference/{profile}/results/). {family_sentence()}"),
         "",
         verdict_markdown(table, error_rate=False),
         "",

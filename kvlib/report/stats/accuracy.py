@@ -51,16 +51,21 @@ def family_level(comparisons: int, alpha: float = ALPHA) -> float:
 
 def drop_verdict(low: float, high: float, margin: float = EQUIVALENCE_MARGIN) -> str:
     """The word for a drop's interval: near the baseline first (an interval inside +-margin answers the paper's
-    question even where a small loss is measurable), then a loss or a gain that excludes 0."""
-    if math.isnan(low) or math.isnan(high):
-        return INCONCLUSIVE
-    if -margin < low and high < margin:
+    question even where a small loss is measurable), then a loss or a gain that excludes 0. A claim of a difference
+    reads `difference_verdict` instead: a small loss is still a loss."""
+    if not math.isnan(low) and not math.isnan(high) and -margin < low and high < margin:
         return EQUIVALENT
+    return difference_verdict(low, high)
+
+
+def difference_verdict(low: float, high: float) -> str:
+    """The word for a drop's interval read as a difference: LOWER or HIGHER where it excludes 0, else INCONCLUSIVE.
+    Whether it also lies within the equivalence margin does not matter here: an extra loss of 1 to 4 pp is a loss."""
     if low > 0:
         return LOWER
     if high < 0:
         return HIGHER
-    return INCONCLUSIVE
+    return INCONCLUSIVE  # across 0, or NaN (no pairs to read)
 
 
 def bootstrap_means(values, clusters=None, strata=None, draws: int = DRAWS, seed: int = SEED) -> np.ndarray:
@@ -116,6 +121,34 @@ def resolution(clusters: int, level: float) -> float:
     identical answers has no spread at all; without this floor two items answered alike would read "equivalent"."""
     z2 = two_sided_z(level) ** 2
     return z2 / (clusters + z2) if clusters else math.inf
+
+
+POWER = 0.8  # a claim's reach: the units at which it comes out confirmed this often, if the paper's effect held
+
+
+def confirm_chance(effect: float, se: float, half_width: float, low: float, high: float) -> float:
+    """The chance that an estimate drawn around `effect` with standard error `se` has its +-half_width interval inside
+    [low, high] (a normal approximation; high may be infinite, for a claim of a difference)."""
+    lo, hi = low + half_width, high - half_width
+    if lo > hi:
+        return 0.0
+    if se == 0:
+        return float(lo <= effect <= hi)
+    spread = NormalDist(effect, se)
+    return (1.0 if math.isinf(hi) else spread.cdf(hi)) - spread.cdf(lo)
+
+
+def units_for_power(chance, power: float = POWER, most: int = 10**7) -> int | None:
+    """The fewest units n at which chance(n) reaches `power` (chance non-decreasing in n); None if not by `most`."""
+    if chance(most) < power:
+        return None
+    low, high = 0, 1
+    while chance(high) < power:
+        low, high = high, high * 2
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if chance(middle) < power else (low, middle)
+    return high
 
 
 def sign_test_p(positive: int, negative: int) -> float:
