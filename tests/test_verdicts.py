@@ -326,6 +326,9 @@ def test_h2o_retaining_nothing_in_the_shortest_bucket_leaves_no_trend_to_read():
     assert "h2o worse with longer contexts (H2O retains none of the facts in 1K-2K already: no room to lose more in " \
            "2K-4K): untested" in numbers, numbers
     assert "1 untested" in text
+    # its reach is said all the same: the floor at 20 + 20 conversations, and the size the paper's 17 -> 27 pp needs
+    assert "reach of \"H2O worse with longer contexts\" at 99.62%: 20 and 20 conversations here (no interval " \
+           "narrower than +-41.7 pp), about 472 conversations a bucket to confirm it with 80% power" in numbers, numbers
 
 
 def test_findings_1_and_3_are_checks_outside_the_family():

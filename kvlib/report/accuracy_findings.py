@@ -252,6 +252,12 @@ def retention_claims(df: pd.DataFrame, gate: float, level: float = FINDINGS.leve
     if len(buckets) < 2:
         return Claims(claims, context, untested=(f"{trend} (one bucket passes: no trend to read)",))
     near, far = (at["bucket"] == buckets[0]), (at["bucket"] == buckets[-1])
+    cells = [int(at.loc[cell & (at["policy"] == "h2o")].drop_duplicates(
+        [c for c in cluster if c in at] or None).shape[0]) for cell in (near, far)]
+    context.append(reach("H2O worse with longer contexts", f"H2O loses the paper's {low * 100:g} pp in the shortest "
+                         f"bucket and {high * 100:g} pp in the longest", units_needed(level, 0.0, math.inf, low, high),
+                         f"{cells[0]:,} and {cells[1]:,} conversations",
+                         math.hypot(*(stats.resolution(c, level) for c in cells)), level, "conversations a bucket"))
     if not at.loc[near & (at["policy"] == "h2o"), "correct"].any():
         return Claims(claims, context, untested=((f"{trend} (H2O retains none of the facts in {buckets[0]} already: "
                                                  f"no room to lose more in {buckets[-1]})"),))
@@ -261,10 +267,4 @@ def retention_claims(df: pd.DataFrame, gate: float, level: float = FINDINGS.leve
     claims.append(DropClaim(f"{trend} (its drop in {buckets[-1]} less its drop in {buckets[0]}, as the score moves)",
                             change, loses_more(change), "conversations",
                             f"H2O loses less in {buckets[-1]} than in {buckets[0]}, not more"))
-    cells = [int(at.loc[cell & (at["policy"] == "h2o")].drop_duplicates(
-        [c for c in cluster if c in at] or None).shape[0]) for cell in (near, far)]
-    floor = math.hypot(*(stats.resolution(c, level) for c in cells))
-    context.append(reach("H2O worse with longer contexts", f"H2O loses the paper's {low * 100:g} pp in the shortest "
-                         f"bucket and {high * 100:g} pp in the longest", units_needed(level, 0.0, math.inf, low, high),
-                         f"{cells[0]:,} and {cells[1]:,} conversations", floor, level, "conversations a bucket"))
     return Claims(claims, context)
