@@ -146,7 +146,7 @@ def test_a_preallocating_engine_below_its_pool_is_not_measured_at_that_capacity(
 def test_the_answer_names_the_policies_it_cannot_be_told_from():
     """A lead inside the noise is no lead: the policies whose repeats the findings' permutation rule cannot tell from
     the answer's at the grid point read are named; one clearly slower is not, nor an interpolated figure."""
-    jitters = [0.0, 30.0, -30.0, 15.0, -15.0, 5.0, -5.0, 10.0]  # 8 rounds: Holm over two rivals can reject
+    jitters = [0.0, 30.0, -30.0, 15.0, -15.0, 5.0, -5.0, 10.0]  # 8 rounds: enough to tell one slower at 2.5 %
     rows = [{"policy": p, "lossless": True, "batch_size": b, "oom": False, "decode_tokens_per_s": base * b + jitter,
              "device_peak_bytes": GIB, "min_prompt_tokens": 128, "max_prompt_tokens": 1024, "max_new_tokens": 32,
              "budget": None, "repeat": r, "stat_decode_attention": "c"}
@@ -155,7 +155,7 @@ def test_the_answer_names_the_policies_it_cannot_be_told_from():
     f = {"batch_scaling": pd.DataFrame(rows), "ttft": frames()["ttft"]}
     c = choose(f, 512, 4, 32)
     assert c.fastest_decode == "a" and c.decode_ties == ["twin"]
-    assert "Not distinguishable from it there (Holm over the candidates): twin." in c.text()
+    assert "Not distinguishable from it there (allowing for its pick among them): twin." in c.text()
     between = choose(f, 512, 2, 32)  # interpolated between batch 1 and 4: no repeats of its own
     assert between.decode_ties == [] and "Untested: a figure read between or beyond grid points" in between.text()
     row = regimes(f, tolerances=(None,)).query("batch == 4").iloc[0]
@@ -180,25 +180,23 @@ def test_an_answer_is_one_family_with_declared_shares():
     assert two["sparse"][0].drop.level == pytest.approx(1 - CHOOSER.share("accuracy") / 2)
     assert evidence_for(f["accuracy"], f["batch_scaling"])["sparse"][0].drop.level == pytest.approx(0.95)
     text = choose(f, 512, 4, 32, max_accuracy_drop=5.0).text()
-    assert "at most 5%: 1.25% to the accuracy intervals" in text and "Holm at 2.50% and 1.25%" in text
+    assert "at most 5%: 1.25% to the accuracy intervals" in text and "ties at 2.50% and 1.25%, each a max-T over the candidates" in text
     assert f"{1 - CHOOSER.share('accuracy'):.1%} interval" in choose(f, 512, 4, 1, max_accuracy_drop=1.0).text()
 
 
 def test_the_ties_are_read_at_the_answers_share_for_decode():
-    """Four clearly slower rivals over 8 rounds: each by-round p-value is 2 / 256, below 5 % / 4 (a test at 5 % for
-    the answer would reject them all) but above Holm's first threshold at the decode share, 2.5 % / 4: so every
-    rival is named not distinguishable. The answer's family is what decides it."""
-    jitters = [0.0, 3.0, -3.0, 1.5, -1.5, 0.5, -0.5, 1.0]
+    """One clearly slower rival over 6 rounds: its by-round p-value is 2 / 64 = 3.1 %, below 5 % (a test at 5 % for
+    the answer alone would tell it slower) but above the decode share, 2.5 %: so it is named not distinguishable.
+    The answer's family is what decides it."""
+    jitters = [0.0, 3.0, -3.0, 1.5, -1.5, 0.5]
     rows = [{"policy": p, "lossless": True, "batch_size": b, "oom": False, "decode_tokens_per_s": base * b + jitter,
              "device_peak_bytes": GIB, "min_prompt_tokens": 128, "max_prompt_tokens": 1024, "max_new_tokens": 32,
              "budget": None, "repeat": r, "stat_decode_attention": "c"}
-            for p, base in [("a", 100.0), ("b", 50.0), ("c", 49.0), ("d", 48.0), ("e", 47.0)] for b in (1, 4)
-            for r, jitter in enumerate(jitters)]
+            for p, base in [("a", 100.0), ("b", 50.0)] for b in (1, 4) for r, jitter in enumerate(jitters)]
     c = choose({"batch_scaling": pd.DataFrame(rows)}, 512, 4, 32)
-    assert c.fastest_decode == "a" and c.decode_ties == ["b", "c", "d", "e"]
-    from kvlib.report import stats
+    assert c.fastest_decode == "a" and c.decode_ties == ["b"]
+    from kvlib.report.stats.timing import compare_with_best
 
-    runs = {p: pd.Series([r["decode_tokens_per_s"] for r in rows if r["policy"] == p and r["batch_size"] == 4])
-            for p in "abcde"}
-    p_values = [stats.compare_timings(runs[p], runs["a"]).p_value for p in "bcde"]
-    assert all(stats.holm(p_values, 0.05))  # at 5 % for the answer alone, all four would be told apart
+    runs = pd.DataFrame({p: [r["decode_tokens_per_s"] for r in rows if r["policy"] == p and r["batch_size"] == 4]
+                         for p in "ab"}).rename_axis("round")
+    assert compare_with_best(runs, "a", 0.05).slower == ("b",)  # at 5 % for the answer alone, told apart

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
+import numpy as np
 import pandas as pd
 
 from kvlib.report import stats
@@ -26,6 +28,8 @@ class AccuracyEvidence:
     budget: float  # the scored budget read
     where: str  # that budget, and how it stands to the policy's own where they differ
     outcome: str | None = None  # WITHIN, RULED_OUT or CANNOT_TELL, once judged against a tolerance
+    lost: float = math.nan  # the share of items the full cache answered and the policy did not
+    gained: float = math.nan  # the share the policy answered and the full cache did not
 
     def text(self, tolerance: float | None = None) -> str:
         d = self.drop
@@ -36,30 +40,99 @@ class AccuracyEvidence:
         if self.outcome == CANNOT_TELL:
             return (f"cannot tell at {d.items} items whether it stays within {tolerance:g} pp: the {d.level:.1%} interval spans "
                     f"{d.low * 100:.1f} to {d.high * 100:.1f} pp (measured drop {d.drop * 100:.1f} pp on {self.task} at "
-                    f"{self.where}); {items_to_resolve(d, tolerance)}")
+                    f"{self.where}); {items_to_resolve(d, tolerance, self.lost, self.gained)}")
         return measured
 
 
 POWER = 0.8  # the chance the suggested size settles it, if the measured drop is the true one
 
 
-def items_for_power(drop: stats.Drop, tolerance: float, power: float = POWER) -> int | None:
+def items_for_power(drop: stats.Drop, tolerance: float, lost: float, gained: float, power: float = POWER
+                    ) -> int | None:
     """Items at which an interval of the drop's level would exclude the tolerance with probability `power`, if the
-    measured drop held: the half-width falls as 1 / sqrt(items), and the estimate itself scatters by the half-width
-    over its z, so the distance must hold z_level + z_power of that scatter, not z_level alone (50 % power)."""
-    distance = abs(drop.drop * 100 - tolerance) / 100
-    if distance < 1e-9:
+    measured shares of items lost (the full cache right, the policy wrong) and gained held. The measured half-width
+    is no guide: at the book's sizes it is mostly the floor (kvlib.report.stats.resolution, z^2 / (n + z^2)), which
+    falls as 1 / n, not 1 / sqrt(n). So the chance is worked out at each size over the counts of items lost and
+    gained that size could give (`settled_share`), and the smallest size found that reaches `power` is returned."""
+    if abs(drop.drop * 100 - tolerance) < 1e-9:
         return None
-    z_level = stats.two_sided_z(drop.level)
-    half = (drop.high - drop.low) / 2
-    return math.ceil(drop.items * (half / distance * (z_level + stats.normal_quantile(power)) / z_level) ** 2)
+    high = 1
+    while settled_share(high, lost, gained, tolerance, drop.level) < power:  # double, then bisect
+        high *= 2
+    low = high // 2
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (low, mid) if settled_share(mid, lost, gained, tolerance, drop.level) >= power else (mid, high)
+    return high
 
 
-def items_to_resolve(drop: stats.Drop, tolerance: float) -> str:
-    needed = items_for_power(drop, tolerance)
+def settled_share(items: int, lost: float, gained: float, tolerance: float, level: float) -> float:
+    """The chance that an interval at `level` on `items` paired items excludes the tolerance (pp) on the side of the
+    drop lost - gained, each item lost with chance `lost` and gained with chance `gained`. For each count of items
+    lost (b) and gained (c), the interval as stats.paired_drop draws it: the bootstrap's ends z * sd / sqrt(n) from
+    the drop, on the grid of 1 / n that a mean of n items can take (rounded outwards), widened to the floor; an
+    interval above the tolerance also needs the exact sign test of b against c. The bootstrap's ends are read with
+    their skew (Cornish-Fisher): a few items lost among many answered alike have a long upper tail."""
+    n, t, z = items, tolerance / 100, stats.two_sided_z(level)
+    above, floor = lost - gained > t, stats.resolution(items, level)
+    chance = 0.0
+    for c, pc in zip(*_binomial(n, gained)):
+        b, pb = _binomial(n - c, lost / (1 - gained) if gained < 1 else 0.0)
+        lo, hi = b / n, c / n
+        d = lo - hi
+        var = np.maximum(lo + hi - d**2, 0.0)
+        third = lo * (1 - d) ** 3 + hi * (-1 - d) ** 3 + (1 - lo - hi) * (-d) ** 3  # an item's third moment
+        skew = np.divide(third, var**1.5 * math.sqrt(n), out=np.zeros_like(var), where=var > 0)
+        sd = np.sqrt(var / n)
+        if above:
+            low = np.minimum(np.floor(n * (d + sd * (-z + (z * z - 1) * skew / 6)) + 1e-9) / n, d - floor)
+            settled = (low > t) & (b >= _sign_threshold(int(c), 1 - level))
+        else:
+            high = np.maximum(np.ceil(n * (d + sd * (z + (z * z - 1) * skew / 6)) - 1e-9) / n, d + floor)
+            settled = high < t
+        chance += pc * pb[settled].sum()
+    return float(chance)
+
+
+def _binomial(n: int, p: float, reach: float = 10.0) -> tuple[np.ndarray, np.ndarray]:
+    """The counts k a Binomial(n, p) takes within `reach` standard deviations of its mean, and their chances."""
+    if p <= 0 or p >= 1:
+        return np.array([0 if p <= 0 else n]), np.ones(1)
+    sd = math.sqrt(n * p * (1 - p))
+    k = np.arange(max(0, math.floor(n * p - reach * sd - 1)), min(n, math.ceil(n * p + reach * sd + 1)) + 1)
+    log_chance = np.array([math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1) for i in k])
+    return k, np.exp(log_chance + k * math.log(p) + (n - k) * math.log1p(-p))
+
+
+@lru_cache(maxsize=4096)
+def _sign_threshold(gained: int, alpha: float) -> int:
+    """The fewest items lost against `gained` gained at which the exact sign test rejects at alpha."""
+    lost = gained
+    while stats.sign_test_p(lost, gained) > alpha:
+        lost += 1
+    return lost
+
+
+def items_to_resolve(drop: stats.Drop, tolerance: float, lost: float, gained: float) -> str:
+    needed = items_for_power(drop, tolerance, lost, gained)
     if needed is None:
         return "no number of items would: the measured drop is at the tolerance"
-    return f"about {needed:,} items would resolve it with {POWER:.0%} power, if the measured drop held"
+    return (f"about {needed:,} items would resolve it with {POWER:.0%} power, if the measured shares of items lost "
+            f"and gained held")
+
+
+def lost_and_gained(reference: pd.DataFrame, other: pd.DataFrame, value: str, item: list[str]) -> tuple[float, float]:
+    """The shares of items the reference answered and the other did not, and the reverse (for scores in [0, 1]: the
+    mean positive and negative parts of the per-item difference reference - other), joined on the item columns as
+    stats.paired_drop joins them; no item shared: as if the two sides' answers were independent."""
+    ref, oth = reference.dropna(subset=[value]), other.dropna(subset=[value])
+    if set(item) <= set(ref) and set(item) <= set(oth):
+        joined = ref.drop_duplicates(item)[item + [value]].merge(oth[item + [value]], on=item, suffixes=("_ref", ""))
+        if len(joined):
+            d = (joined[f"{value}_ref"] - joined[value]).astype(float)
+            return float(d.clip(lower=0).mean()), float((-d).clip(lower=0).mean())
+    r, o = ref[value].astype(float).mean(), oth[value].astype(float).mean()
+    return float(r * (1 - o)), float((1 - r) * o)
 
 
 def compressed(*frames: pd.DataFrame) -> dict[str, bool]:
@@ -118,11 +191,13 @@ def accuracy_evidence(accuracy: pd.DataFrame, budgets: dict[str, float | None], 
     level = page.level("accuracy", intervals) if page is not None else 1 - stats.ALPHA
     out = {}
     for policy, (used, where, tasks) in read.items():
-        evidence = [AccuracyEvidence(stats.paired_drop(rows[(rows["task"] == task) & (rows["policy"] == "full")],
-                                                       rows[(rows["task"] == task) & (rows["policy"] == policy)
-                                                            & (rows["budget"] == used)], "correct", item,
-                                                       level=level), task, used, where)
-                    for task in tasks if task in valid]
+        evidence = []
+        for task in (t for t in tasks if t in valid):
+            full = rows[(rows["task"] == task) & (rows["policy"] == "full")]
+            own = rows[(rows["task"] == task) & (rows["policy"] == policy) & (rows["budget"] == used)]
+            lost, gained = lost_and_gained(full, own, "correct", item)
+            evidence.append(AccuracyEvidence(stats.paired_drop(full, own, "correct", item, level=level), task, used,
+                                             where, lost=lost, gained=gained))
         if evidence:
             out[policy] = evidence
     return out

@@ -54,10 +54,10 @@ def error_rate_statement() -> str:
     return (f"**One error rate per answer.** Each row of the tables below is one answer to one workload, as `kvlib "
             f"choose` gives it: its tested statements (ruled out, within the tolerance, faster than the runners not "
             f"listed as not distinguishable) are one family, wrong together with a chance of at most "
-            f"{CHOOSER.alpha:.0%} ({CHOOSER.shares()}: the accuracy intervals share theirs equally, the ties are Holm's over the "
-            f"answer's candidates). Rows that read the same grid point repeat the same tests, so the table is not "
-            f"one family: shared among every grid point the decode question reads, Holm's thresholds would fall "
-            f"below the smallest p-value the profile's rounds can give. Words that say a difference was not shown "
+            f"{CHOOSER.alpha:.0%} ({CHOOSER.shares()}: the accuracy intervals share theirs equally, the ties are a "
+            f"max-T over the answer's candidates that allows for the pick of the answer). Rows that read the same "
+            f"grid point repeat the same tests, so the table is not one family (as one, each share would be "
+            f"divided among every grid point its question reads). Words that say a difference was not shown "
             f"(cannot tell, not distinguishable) cannot be false positives and spend nothing.")
 
 

@@ -16,16 +16,16 @@ Evidence per question:
   n items" (the interval spans the tolerance; the answer says about how many items would resolve it), which keeps
   the policy out of the ranking without calling it lossy. Policies that keep and attend every entry (rows say
   `lossless`) lose nothing by construction.
-- ties: the runners the timing rule cannot tell from the answer at the grid point read, with the family-wise error
-  over the candidates held by Holm (kvlib.report.stats.holm) at the answer's share for that question; a figure interpolated between grid points has no
-  repeats of its own and is said to be untested.
+- ties: the runners the timing rule cannot tell from the answer at the grid point read, the answer's pick among
+  them accounted for: a step-down max-T over the candidates (kvlib.report.stats.timing.compare_with_best) at the
+  answer's share for that question, so that among equal runners one is called slower at most at that share; a
+  figure interpolated between grid points has no repeats of its own and is said to be untested.
 - a runner that preallocates its KV pool from the memory it is given (vLLM) is, below the memory it was measured
   with, "not measured at this capacity", never "does not fit": it would start with a smaller pool.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -35,6 +35,7 @@ from kvlib.report import stats
 from kvlib.report.choose.evidence import CANNOT_TELL, RULED_OUT, evidence_for, judge_accuracy
 from kvlib.report.gate import GATE
 from kvlib.report.pages import CHOOSER
+from kvlib.report.stats.timing import compare_with_best
 from kvlib.report.tables import decode_kernels, geometric_mean, kernel_note
 
 
@@ -163,8 +164,8 @@ def _error_rate(alphas: dict[str, float]) -> str:
     return (f"Error rate: the statements a test settles in this answer (ruled out, within the tolerance, faster than "
             f"the runners not listed as not distinguishable) are one family, wrong together with a chance of at most "
             f"{CHOOSER.alpha:.0%}: {CHOOSER.share('accuracy'):.2%} to the accuracy intervals (shared equally among "
-            f"them), the decode and TTFT ties by Holm at {alphas['decode']:.2%} and {alphas['TTFT']:.2%} "
-            f"(kvlib.report.pages.CHOOSER).")
+            f"them), the decode and TTFT ties at {alphas['decode']:.2%} and {alphas['TTFT']:.2%}, each a max-T over "
+            f"the candidates that allows for the pick of the answer (kvlib.report.pages.CHOOSER).")
 
 
 def _judge_accuracy(choice: Choice, lossy: list[str], evidence: dict, max_accuracy_drop: float) -> None:
@@ -200,8 +201,9 @@ def _keep_the_main_kernel(choice: Choice, decode_df: pd.DataFrame) -> None:
 def _within_noise(df: pd.DataFrame, axis: str, value: str, best: str, estimates: dict[str, Estimate], alpha: float
                   ) -> list[str]:
     """The runners measured at the same grid point as the answer that the timing rule cannot tell from it there, the
-    family-wise error over the candidates held at alpha by Holm (TTFT: each runner's fastest prefill mode there). A
-    runner the rule could not test (too few repeats) is listed too: nothing shows it slower."""
+    pick of the answer among them accounted for (kvlib.report.stats.timing.compare_with_best: a max-T over the
+    candidates at alpha; TTFT: each runner's fastest prefill mode there). A runner the rule could not test (too few
+    repeats) is listed too: nothing shows it slower."""
     point = estimates[best]
     if len(point.points) != 1 or point.beyond_grid:
         return []  # an interpolated figure has no repeats of its own to test (Choice.text says so)
@@ -212,18 +214,16 @@ def _within_noise(df: pd.DataFrame, axis: str, value: str, best: str, estimates:
             g = g[g["prefill"] == g.groupby("prefill")[value].apply(geometric_mean).idxmin()]
         return stats.by_round(g.dropna(subset=[value]), value)
 
-    reference = runs(best)
     rivals = [p for p in sorted(estimates) if p != best and len(estimates[p].points) == 1
               and estimates[p].at == point.at]
-    tests = [stats.compare_timings(runs(p), reference, alpha) for p in rivals]
-    rejected = stats.holm([c.p_value if c.judged else math.nan for c in tests], alpha)
-    return [p for p, r in zip(rivals, rejected) if not r]
+    timings = pd.DataFrame({p: runs(p) for p in [best, *rivals]})
+    return list(compare_with_best(timings, best, alpha, larger_is_better=value != "ttft_s").ties)
 
 
 def _ties(policies: list[str], best: Estimate) -> str:
     if len(best.points) != 1 or best.beyond_grid:
         return " Untested: a figure read between or beyond grid points has no repeats of its own to compare."
-    return (f" Not distinguishable from it there (Holm over the candidates): {', '.join(policies)}."
+    return (f" Not distinguishable from it there (allowing for its pick among them): {', '.join(policies)}."
             if policies else "")
 
 
