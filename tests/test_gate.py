@@ -80,3 +80,17 @@ def test_exploratory_policies_are_labelled_so():
     lines = findings.accuracy(pd.concat([df, streaming]))
     assert any("streaming (exploratory)" in line for line in lines)
     assert not any("h2o (exploratory)" in line for line in lines)
+
+
+def test_a_paper_task_passes_where_the_full_cache_is_above_chance_not_at_the_fixed_gate():
+    """HellaSwag at 40 % over 200 items is far above its 25 % chance (Wilson's lower end 33 %): it passes where the
+    fixed 70 % would fail it; PIQA at 55 % over 40 items is not shown above its 50 % (lower end 40 %): it fails."""
+    rows = [{**r, "chance": 0.25} for r in recall_rows("hellaswag", 80, items=200)]
+    rows += [{**r, "chance": 0.5} for r in recall_rows("piqa", 22, items=40)]
+    g = gate.accuracy_gate(pd.DataFrame(rows)).set_index("task")
+    assert g.loc["hellaswag", "full_score"] == 0.4 and bool(g.loc["hellaswag", "passes"])
+    assert g.loc["piqa", "full_score"] == 0.55 and not bool(g.loc["piqa", "passes"])
+    lines = gate.beyond_model(gate.accuracy_gate(pd.DataFrame(rows)))
+    assert lines == [("Ours: task piqa is beyond the model with m: the full cache scores 55% on 40 items, not above "
+                      "the 50% that guessing scores (the lower end of its 95 % Wilson interval); no verdict is drawn on "
+                      "the policies there.")]

@@ -72,6 +72,7 @@ def test_kvlib_full_scores_the_paper_tasks_as_lm_eval_hf_does(smollm):
     for row in ours:
         other = key[(row["task"], row["doc_id"])]
         assert (row["correct"], row.get("correct_norm")) == (other["correct"], other.get("correct_norm"))
+        assert row["chance"] == paper_tasks.chance_rate(row["task"])  # the validity gate's reference
         # a choice's log-likelihood sums its tokens' fp32 scores: BoolQ's passages run to ~250 tokens
         assert json.loads(row["choice_logliks"]) == pytest.approx(json.loads(other["choice_logliks"]), abs=1e-3)
 

@@ -146,6 +146,8 @@ def evaluate(lm, tasks: list[str], include_path: str | Path | None = None, limit
         for sample in samples:
             row = {"task": task, "doc_id": sample["doc_id"], "length": sample["doc"].get("length"),
                    **({"depth": sample["doc"]["depth"]} if "depth" in sample["doc"] else {})}
+            if task in paper_tasks.TASKS:  # what guessing scores: the validity gate reads the margin over it
+                row["chance"] = paper_tasks.chance_rate(task)
             if "acc" in sample:
                 scores = [float(r[0]) for r in sample["filtered_resps"]]
                 row.update(correct=float(sample["acc"]), choice_logliks=json.dumps(scores), target=sample["target"])
