@@ -4,10 +4,13 @@ results (kvlib.report.choose); with --hardware, the workload projected onto a ma
 from __future__ import annotations
 
 import json
-import sys
+import textwrap
+from pathlib import Path
 
 from kvlib.errors import UserError
 from kvlib.settings import capacity_bytes
+
+MODEL = "llama-3.1-8b"  # the model --hardware projects unless --model names another
 
 
 def add_parser(sub) -> None:
@@ -22,14 +25,15 @@ def add_parser(sub) -> None:
     pick.add_argument("--slo-tpot", type=float, default=None,
                       help="with --request-rate: the p90 time-per-output-token limit, seconds")
     pick.add_argument("--max-accuracy-drop", type=float, default=None,
-                      help="percentage points of accuracy a policy may lose against the full cache")
+                      help="percentage points of accuracy a policy may lose against the full cache, 0 to 100; "
+                           "without it the lossy policies are listed apart, not ranked")
     pick.add_argument("--device-memory-gb", type=float, default=None,
                       help="rule out points whose measured device peak is above this")
     pick.add_argument("--hardware", default=None,
                       help="also project the workload onto this machine (kvlib/hardware/specs: h100_sxm, gh200, ...; or "
                            "a spec file): bounds and estimates, labelled projected, where no measurement exists")
-    pick.add_argument("--model", default="llama-3.1-8b", help="with --hardware: the model whose published shape is "
-                      "projected")
+    pick.add_argument("--model", default=None, help=f"with --hardware: the model whose published shape is "
+                      f"projected (default {MODEL})")
     pick.add_argument("--json", action="store_true")
 
 
@@ -47,24 +51,36 @@ def _check_flags(args, workload: list[int | None]) -> None:
     for flag in ("request_rate", "slo_ttft", "slo_tpot"):
         if getattr(args, flag) is not None and not getattr(args, flag) > 0:
             raise UserError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
+    if args.max_accuracy_drop is not None and not 0 <= args.max_accuracy_drop <= 100:
+        raise UserError(f"--max-accuracy-drop is percentage points of accuracy, 0 to 100, got {args.max_accuracy_drop:g}")
     capacity_bytes(args.device_memory_gb, "--device-memory-gb")
     if args.hardware is not None and None in workload:
         raise UserError("--hardware projects a workload: give --prompt-tokens, --batch and --output-tokens")
+    if args.model is not None and args.hardware is None:
+        raise UserError("--model goes with --hardware (the model projected onto that machine)")
+    if args.hardware is not None:
+        from kvlib import hardware
+        from kvlib.models import architectures
+
+        hardware.load(args.hardware)  # an unknown name is refused here, before any result is read
+        model = args.model or MODEL
+        if not architectures.is_architecture(model) and not Path(model).is_dir():
+            raise UserError(f"--model must be one of {', '.join(architectures.names())} or a model's folder, "
+                            f"got {model!r}")
 
 
 def handle(args) -> int:
     from dataclasses import asdict
 
     from kvlib.report.choose import choose, choose_serving
-    from kvlib.study import load_profile, reference, stored
+    from kvlib.study import load_profile, stored
 
     workload = [args.prompt_tokens, args.batch, args.output_tokens]
     _check_flags(args, workload)
     loaded = load_profile(args.profile)
     profile, gate = loaded.name, loaded.validity_gate
-    if reference.stands_in(profile):  # (stderr: --json prints one object)
-        print(f"reading the reference book's rows ({reference.provenance(reference.about(profile))})", file=sys.stderr)
     frames = {e: stored(profile, e) for e in ("ttft", "batch_scaling", "decode_length", "serving", "accuracy")}
+    about = _about(profile, frames)
     answers = {}
     if args.request_rate is not None:
         if frames["serving"].empty:
@@ -77,15 +93,50 @@ def handle(args) -> int:
             raise UserError(f"no results for profile {profile!r} yet: `kvlib study --profile {args.profile}` computes "
                             f"them")
         answers["workload"] = choose(frames, args.prompt_tokens, args.batch, args.output_tokens,
-                                     args.max_accuracy_drop, args.device_memory_gb, gate)
+                                     args.max_accuracy_drop, args.device_memory_gb, gate,
+                                     rank_lossy=args.max_accuracy_drop is not None)
     if args.hardware is not None:
         from kvlib.report.choose import choose_projected
 
-        answers["projected"] = choose_projected(args.model, args.hardware, args.prompt_tokens, args.batch,
+        answers["projected"] = choose_projected(args.model or MODEL, args.hardware, args.prompt_tokens, args.batch,
                                                 args.output_tokens, profile)
     if args.json:
         answer = {k: asdict(v) for k, v in answers.items()}
-        print(json.dumps(answer["workload"] if list(answer) == ["workload"] else answer))
+        print(json.dumps({**about, **(answer["workload"] if list(answer) == ["workload"] else answer)}))
     else:
-        print("\n\n".join(a.text() for a in answers.values()))
+        head = (f"The {about['profile']} profile's rows from {about['source']}: model {about['model']}, measured on "
+                f"{about['machine']}.")
+        texts = [_wrapped(a.text()) for a in answers.values()]
+        # the source leads a workload's answer; a serving answer keeps its own first line (its rate and SLO)
+        print("\n\n".join([_wrapped(head), *texts] if list(answers) != ["serving"] else [*texts, _wrapped(head)]))
     return 0
+
+
+WIDTH = 100  # a terminal's width the answer keeps within
+
+
+def _wrapped(text: str) -> str:
+    """Each line of an answer within WIDTH columns, its continuation indented."""
+    return "\n".join(textwrap.fill(line, WIDTH, subsequent_indent="  ", break_long_words=False,
+                                    break_on_hyphens=False) if line else line for line in text.splitlines())
+
+
+def _about(profile: str, frames: dict) -> dict:
+    """Where the answer's rows come from: the profile, its source (the reference book, or this checkout's results),
+    the model(s) the rows measured and the machine they ran on."""
+    from kvlib.paths import read_from, repo_root
+    from kvlib.study import reference
+
+    models = sorted({m for df in frames.values() if "model" in df for m in df["model"].dropna().unique()})
+    if reference.stands_in(profile):
+        info = reference.about(profile)
+        source = (f"the reference book (computed on {info['computed_between'][1][:10]} at commit(s) "
+                  f"{', '.join(info['computed_at_commits'])})")
+        machine = f"a {info['machine']['threads']}-thread {info['machine']['cpu']} ({info['machine']['host']})"
+    else:
+        folder = read_from(profile)
+        source = str(folder.relative_to(repo_root()) if folder.is_relative_to(repo_root()) else folder)
+        names = sorted({d for df in frames.values() for column in ("device_name", "device") if column in df
+                        for d in df[column].dropna().astype(str).unique()})
+        machine = ", ".join(names) or "a machine the rows do not name"
+    return {"profile": profile, "source": source, "model": ", ".join(models) or "none measured", "machine": machine}

@@ -84,6 +84,7 @@ class Choice:
     undecided: dict[str, str] = field(default_factory=dict)  # policy -> why its accuracy cannot be told yet
     unmeasured: dict[str, str] = field(default_factory=dict)  # policy -> what of its accuracy was not measured
     unmeasured_capacity: dict[str, str] = field(default_factory=dict)  # policy -> the capacity it was measured at
+    not_asked: list[str] = field(default_factory=list)  # lossy policies left unranked: no accuracy tolerance given
     notes: list[str] = field(default_factory=list)
     # the policies the findings' timing rule cannot tell from the answer (kvlib.report.stats), where both were measured
     # at the grid point read: a lead inside the noise is no lead
@@ -109,13 +110,19 @@ class Choice:
         lines += [f"Not ranked: {p}: {why}." for p, why in sorted(self.undecided.items())]
         lines += [f"Not measured: {p}: {why}." for p, why in sorted(self.unmeasured.items())]
         lines += [f"Not measured at this capacity: {p}: {why}." for p, why in sorted(self.unmeasured_capacity.items())]
+        if self.not_asked:
+            lines.append(f"Not ranked, accuracy not asked: {', '.join(self.not_asked)} (they lose entries of the cache "
+                         f"or precision, and speed alone would rank them with the full cache; --max-accuracy-drop "
+                         f"ranks those within it).")
         return "\n".join(lines + self.notes + ([self.error_rate] if self.error_rate else []))
 
 
 def choose(frames: dict[str, pd.DataFrame], prompt_tokens: int, batch: int, output_tokens: int,
-           max_accuracy_drop: float | None = None, device_memory_gb: float | None = None, gate: float = GATE
-           ) -> Choice:
-    """frames: the profile's results by experiment (ttft, batch_scaling, decode_length, accuracy)."""
+           max_accuracy_drop: float | None = None, device_memory_gb: float | None = None, gate: float = GATE,
+           rank_lossy: bool = True) -> Choice:
+    """frames: the profile's results by experiment (ttft, batch_scaling, decode_length, accuracy). rank_lossy: with
+    no tolerance, whether the lossy policies are ranked by speed with the others (the regimes table's "any" drop)
+    or listed apart as accuracy not asked (`kvlib choose` without --max-accuracy-drop)."""
     choice = Choice(None, None)
     batch_df = frames.get("batch_scaling", pd.DataFrame())
     ttft_df = frames.get("ttft", pd.DataFrame())
@@ -128,10 +135,12 @@ def choose(frames: dict[str, pd.DataFrame], prompt_tokens: int, batch: int, outp
     if max_accuracy_drop is not None:
         evidence = evidence_for(frames.get("accuracy", pd.DataFrame()), length_df, batch_df, ttft_df, gate=gate,
                                 page=CHOOSER)
-        lossy = [p for p in policies if p not in lossless_runners(decode_df) | lossless_runners(ttft_df)]
-        _judge_accuracy(choice, lossy, evidence, max_accuracy_drop)
+        _judge_accuracy(choice, _lossy(policies, decode_df, ttft_df), evidence, max_accuracy_drop)
+        choice.notes += _accuracy_length_note(frames.get("accuracy", pd.DataFrame()), evidence, prompt_tokens)
+    elif not rank_lossy:
+        choice.not_asked = _lossy(policies, decode_df, ttft_df)
     for p in policies:
-        if p in choice.excluded or p in choice.undecided or p in choice.unmeasured:
+        if p in choice.excluded or p in choice.undecided or p in choice.unmeasured or p in choice.not_asked:
             continue
         decode = _read(decode_df, p, axis, x, "decode_tokens_per_s", device_memory_gb, choice)
         if decode is not None:
@@ -225,6 +234,26 @@ def _ties(policies: list[str], best: Estimate) -> str:
         return " Untested: a figure read between or beyond grid points has no repeats of its own to compare."
     return (f" Not distinguishable from it there (allowing for its pick among them): {', '.join(policies)}."
             if policies else "")
+
+
+def _lossy(policies: list[str], *frames: pd.DataFrame) -> list[str]:
+    lossless = set().union(*(lossless_runners(df) for df in frames))
+    return [p for p in policies if p not in lossless]
+
+
+def _accuracy_length_note(accuracy: pd.DataFrame, evidence: dict, prompt_tokens: int) -> list[str]:
+    """Where the prompt asked is longer than every accuracy item read (the items' built length, else their document's
+    tokens), the answer says so and names the lengths measured: a drop at 512 tokens says little of one at 8K."""
+    tasks = {e.task for found in evidence.values() for e in found}
+    rows = accuracy[accuracy["task"].isin(tasks)] if "task" in accuracy else accuracy.iloc[:0]
+    length = (rows["length"] if "length" in rows else pd.Series(float("nan"), index=rows.index))
+    length = length.fillna(rows["doc_tokens"]) if "doc_tokens" in rows else length
+    longest = length.groupby(rows["task"]).max().dropna() if len(rows) else pd.Series(dtype=float)
+    if longest.empty or prompt_tokens <= longest.max():
+        return []
+    measured = ", ".join(f"{task} {n:,.0f}" for task, n in longest.sort_index().items())
+    return [(f"Accuracy: your {prompt_tokens:,}-token prompt is longer than every accuracy item read (tokens, at "
+             f"most: {measured}): what a policy loses at your length was not measured.")]
 
 
 def lossless_runners(df: pd.DataFrame) -> set[str]:
