@@ -2,6 +2,7 @@
 same greedy tokens as PyTorch's kernels in the engine. It builds wherever there is a C compiler (CI has gcc); where it
 cannot, the engine falls back to PyTorch (tested here too)."""
 
+import platform
 import subprocess
 import warnings
 
@@ -10,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from kvlib.engine import Engine
-from kvlib.kernels import cpu_kernel
+from kvlib.kernels import cpu_kernel, library
 from kvlib.kernels.decode import DecodeReads, decode_attention
 from kvlib.policies import make_policy
 
@@ -132,13 +133,14 @@ def test_loading_the_kernel_leaves_subnormals_alone():
 
 
 @needs_kernel
-def test_the_sources_compile_without_a_warning():
-    """-Wall -Wextra (in the build's flags) clean, each source on its own."""
-    from kvlib.kernels import library
-
-    assert {"-Wall", "-Wextra"} <= set(library.FLAGS)
+@pytest.mark.parametrize("path", ["native", *(library.X86_PATHS if platform.machine() in ("x86_64", "AMD64") else [])])
+def test_the_sources_compile_without_a_warning(path):
+    """-Wall -Wextra (in the build's flags) clean, each source on its own, for this CPU and, on x86, for each of
+    vectors.h's paths (a vector wider than the target once changed the ABI: -Wpsabi)."""
+    target = None if path == "native" else library.X86_PATHS[path]
+    assert {"-Wall", "-Wextra"} <= set(library.flags(target))
     for source in [p for p in library.SOURCES if p.suffix == ".c"]:
-        done = subprocess.run([*library.compiler(), "-fsyntax-only", "-Werror", *library.FLAGS, str(source)],
+        done = subprocess.run([*library.compiler(), "-fsyntax-only", "-Werror", *library.flags(target), str(source)],
                               capture_output=True, text=True, check=False)
         assert done.returncode == 0, f"{source.name}:\n{done.stderr}"
 
@@ -149,8 +151,6 @@ ARM = "processor\t: 0\nBogoMIPS\t: 50.00\nFeatures\t: fp asimd evtstrm aes pmull
 
 def test_the_build_is_keyed_by_the_compiler_and_the_cpu_on_every_architecture(monkeypatch):
     """Two ARM machines (whose /proc/cpuinfo has no "model name" or "flags") or two compilers never share a build."""
-    from kvlib.kernels import library
-
     neoverse, cortex = library.cpu_lines(ARM.format(part="0xd0c")), library.cpu_lines(ARM.format(part="0xd08"))
     assert "Features" in neoverse and neoverse != cortex
     keys = set()

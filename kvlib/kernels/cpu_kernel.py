@@ -21,7 +21,7 @@ import ctypes
 import torch
 
 from kvlib.kernels import checks
-from kvlib.kernels.library import KERNEL_ENV, Quantized, available
+from kvlib.kernels.library import KERNEL_ENV, Quantized, available, instruction_set
 from kvlib.kernels.library import library as _library
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "available",
     "decode",
     "infinigen_select",
+    "instruction_set",
     "kivi_store",
     "quest_select",
     "rope_",
@@ -113,7 +114,7 @@ def decode(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, row_of
 # -- a Llama layer's small ops (csrc/layer_ops.c) ------------------------------------------------------------------------
 def runs_layer_ops(x: torch.Tensor, *widths: int) -> bool:
     """Whether the layer ops below take x: a contiguous fp32 CPU tensor outside autograd (they write through
-    pointers), every width a multiple of the vector width."""
+    pointers), every width a multiple of the kernels' logical vector width (`lanes`: 16 floats on every vector path)."""
     return (x.device.type == "cpu" and x.dtype == torch.float32 and not x.requires_grad and x.is_contiguous()
             and available() and all(w % _library().lanes == 0 for w in widths))
 

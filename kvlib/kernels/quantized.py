@@ -8,9 +8,9 @@ channels. What a policy keeps in full precision (KIVI's residual) is a ring of `
 token t in slot t % residual, read through the ordinary layout of kvlib.kernels.decode.
 
 The C kernel reads the codes where they lie (a key group's scores channel by channel against the query times the
-channel's scale, LANES tokens at a time; a value dequantized into a vector that stays in L1), so a decode step reads
-the codes, not a full-precision copy; the PyTorch path (GPU, other dtypes, no compiler) dequantizes the rows into a copy
-(`dequantize`) and attends that.
+channel's scale, a vector of tokens at a time; a value dequantized into a vector that stays in L1), so a decode step
+reads the codes, not a full-precision copy; the PyTorch path (GPU, other dtypes, no compiler) dequantizes the rows
+into a copy (`dequantize`) and attends that.
 """
 
 from __future__ import annotations

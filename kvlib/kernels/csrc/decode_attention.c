@@ -3,7 +3,7 @@
  * list per row and KV head, an index list), each over its own length: no copy, no padding to the longest row.
  * Optionally it also returns each token's attention probability summed over the KV head's query group (H2O's score).
  * A row's oldest keys and values may be low-bit codes (KIVI's layout, kvlib.kernels.quantized), read where they lie:
- * a group of coded keys is scored channel by channel, LANES tokens at a time, against the query scaled by the
+ * a group of coded keys is scored channel by channel, a vector of tokens at a time, against the query scaled by the
  * channel's scale (no key is dequantized); a coded value is dequantized as it is read, into a vector that stays in L1.
  * The cache's codes are all that is read from memory.
  *
@@ -13,10 +13,10 @@
  * of a KV head share each key as it is read (grouped-query attention without repeating K/V). fp32 throughout, as
  * SDPA's scores are.
  *
- * The arithmetic is written with 16-float vectors (vectors.h, gcc's vector extension): left to the auto-vectorizer, the dot
- * products stayed scalar (profiled: 42 ns a token and KV head on 2 threads, slower than PyTorch's flash kernel; 12 ns
- * written out). No -ffast-math: a shared library built with it sets flush-to-zero for the whole process that loads
- * it, so exp is a polynomial here, not libm's. */
+ * The arithmetic is written with vectors (vectors.h, gcc's vector extension; 16-float logical vectors, the CPU's
+ * width natively): left to the auto-vectorizer, the dot products stayed scalar (profiled: 42 ns a token and KV head on
+ * 2 threads, slower than PyTorch's flash kernel; 12 ns written out). No -ffast-math: a shared library built with it
+ * sets flush-to-zero for the whole process that loads it, so exp is a polynomial here, not libm's. */
 #include <math.h>
 #include <stdlib.h>
 
@@ -33,6 +33,15 @@ int decode_attention_limits(int64_t *chunk, int64_t *max_group, int64_t *max_dim
     *max_group = MAX_GROUP;
     *max_dim = MAX_DIM;
     *lanes = LANES;
+    return 0;
+}
+
+/* The vector path this build runs (vectors.h): its instruction set, its native vector's floats, and whether it fuses
+ * a x b + c. */
+int vector_path(const char **isa, int64_t *width, int64_t *fma) {
+    *isa = VECTOR_ISA;
+    *width = WIDTH;
+    *fma = VECTOR_FMA;
     return 0;
 }
 
@@ -73,22 +82,25 @@ typedef struct {
     int64_t n_rows, bits, code_bytes, capacity, group, value_group;
 } quantized;
 
-typedef uint32_t vu __attribute__((vector_size(LANES * sizeof(uint32_t)), aligned(4), may_alias));
-typedef uint8_t vbytes __attribute__((vector_size(LANES), aligned(1), may_alias));
-typedef uint16_t vshorts __attribute__((vector_size(LANES * sizeof(uint16_t)), aligned(2), may_alias));
+typedef uint32_t vu __attribute__((vector_size(WIDTH * sizeof(uint32_t)), aligned(4), may_alias));
+typedef uint8_t vbytes __attribute__((vector_size(WIDTH), aligned(1), may_alias));
+typedef uint16_t vshorts __attribute__((vector_size(WIDTH * sizeof(uint16_t)), aligned(2), may_alias));
 
-/* The LANES codes packed at c, as floats. Codes sit lowest bits first, so with 2 bits lane i is bits 2i..2i+1 of the
- * 32-bit word c[0..3], with 4 bits bits 4i.. of the 64-bit c[0..7]: a broadcast, one shift per lane and a mask. */
+/* The WIDTH codes packed at c (WIDTH x bits / 8 bytes), as floats. Codes sit lowest bits first, so with 2 bits lane i
+ * is bits 2i..2i+1 of the 32-bit word c[0..3], with 4 bits bits 4i.. of the 64-bit c[0..7]: a broadcast, one shift per
+ * lane and a mask. */
 static inline vf unpacked(const uint8_t *c, int64_t bits) {
-    static const vu lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    uint32_t w[2];
+    vu lane;
+    for (int i = 0; i < WIDTH; i++) lane[i] = i;
+    uint32_t w[2] = {0, 0};
     vf raw;
     switch (bits) {
     case 2:
-        memcpy(w, c, 4);
+        memcpy(w, c, WIDTH * 2 / 8);
         return __builtin_convertvector(((vu){} + w[0]) >> (lane * 2) & 3, vf);
     case 4: {
-        memcpy(w, c, 8);
+        memcpy(w, c, WIDTH * 4 / 8);
+        if (WIDTH * 4 <= 32) return __builtin_convertvector(((vu){} + w[0]) >> (lane * 4) & 15, vf);
         const vu low = (vu)(lane < 8); /* all ones in lanes 0-7 */
         const vu word = (((vu){} + w[0]) & low) | (((vu){} + w[1]) & ~low);
         return __builtin_convertvector(word >> (lane % 8 * 4) & 15, vf);
@@ -126,7 +138,7 @@ static void dequantized_key(const quantized *q, int64_t row, int64_t h, int64_t 
 
 /* The scores of the group of coded keys from token t (a multiple of q->group, a multiple of LANES) for each of the
  * G query heads qh, into scores[g][i..]: q.k = sum_c q_c scale_c code_c + q.zero, so the query is scaled once a group
- * and each channel's codes, LANES tokens in a vector, are multiplied into G sums that never cross lanes. G is a
+ * and each channel's codes, WIDTH tokens in a vector, are multiplied into G sums that never cross lanes. G is a
  * constant where the caller inlines it (the sums stay in registers). */
 static inline __attribute__((always_inline)) void coded_key_scores(
     const quantized *q, int64_t row, int64_t h, int64_t kv_heads, int64_t t, const float *qh, const int64_t G,
@@ -135,20 +147,28 @@ static inline __attribute__((always_inline)) void coded_key_scores(
     const int64_t at = key_group(q, row, h, kv_heads, t, dim);
     for (int64_t g = 0; g < G; g++) {
         float zero = 0.f;
-        for (int64_t c = 0; c < dim; c++) {
-            const float x = qh[g * dim + c] * scale;
-            qs[g][c] = q->bits == RAW_BITS ? x : x * q->key_scale[at + c];
-            zero += q->bits == RAW_BITS ? 0.f : x * q->key_zero[at + c];
+        for (int64_t c = 0; c < dim; c += WIDTH) {
+            const vf x = *(const vf *)(qh + g * dim + c) * scale;
+            if (q->bits == RAW_BITS) {
+                *(vf *)&qs[g][c] = x;
+                continue;
+            }
+            *(vf *)&qs[g][c] = x * *(const vf *)(q->key_scale + at + c);
+            /* x . zero: the products rounded, then added in channel order. Written with scalars, whether the
+             * compiler fused a product into the sum depended on how -mtune had it vectorize the loop, and the bits
+             * with it; a vector's products are never fused into a scalar sum. */
+            const vf products = x * *(const vf *)(q->key_zero + at + c);
+            for (int i = 0; i < WIDTH; i++) zero += products[i];
         }
         base[g] = zero;
     }
-    const int64_t group_bytes = q->group * q->bits / 8, step = LANES * q->bits / 8;
+    const int64_t group_bytes = q->group * q->bits / 8;
     const uint8_t *codes = q->key_codes + at * group_bytes;
-    for (int64_t j = 0; j < q->group; j += LANES) {
+    for (int64_t j = 0; j < q->group; j += WIDTH) {
         vf acc[MAX_GROUP];
         for (int64_t g = 0; g < G; g++) acc[g] = (vf){} + base[g];
         for (int64_t c = 0; c < dim; c++) {
-            const vf x = unpacked(codes + c * group_bytes + j / LANES * step, q->bits);
+            const vf x = unpacked(codes + c * group_bytes + j * q->bits / 8, q->bits);
             for (int64_t g = 0; g < G; g++) acc[g] += qs[g][c] * x;
         }
         for (int64_t g = 0; g < G; g++) *(vf *)&scores[g][i + j] = acc[g];
@@ -171,7 +191,7 @@ static void coded_key_group(const quantized *q, int64_t row, int64_t h, int64_t 
 /* Value t likewise: one scale and zero for each group of value_group channels. */
 static inline void dequantized_value(const quantized *q, int64_t row, int64_t h, int64_t kv_heads, int64_t t,
                                      int64_t dim, float *out) {
-    const int64_t rh = row * kv_heads + h, step = LANES * q->bits / 8, vg = q->value_group;
+    const int64_t rh = row * kv_heads + h, step = WIDTH * q->bits / 8, vg = q->value_group;
     const uint8_t *codes = q->value_codes + (rh * q->capacity + t) * q->code_bytes;
     if (q->bits == RAW_BITS) {
         memcpy(out, codes, dim * sizeof(float));
@@ -179,10 +199,10 @@ static inline void dequantized_value(const quantized *q, int64_t row, int64_t h,
     }
     const float *scale = q->value_scale + (rh * q->capacity + t) * (dim / vg);
     const float *zero = q->value_zero + (rh * q->capacity + t) * (dim / vg);
-    for (int64_t d = 0; d < dim; d += LANES, codes += step)
+    for (int64_t d = 0; d < dim; d += WIDTH, codes += step)
         *(vf *)(out + d) = unpacked(codes, q->bits);
     if (vg % LANES == 0) /* a vector within one group: its scale and zero broadcast */
-        for (int64_t d = 0; d < dim; d += LANES) *(vf *)(out + d) = *(vf *)(out + d) * scale[d / vg] + zero[d / vg];
+        for (int64_t d = 0; d < dim; d += WIDTH) *(vf *)(out + d) = *(vf *)(out + d) * scale[d / vg] + zero[d / vg];
     else
         for (int64_t d = 0; d < dim; d++) out[d] = out[d] * scale[d / vg] + zero[d / vg];
 }
@@ -211,7 +231,7 @@ static inline void add_weighted(float acc[][MAX_DIM], float scores[][CHUNK], int
                                 int64_t dim) {
     for (int64_t g = 0; g < group; g++) {
         const float p = scores[g][i];
-        for (int64_t d = 0; d < dim; d += LANES) *(vf *)&acc[g][d] += p * *(const vf *)(v + d);
+        for (int64_t d = 0; d < dim; d += WIDTH) *(vf *)&acc[g][d] += p * *(const vf *)(v + d);
     }
 }
 
@@ -316,7 +336,7 @@ int decode_attention(const float *q, const float *k, const float *v, float *out,
             float m = -INFINITY, s = 0.f;
             for (int64_t i = n; i < padded; i++) scores[g][i] = -INFINITY;
             for (int64_t i = 0; i < n; i++) m = scores[g][i] > m ? scores[g][i] : m;
-            for (int64_t i = 0; i < padded; i += LANES) *(vf *)&scores[g][i] = vexp(*(vf *)&scores[g][i] - m);
+            for (int64_t i = 0; i < padded; i += WIDTH) *(vf *)&scores[g][i] = vexp(*(vf *)&scores[g][i] - m);
             for (int64_t i = 0; i < n; i++) s += scores[g][i];
             mine[g * (dim + 2)] = m;
             mine[g * (dim + 2) + 1] = s;

@@ -52,7 +52,8 @@ int infinigen_select(const float *q, const float *keys, int64_t n_rows, int64_t 
         const float *k = keys + (rows[b] * kv_heads + h) * r * capacity, *qh = q + bh * group * r;
         float *score = (float *)(buffer + bh * scratch + 2 * slots * sizeof(uint64_t));
         int64_t t = 0;
-        for (; t + LANES <= n; t += LANES) { /* LANES tokens at once: the keys are token-minor */
+        /* a vector of tokens at once (the keys are token-minor), over whole logical vectors as on every path */
+        for (const int64_t whole = n / LANES * LANES; t < whole; t += WIDTH) {
             vf best = {};
             for (int64_t g = 0; g < group; g++) {
                 vf s = {};

@@ -14,14 +14,15 @@ int add_rms_norm(float *x, const float *delta, const float *weight, float *out, 
 #pragma omp parallel for if (rows * n >= 1 << 16)
     for (int64_t r = 0; r < rows; r++) {
         float *xr = x + r * n, *o = out + r * n;
-        vf squares = {};
-        for (int64_t i = 0; i < n; i += LANES) {
-            vf v = *(vf *)(xr + i);
-            if (delta) *(vf *)(xr + i) = v += *(const vf *)(delta + r * n + i);
-            squares += v * v;
-        }
+        vf squares[PARTS] = {};
+        for (int64_t i = 0; i < n; i += LANES)
+            for (int p = 0; p < PARTS; p++) {
+                vf v = *(vf *)(xr + i + p * WIDTH);
+                if (delta) *(vf *)(xr + i + p * WIDTH) = v += *(const vf *)(delta + r * n + i + p * WIDTH);
+                squares[p] += v * v;
+            }
         const float inv = 1.f / sqrtf(hsum(squares) / (float)n + eps);
-        for (int64_t i = 0; i < n; i += LANES) *(vf *)(o + i) = *(vf *)(xr + i) * inv * *(const vf *)(weight + i);
+        for (int64_t i = 0; i < n; i += WIDTH) *(vf *)(o + i) = *(vf *)(xr + i) * inv * *(const vf *)(weight + i);
     }
     return 0;
 }
@@ -37,7 +38,7 @@ int rope(float *x, int64_t row_stride, const float *cos, const float *sin, int64
         const float *c = cos + r * dim, *s = sin + r * dim;
         for (int64_t h = 0; h < heads; h++) {
             float *v = x + r * row_stride + h * dim;
-            for (int64_t i = 0; i < half; i += LANES) {
+            for (int64_t i = 0; i < half; i += WIDTH) {
                 const vf a = *(vf *)(v + i), b = *(vf *)(v + half + i);
                 *(vf *)(v + i) = a * *(const vf *)(c + i) - b * *(const vf *)(s + i);
                 *(vf *)(v + half + i) = b * *(const vf *)(c + half + i) + a * *(const vf *)(s + half + i);
@@ -53,7 +54,7 @@ int silu_mul(const float *gate_up, float *out, int64_t rows, int64_t n) {
 #pragma omp parallel for if (rows * n >= 1 << 16)
     for (int64_t r = 0; r < rows; r++) {
         const float *g = gate_up + r * 2 * n, *u = g + n;
-        for (int64_t i = 0; i < n; i += LANES) {
+        for (int64_t i = 0; i < n; i += WIDTH) {
             const vf x = *(const vf *)(g + i), e = vexp(-vabs(x)); /* exp(-|x|) <= 1: no overflow */
             const vf sigmoid = vselect(x < 0.f, e / (1.f + e), 1.f / (1.f + e));
             *(vf *)(out + r * n + i) = x * sigmoid * *(const vf *)(u + i);

@@ -19,22 +19,25 @@
 /* What the call refuses, before it reads anything (kvlib.kernels.cpu_kernel turns each into one error). */
 enum { OK = 0, BAD_SHAPE = -1, BAD_LENGTH = -2, OUT_OF_BOUNDS = -3, NO_MEMORY = -4 };
 
-/* q+ . hi + q- . lo over dim channels, in four independent sums rather than one chain of FMAs each waiting on the
- * last (~10% faster at dim 64, measured; what is left is mostly reading the bounds). */
+/* q+ . hi + q- . lo over dim channels, in four independent (logical) sums rather than one chain of FMAs each waiting
+ * on the last (~10% faster at dim 64, measured; what is left is mostly reading the bounds). */
 static inline float upper_bound(const float *p, const float *n, const float *hi, const float *lo, int64_t dim) {
-    vf a = {}, b = {}, c = {}, e = {};
+    vf a[PARTS] = {}, b[PARTS] = {}, c[PARTS] = {}, e[PARTS] = {};
     int64_t d = 0;
-    for (; d + 2 * LANES <= dim; d += 2 * LANES) {
-        a += *(const vf *)(p + d) * *(const vf *)(hi + d);
-        b += *(const vf *)(n + d) * *(const vf *)(lo + d);
-        c += *(const vf *)(p + d + LANES) * *(const vf *)(hi + d + LANES);
-        e += *(const vf *)(n + d + LANES) * *(const vf *)(lo + d + LANES);
-    }
-    if (d < dim) { /* dim an odd multiple of LANES */
-        a += *(const vf *)(p + d) * *(const vf *)(hi + d);
-        b += *(const vf *)(n + d) * *(const vf *)(lo + d);
-    }
-    return hsum((a + b) + (c + e));
+    for (; d + 2 * LANES <= dim; d += 2 * LANES)
+        for (int64_t i = 0, x = d; i < PARTS; i++, x += WIDTH) {
+            a[i] += *(const vf *)(p + x) * *(const vf *)(hi + x);
+            b[i] += *(const vf *)(n + x) * *(const vf *)(lo + x);
+            c[i] += *(const vf *)(p + x + LANES) * *(const vf *)(hi + x + LANES);
+            e[i] += *(const vf *)(n + x + LANES) * *(const vf *)(lo + x + LANES);
+        }
+    if (d < dim) /* dim an odd multiple of LANES */
+        for (int64_t i = 0, x = d; i < PARTS; i++, x += WIDTH) {
+            a[i] += *(const vf *)(p + x) * *(const vf *)(hi + x);
+            b[i] += *(const vf *)(n + x) * *(const vf *)(lo + x);
+        }
+    for (int i = 0; i < PARTS; i++) a[i] = (a[i] + b[i]) + (c[i] + e[i]);
+    return hsum(a);
 }
 
 /* q: [batch, kv_heads * group, dim]; key_min, key_max: [pool_blocks, kv_heads, dim], a block's channel-wise bounds
@@ -72,7 +75,7 @@ int quest_select(const float *q, const float *key_min, const float *key_max, int
         const int64_t picks = pages[b] < nb ? pages[b] : nb, *tbl = table + b * table_width;
         uint64_t *key = (uint64_t *)(buffer + bh * scratch), *work = key + table_width;
         float *pos = (float *)(work + table_width), *neg = pos + group * dim;
-        for (int64_t i = 0; i < group * dim; i += LANES) {
+        for (int64_t i = 0; i < group * dim; i += WIDTH) {
             const vf x = *(const vf *)(q + bh * group * dim + i);
             *(vf *)(pos + i) = vselect(x > 0.f, x, (vf){});
             *(vf *)(neg + i) = vselect(x < 0.f, x, (vf){});
