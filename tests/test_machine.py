@@ -37,3 +37,10 @@ def test_the_ray_node_is_named_only_under_ray(monkeypatch):
     assert machine.machine()["machine_ray_node"] == "node-7"
     monkeypatch.setitem(sys.modules, "ray", types.SimpleNamespace(is_initialized=lambda: False))
     assert machine.ray_node_id() is None
+
+
+def test_the_machine_limits_name_the_kernels_vector_path():
+    from kvlib.kernels.library import instruction_set
+    from kvlib.study.limits import TOY, measure
+
+    assert measure(TOY, threads=1)["kernel_instruction_set"] == instruction_set()

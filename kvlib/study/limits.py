@@ -129,8 +129,11 @@ def cuda_figures(size: Sizes) -> dict | None:
 def measure(size: Sizes = Sizes(), threads: int | None = None) -> dict:
     """Every figure above, with the torch version and the processor."""
     threads = threads or int(os.environ.get("BENCH_THREADS", os.cpu_count() or 1))
+    from kvlib.kernels.library import instruction_set
+
+    # the C kernels' vector path: an AVX2-only CPU once ran them at an emulated 16-float width, ~10x slower
     return {**host_figures(threads, size), "cuda": cuda_figures(size), "torch_version": torch.__version__,
-            "processor": platform.processor() or platform.machine()}
+            "processor": platform.processor() or platform.machine(), "kernel_instruction_set": instruction_set()}
 
 
 def record(path: Path, extra: dict) -> dict:
