@@ -56,13 +56,18 @@ def items_for_power(drop: stats.Drop, tolerance: float, lost: float, gained: flo
     gained that size could give (`settled_share`), and the smallest size found that reaches `power` is returned."""
     if abs(drop.drop * 100 - tolerance) < 1e-9:
         return None
+    return _items_for_power(lost, gained, tolerance, drop.level, power)
+
+
+@lru_cache(maxsize=1024)  # the regimes table asks the same of each policy at every workload
+def _items_for_power(lost: float, gained: float, tolerance: float, level: float, power: float) -> int:
     high = 1
-    while settled_share(high, lost, gained, tolerance, drop.level) < power:  # double, then bisect
+    while settled_share(high, lost, gained, tolerance, level) < power:  # double, then bisect
         high *= 2
     low = high // 2
     while high - low > 1:
         mid = (low + high) // 2
-        low, high = (low, mid) if settled_share(mid, lost, gained, tolerance, drop.level) >= power else (mid, high)
+        low, high = (low, mid) if settled_share(mid, lost, gained, tolerance, level) >= power else (mid, high)
     return high
 
 
@@ -75,45 +80,61 @@ def settled_share(items: int, lost: float, gained: float, tolerance: float, leve
     their skew (Cornish-Fisher): a few items lost among many answered alike have a long upper tail."""
     n, t, z = items, tolerance / 100, stats.two_sided_z(level)
     above, floor = lost - gained > t, stats.resolution(items, level)
-    chance = 0.0
-    for c, pc in zip(*_binomial(n, gained)):
-        b, pb = _binomial(n - c, lost / (1 - gained) if gained < 1 else 0.0)
-        lo, hi = b / n, c / n
-        d = lo - hi
-        var = np.maximum(lo + hi - d**2, 0.0)
-        third = lo * (1 - d) ** 3 + hi * (-1 - d) ** 3 + (1 - lo - hi) * (-d) ** 3  # an item's third moment
-        skew = np.divide(third, var**1.5 * math.sqrt(n), out=np.zeros_like(var), where=var > 0)
-        sd = np.sqrt(var / n)
-        if above:
-            low = np.minimum(np.floor(n * (d + sd * (-z + (z * z - 1) * skew / 6)) + 1e-9) / n, d - floor)
-            settled = (low > t) & (b >= _sign_threshold(int(c), 1 - level))
-        else:
-            high = np.maximum(np.ceil(n * (d + sd * (z + (z * z - 1) * skew / 6)) - 1e-9) / n, d + floor)
-            settled = high < t
-        chance += pc * pb[settled].sum()
-    return float(chance)
+    q = lost / (1 - gained) if gained < 1 else 0.0  # an item's chance to be lost, given it was not gained
+    log_factorial = np.r_[0.0, np.cumsum(np.log(np.arange(1, n + 1)))]
+    c = _bulk(n, gained)[:, None]
+    b = np.arange(max(0, _bulk(n - int(c.max()), q)[0]), _bulk(n, q)[-1] + 1)[None, :]
+    chance = np.exp(_log_binomial(log_factorial, n, c, gained) + _log_binomial(log_factorial, n - c, b, q))
+    lo, hi = b / n, c / n
+    d = lo - hi
+    var = np.maximum(lo + hi - d**2, 0.0)
+    third = lo * (1 - d) ** 3 + hi * (-1 - d) ** 3 + (1 - lo - hi) * (-d) ** 3  # an item's third moment
+    skew = np.divide(third, var**1.5 * math.sqrt(n), out=np.zeros_like(var), where=var > 0)
+    sd = np.sqrt(var / n)
+    if above:
+        low = np.minimum(np.floor(n * (d + sd * (-z + (z * z - 1) * skew / 6)) + 1e-9) / n, d - floor)
+        signs = np.array([_sign_threshold(int(k), 1 - level) for k in c[:, 0]])[:, None]
+        settled = (low > t) & (b >= signs)
+    else:
+        high = np.maximum(np.ceil(n * (d + sd * (z + (z * z - 1) * skew / 6)) - 1e-9) / n, d + floor)
+        settled = high < t
+    return float(chance[settled].sum())
 
 
-def _binomial(n: int, p: float, reach: float = 10.0) -> tuple[np.ndarray, np.ndarray]:
-    """The counts k a Binomial(n, p) takes within `reach` standard deviations of its mean, and their chances."""
-    if p <= 0 or p >= 1:
-        return np.array([0 if p <= 0 else n]), np.ones(1)
+def _bulk(n: int, p: float, reach: float = 9.0) -> np.ndarray:
+    """The counts a Binomial(n, p) takes within `reach` standard deviations of its mean (the rest: below 1e-18)."""
     sd = math.sqrt(n * p * (1 - p))
-    k = np.arange(max(0, math.floor(n * p - reach * sd - 1)), min(n, math.ceil(n * p + reach * sd + 1)) + 1)
-    log_chance = np.array([math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1) for i in k])
-    return k, np.exp(log_chance + k * math.log(p) + (n - k) * math.log1p(-p))
+    return np.arange(max(0, math.floor(n * p - reach * sd - 1)), min(n, math.ceil(n * p + reach * sd + 1)) + 1)
+
+
+def _log_binomial(log_factorial: np.ndarray, n, k, p: float) -> np.ndarray:
+    """log P(Binomial(n, p) = k), elementwise (-inf where k is out of 0..n or has no chance)."""
+    n, k = np.broadcast_arrays(n, k)
+    ok = (k >= 0) & (k <= n)
+    k, n = np.where(ok, k, 0), np.where(ok, n, 0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        hits = k * np.log(p) if p > 0 else np.where(k > 0, -np.inf, 0.0)
+        misses = (n - k) * np.log1p(-p) if p < 1 else np.where(n > k, -np.inf, 0.0)
+    return np.where(ok, log_factorial[n] - log_factorial[k] - log_factorial[n - k] + hits + misses, -np.inf)
 
 
 @lru_cache(maxsize=4096)
 def _sign_threshold(gained: int, alpha: float) -> int:
-    """The fewest items lost against `gained` gained at which the exact sign test rejects at alpha."""
-    lost = gained
-    while stats.sign_test_p(lost, gained) > alpha:
-        lost += 1
-    return lost
+    """The fewest items lost against `gained` gained at which the exact sign test rejects at alpha (its p-value falls
+    as more are lost: a gap doubled until it rejects, then bisected)."""
+    gap = 1
+    while stats.sign_test_p(gained + gap, gained) > alpha:
+        gap *= 2
+    low, high = gap // 2, gap  # low does not reject (0: lost = gained never does), high does
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (low, mid) if stats.sign_test_p(gained + mid, gained) <= alpha else (mid, high)
+    return gained + high
 
 
 def items_to_resolve(drop: stats.Drop, tolerance: float, lost: float, gained: float) -> str:
+    if math.isnan(lost) or math.isnan(gained):
+        return "the shares of items lost and gained were not read, so no number of items is suggested"
     needed = items_for_power(drop, tolerance, lost, gained)
     if needed is None:
         return "no number of items would: the measured drop is at the tolerance"
