@@ -78,8 +78,8 @@ class Choice:
     lowest_ttft: str | None
     decode: dict[str, Estimate] = field(default_factory=dict)
     ttft: dict[str, Estimate] = field(default_factory=dict)
-    # five states of a policy the answer leaves out, never merged: ruled out (beyond the tolerance, or no measured
-    # point fits), cannot tell at n items, accuracy not measured, not measured at this capacity
+    # the states of a policy the answer leaves out, never merged: ruled out (beyond the tolerance, or no measured
+    # point fits), cannot tell at n items, accuracy not measured, not measured at this capacity, accuracy not asked
     excluded: dict[str, str] = field(default_factory=dict)  # policy -> why it was ruled out
     undecided: dict[str, str] = field(default_factory=dict)  # policy -> why its accuracy cannot be told yet
     unmeasured: dict[str, str] = field(default_factory=dict)  # policy -> what of its accuracy was not measured
