@@ -4,8 +4,10 @@
 #   bash benchmarks/gpu_check.sh                    # the machine's limits, then params/gpu-check.yaml on its GPU
 #   bash benchmarks/gpu_check.sh --toy --device cpu # the same steps at the profile's toy size on a CPU (seconds)
 #
-# It writes results/gpu-check/ (one parquet file per unit, as `kvlib study` does, and machine.json from
-# benchmarks/bench_machine.py); copy that folder back. With --toy: results/gpu-check-toy[-<device>]/, every step at
+# It writes results/gpu-check/ (one parquet file per unit, as `kvlib study` does, machine.json from
+# benchmarks/bench_machine.py and infinigen_gather.json from benchmarks/bench_infinigen_gather.py: InfiniGen's fetch
+# taken apart, the host gather and the copy from pageable memory against a pinned buffer, ~20 s; the decode steps of
+# `full` and `infinigen` at the paper's shape are the study's rows); copy that folder back. With --toy: results/gpu-check-toy[-<device>]/, every step at
 # its toy size. The study stops at --time-limit seconds (default 450: with the machine's measures, within 8 minutes),
 # keeping every unit stored by then; a rerun computes only the units not stored yet.
 #
@@ -60,6 +62,8 @@ mkdir -p "$out"
 start=$SECONDS
 "$PYTHON" benchmarks/bench_machine.py --out "$out/machine.json"
 echo "gpu_check: the machine's limits in $((SECONDS - start)) s: $out/machine.json"
+"$PYTHON" benchmarks/bench_infinigen_gather.py ${device:+--device "$device"} --out "$out/infinigen_gather.json"
+echo "gpu_check: InfiniGen's gather and copy by $((SECONDS - start)) s: $out/infinigen_gather.json"
 # SIGINT: the unit under way is dropped (nothing half-written), every finished one is kept
 status=0
 timeout --signal=INT --kill-after=30 "$limit" "$PYTHON" -m kvlib study "${study_args[@]}" || status=$?

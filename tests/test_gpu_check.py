@@ -117,6 +117,8 @@ def test_the_one_command_runs_the_toy_on_a_cpu_end_to_end(root):
     machine = json.loads((root / "results" / "gpu-check-toy-cpu" / "machine.json").read_text())
     assert machine["read_gb_per_s"] > 0 and machine["host_copy_gb_per_s"] > 0
     assert (machine["cuda"] is None) == (not torch.cuda.is_available())  # not measured is null, never 0
+    gather = json.loads((root / "results" / "gpu-check-toy-cpu" / "infinigen_gather.json").read_text())
+    assert gather["device"] == "cpu" and gather["gather"] and gather["loop"]
     assert sorted(p.name for p in (root / "results").iterdir()) == ["gpu-check-toy-cpu"]
 
 
@@ -134,6 +136,34 @@ def test_the_toy_on_the_gpu(root):
     rows = results.load("gpu-check-toy", "batch_scaling")
     assert set(rows["runner"]) == POLICIES and (rows["decode_tokens_per_s"] > 0).all()
     assert set(rows["device"]) == {"cuda"}
+
+
+def gather_figures(tmp_path: Path, device: str) -> dict:
+    """benchmarks/bench_infinigen_gather.py at its toy size, as the one command runs it."""
+    out = tmp_path / "infinigen_gather.json"
+    env = {**os.environ, "KVLIB_BENCH_SMOKE": "1", "PYTHONPATH": str(REPO)}
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_infinigen_gather.py"), "--device", device,
+                    "--out", str(out)], env=env, check=True, timeout=300, cwd=REPO)
+    return json.loads(out.read_text())
+
+
+def test_infinigen_s_gather_is_measured_apart(tmp_path):
+    """The one command's InfiniGen measure: the three ways to gather, each share, and kvlib's per-layer fetches
+    against one fused gather; the copy apart only where there is a device to copy to."""
+    assert "bench_infinigen_gather.py" in (REPO / "benchmarks" / "gpu_check.sh").read_text()
+    figures = gather_figures(tmp_path, "cpu")
+    assert {(g["share"], g["way"]) for g in figures["gather"]} == {
+        (share, way) for share in (0.1, 0.2, 0.3)
+        for way in ("advanced index (new tensor)", "embedding (new tensor)", "index_select out= (reused buffer)")}
+    assert all(g["min"] <= g["median"] <= g["max"] and g["bytes"] > 0 for g in figures["gather"] + figures["loop"])
+    assert len(figures["loop"]) == 2 * 4 and figures["copy"] == [] and figures["gpu"] is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_infinigen_s_copy_is_measured_pinned_and_pageable(tmp_path):
+    figures = gather_figures(tmp_path, "cuda")
+    assert {c["from"] for c in figures["copy"]} == {"pageable", "pinned, side stream"}
+    assert figures["shape"]["dtype"] == "float16" and all(c["gb_per_s"] > 0 for c in figures["copy"])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
