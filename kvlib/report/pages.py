@@ -15,12 +15,11 @@ ACCURACY = PageFamily("accuracy", (("multiple choice", 1), ("RULER", 1), ("the f
 
 # The chooser: each answer to a workload (`kvlib choose`, a row of the chooser page's regimes table) is one family: a
 # quarter to the accuracy intervals against the tolerance (every lossy policy on every task scored at the budget read:
-# kvlib.report.choose.evidence), half to the decode answer's ties, a quarter to the TTFT answer's (Holm over the
-# answer's candidates at one grid point). Why an answer and not the page: the table's rows are separate questions
-# that reread the same grid points with the same tests, and Holm over ten rivals at half of 5 % shared among the four
-# grid points the decode question reads (a first threshold of 0.00063) would need 12 rounds (the by-round test's
-# smallest p-value, 2 / 2^12) to separate any runner; half of 5 % for one answer (0.0025) needs the 10 the embedded
-# book runs (2 / 2^10 = 0.0020).
+# kvlib.report.choose.evidence), half to the decode answer's ties, a quarter to the TTFT answer's (the comparison
+# with the best at one grid point, its pick allowed for: kvlib.report.stats.timing.compare_with_best). Why an answer
+# and not the page: the table's rows are separate questions that reread the same grid points with the same tests, and
+# a page-wide share, divided again among the grid points the decode question reads, would ask for more rounds than
+# the embedded book runs before two runners could be told apart (methods' table of rounds).
 CHOOSER = PageFamily("chooser answer", (("accuracy", 1), ("decode", 2), ("TTFT", 1)))
 SERVING = PageFamily("serving", (("accuracy", 1),))
 

@@ -74,7 +74,7 @@ def families() -> str:
                 how = f"its one tested statement at {share:.2%}"
             elif (page.page, section) in HOLM:
                 how = (f"Holm over its {weight} claims: first threshold {share / weight:.4f}" if page is FINDINGS
-                       else f"Holm at {share:.2%} over its candidates")
+                       else f"the comparison with the best at {share:.2%}, its pick allowed for")
             elif page is FINDINGS:
                 how = f"{weight} claims, each interval at {page.level(section):.2%}"
             else:
