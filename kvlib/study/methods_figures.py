@@ -18,9 +18,9 @@ from kvlib.study.profile import load_profile
 
 TIMED = ("ttft", "batch_scaling", "decode_length")  # the experiments whose timings the by-round test reads
 SIZED = ("embedded", "confirmatory")  # the offline profiles whose accuracy and retention settle findings 4 and 5
-# sections that settle claims by Holm at their share (kvlib.report.pages says which); every other section divides its
-# share among its intervals
-HOLM = {("findings", "finding 2"), ("chooser answer", "decode"), ("chooser answer", "TTFT")}
+# sections that settle several tests at their whole share (kvlib.report.pages says which): finding 2's claims by Holm,
+# the chooser's ties by the comparison with the best; every other section divides its share among its intervals
+STEPWISE = {("findings", "finding 2"), ("chooser answer", "decode"), ("chooser answer", "TTFT")}
 
 
 def _profile(name: str):
@@ -72,7 +72,7 @@ def families() -> str:
             share = page.share(section)
             if page is TIMING:
                 how = f"its one tested statement at {share:.2%}"
-            elif (page.page, section) in HOLM:
+            elif (page.page, section) in STEPWISE:
                 how = (f"Holm over its {weight} claims: first threshold {share / weight:.4f}" if page is FINDINGS
                        else f"the comparison with the best at {share:.2%}, its pick allowed for")
             elif page is FINDINGS:
