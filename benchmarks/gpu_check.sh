@@ -5,10 +5,11 @@
 #   bash benchmarks/gpu_check.sh --toy --device cpu # the same steps at the profile's toy size on a CPU (seconds)
 #
 # It writes results/gpu-check/ (one parquet file per unit, as `kvlib study` does, machine.json from
-# benchmarks/bench_machine.py and infinigen_gather.json from benchmarks/bench_infinigen_gather.py: InfiniGen's fetch
-# taken apart, the host gather and the copy from pageable memory against a pinned buffer, ~20 s; the decode steps of
-# `full` and `infinigen` at the paper's shape are the study's rows); copy that folder back. With --toy: results/gpu-check-toy[-<device>]/, every step at
-# its toy size. The study stops at --time-limit seconds (default 450: with the machine's measures, within 8 minutes),
+# benchmarks/bench_machine.py, and infinigen_gather.json from benchmarks/bench_infinigen_gather.py: InfiniGen's fetch
+# taken apart, the host gather, and the copy from pageable memory against a pinned buffer; not yet timed on a GPU, 24 s
+# on the 2-core CPU VM at fp32, loaded; the decode steps of `full` and `infinigen` at the paper's shape are the
+# study's rows); copy that folder back. With --toy: results/gpu-check-toy[-<device>]/, every step at its toy size.
+# The study stops at --time-limit seconds (default 450: with the machine's measures, within 8 minutes),
 # keeping every unit stored by then; a rerun computes only the units not stored yet.
 #
 # Beyond torch, `kvlib study --compute-only` imports transformers, pandas, pyarrow, pyyaml, tqdm and numpy, with
