@@ -141,7 +141,7 @@ def test_the_paper_scale_table_labels_every_figure_projected(projected):
                    "host_gb_projected", "decode_step_overlapped_ms_projected"):
         assert column in projected
     assert set(projected.hardware) == {"h100_sxm", "gh200"}
-    assert set(projected.runner) == {"full", "paged", "h2o", "infinigen (measured share)", "infinigen (0.3 cap)"}
+    assert set(projected.runner) == {"full", "paged", "h2o", "infinigen (given share)", "infinigen (0.3 cap)"}
     assert (projected.kernel_data_version == "vllm 0.24.0").all()
 
 

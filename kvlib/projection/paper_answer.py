@@ -1,11 +1,13 @@
 """The paper's stated GPU figures beside the projection of the same settings (kvlib.projection.paper_scale), and the
-one sentence that answers its discussion's question: how much of InfiniGen's gap can the host-device bus explain,
-and how much would NVLink-C2C close? Every number in the sentences is read from the projection frame given.
+one sentence that answers its discussion's question: how much of InfiniGen's gap can the host-device bus explain
+(read from kvlib.projection.decomposition), and how much would NVLink-C2C close? Every number in the sentences is
+read from the projection frame given.
 """
 
 from __future__ import annotations
 
-import math
+from kvlib.projection import decomposition
+from kvlib.projection.paper_scale import H2O_RATIO
 
 PCIE, C2C = "h100_sxm", "gh200"
 DENSE = "paged"  # the paper's vLLM
@@ -24,7 +26,6 @@ PAPER = {
     "infinigen_rate": "InfiniGen's throughput, however, remains flat at approximately 8 tokens/second",
     "minutes": "At 8,192 output tokens, InfiniGen requires over 16 minutes compared to vLLM's one minute",
 }
-PAPER_BATCH_GAP, PAPER_LENGTH_GAP = 10.0, 15.0  # "an order of magnitude", "approximately 15x"
 
 
 def _at(table, hardware: str, runner: str, setting: str, **where):
@@ -47,33 +48,21 @@ def gaps(table, hardware: str, column: str = "decode_tokens_per_s_projected", ba
             "longest": longest}
 
 
-def log_share(projected: float, stated: float) -> float:
-    """How much of a stated gap a projected one is, on a log scale (a 1x gap explains nothing), at most 1."""
-    return min(1.0, math.log(max(projected, 1.0)) / math.log(stated))
-
-
 def closed(pcie: float, c2c: float) -> float:
     """The share of the bus's part of a gap the faster link removes."""
     return (pcie - c2c) / (pcie - 1) if pcie > 1 else 0.0
 
 
 def bus_sentence(table) -> str:
-    """The answer, in one sentence, from aiconfigurator's kernels plus InfiniGen's counted transfers serialized."""
+    """The answer, from the decomposition of the paper's steps (kvlib.projection.decomposition): the share of its
+    slowdown the bus explains at each batch and what else its batch-1 step holds; then what NVLink-C2C would change
+    in the projected gap."""
     pcie = gaps(table, PCIE)
-    batches = pcie["batch"].index
-    c2c = gaps(table, C2C, batches=batches)  # the same batches, for a like-for-like gap
-    version = _at(table, PCIE, DENSE, "batch scaling").kernel_data_version.iloc[0]
-    most = pcie["batch"].max()
-    return (f"Projected on one H100 SXM over PCIe 5 (aiconfigurator's measured {version} kernels plus InfiniGen's "
-            f"counted transfers at its 0.3 cap, serialized as kvlib runs them), the bus alone makes vLLM-like paged "
-            f"decoding {pcie['batch'].min():.1f}-{most:.1f}x faster than InfiniGen at batches "
-            f"{batches.min()}-{batches.max()} (where paged's cache fits in 80 GB; the paper: an order of magnitude), "
-            f"{log_share(most, PAPER_BATCH_GAP):.0%} of that gap on a log scale, but only {pcie['length']:.1f}x for "
-            f"one 10K-token prompt at {pcie['longest']:,} outputs (the paper: ~15x), "
-            f"{log_share(pcie['length'], PAPER_LENGTH_GAP):.0%} of it; over GH200's NVLink-C2C the projected gaps "
-            f"fall to {c2c['batch'].min():.1f}-{c2c['batch'].max():.1f}x and {c2c['length']:.1f}x, closing "
-            f"{closed(most, c2c['batch'].max()):.0%} and {closed(pcie['length'], c2c['length']):.0%} of the bus's "
-            f"part (projected, not measured).")
+    c2c = gaps(table, C2C, batches=pcie["batch"].index)
+    return (f"{decomposition.sentence(decomposition.decomposition(table))} Over GH200's NVLink-C2C the projected "
+            f"paged-over-InfiniGen gap for one 10K-token prompt at {pcie['longest']:,} outputs falls from "
+            f"{pcie['length']:.1f}x to {c2c['length']:.1f}x, closing {closed(pcie['length'], c2c['length']):.0%} of "
+            f"the bus's part (projected, not measured).")
 
 
 def paper_figures(table):
@@ -104,7 +93,8 @@ def paper_figures(table):
          f"{VLLM_GPU_MEMORY_UTILIZATION * device:.0f} GB, whatever "
          f"it needs (its default gpu_memory_utilization: configured)")),
         ("h2o_memory", f"{at('h2o', 'device_gb_projected'):.0f} GB at batch {top}", None,
-         "the weights and the kept entries"),
+         (f"the weights and the kept entries at heavy = recent = {H2O_RATIO} of the prompt (at a total budget of "
+          f"{H2O_RATIO}: the H2O section)")),
         ("infinigen_host", f"{at(INFINIGEN, 'host_gb_projected'):.0f} GB at batch {top}", None,
          "the KV alone; the paper's figure adds pinned buffers and pools"),
         ("batch_gap", f"{ceiling['batch'].min():.1f}-{ceiling['batch'].max():.1f}x",

@@ -18,6 +18,7 @@ tokens held, so the mean step is the step at the mean length):
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from kvlib.models.pass_shape import PassShape, add
@@ -49,6 +50,7 @@ class Runner:
     policy: str
     fetch_share: float | None = None  # InfiniGen: the share of held tokens a sparse layer fetches
     share_source: str = ""
+    h2o_ratio: float = H2O_RATIO  # H2O: heavy = recent = int(ratio x prompt), FlexGen's rule
 
 
 @dataclass(frozen=True)
@@ -80,8 +82,8 @@ def partial_dims(shape: PassShape) -> int:
     return max(1, int(INFINIGEN_PARTIAL_RATIO * shape.head_dim))
 
 
-def h2o_attended(prompt: int, held: float) -> float:
-    kept, _ = heavy_recent("flexgen", H2O_RATIO, None, 0.5, int(held), prompt)
+def h2o_attended(prompt: int, held: float, ratio: float = H2O_RATIO) -> float:
+    kept, _ = heavy_recent("flexgen", ratio, None, 0.5, int(held), prompt)
     return kept + 1  # the kept entries and the new token beside them
 
 
@@ -96,7 +98,7 @@ def step_work(shape: PassShape, hidden_size: int, runner: Runner, load: Workload
     """One mean decode step's work at the shape, counted as kvlib's engine counts it."""
     b, held = load.batch, load.mean_held
     if runner.policy == "h2o":
-        attended = h2o_attended(load.prompt, held)
+        attended = h2o_attended(load.prompt, held, runner.h2o_ratio)
         work = shape.decode_step(b, attended)
         work["select_read_bytes"] = b * shape.num_layers * shape.num_kv_heads * attended * SCORE_BYTES
         return StepWork(with_zeros(work), attended, 0.0)
@@ -130,7 +132,7 @@ def memory_by_tier(shape: PassShape, config, runner: Runner, load: Workload) -> 
     held = load.batch * load.final_held
     device_kv, host_kv = held * shape.num_layers * per_token, 0
     if runner.policy == "h2o":
-        kept = h2o_attended(load.prompt, load.final_held) - 1  # its slots; the new token is attended beside them
+        kept = h2o_attended(load.prompt, load.final_held, runner.h2o_ratio) - 1  # its slots; the new token is attended beside them
         device_kv = load.batch * kept * shape.num_layers * per_token
     elif runner.policy == "infinigen":
         dense, r = INFINIGEN_DENSE_LAYERS, partial_dims(shape)
@@ -142,49 +144,81 @@ def memory_by_tier(shape: PassShape, config, runner: Runner, load: Workload) -> 
 
 
 def measured_fetch_share(profile: str = "embedded") -> tuple[float | None, str]:
+    """InfiniGen's fetched share measured in `profile`'s runs and where it is from (see _measured)."""
+    return _measured(profile)[:2]
+
+
+def _measured(profile: str) -> tuple[float | None, str, str | None]:
     """InfiniGen's fetched share in its sparse layers, mean over the measured runs of `profile`'s batch-scaling and
-    decode-length experiments (each row's kv_share_attended_per_layer past its dense layers), with where it is from;
-    (None, why) where there are none."""
+    decode-length experiments (each row's kv_share_attended_per_layer past its dense layers), with where it is from:
+    the model and prompt lengths of the rows, since a share measured on a small model's short prompts is not the
+    paper's, and a runner's name that says the same; (None, why, None) where there are none."""
     import numpy as np
+
+    shares, groups = [], {}
+    for experiment, rows in _infinigen_rows(profile):
+        for _, row in rows.iterrows():
+            layers = row.get("stat_kv_share_attended_per_layer")
+            if isinstance(layers, str):  # a published book's rows keep lists as JSON
+                layers = json.loads(layers)
+            if layers is None or not len(layers):
+                continue
+            share = float(np.mean(layers[int(row.get("dense_layers", INFINIGEN_DENSE_LAYERS)):]))
+            shares.append(share)
+            groups.setdefault((experiment, str(row.get("model", "an unnamed model")), _prompts(row)), []).append(share)
+    if not shares:
+        return None, f"no measured InfiniGen rows in {profile}'s batch_scaling or decode_length results", None
+    parts = [f"{model}, {prompts} prompts ({experiment}, {len(got)} runs, {min(got):.2f}-{max(got):.2f})"
+             for (experiment, model, prompts), got in groups.items()]
+    models = ", ".join(dict.fromkeys(model for _, model, _ in groups))
+    lengths = " and ".join(dict.fromkeys(prompts for _, _, prompts in groups))
+    name = f"infinigen (share {np.mean(shares):.2f} measured on {models}, {lengths} prompts)"
+    return float(np.mean(shares)), f"measured: mean of {len(shares)} InfiniGen runs: {'; '.join(parts)}", name
+
+
+def _prompts(row) -> str:
     import pandas as pd
 
-    from kvlib.paths import repo_root
+    low, high, one = row.get("min_prompt_tokens"), row.get("max_prompt_tokens"), row.get("prompt_tokens")
+    if not (pd.isna(low) or pd.isna(high)):
+        return f"{int(low):,}-{int(high):,}-token"
+    return "unknown-length" if pd.isna(one) else f"{int(one):,}-token"
 
-    shares, found = [], []
+
+def _infinigen_rows(profile: str):
+    """(experiment, InfiniGen rows) from where the profile's rows are read: a run's folder of parquet files or a
+    published book's one file per experiment."""
+    import pandas as pd
+
+    from kvlib.paths import read_from
+
+    base = read_from(profile)
     for experiment in ("batch_scaling", "decode_length"):
-        for path in sorted((repo_root() / "results" / profile / experiment).glob("*.parquet")):
+        for path in sorted((base / experiment).glob("*.parquet")) + sorted(base.glob(f"results/{experiment}.parquet")):
             rows = pd.read_parquet(path)
-            rows = rows[rows["policy"] == "infinigen"] if "policy" in rows else rows.iloc[:0]
-            for _, row in rows.iterrows():
-                layers = row.get("stat_kv_share_attended_per_layer")
-                if layers is None or not len(layers):
-                    continue
-                shares.append(float(np.mean(layers[int(row.get("dense_layers", INFINIGEN_DENSE_LAYERS)):])))
-                found.append(experiment)
-    if not shares:
-        return None, f"no measured InfiniGen rows in results/{profile}/batch_scaling or decode_length"
-    where = ", ".join(sorted(set(found)))
-    return float(np.mean(shares)), f"measured: mean of {len(shares)} InfiniGen runs, results/{profile}/{where}"
+            yield experiment, (rows[rows["policy"] == "infinigen"] if "policy" in rows else rows.iloc[:0])
 
 
 def runners(fetch_share: float | None = None, profile: str = "embedded") -> list[Runner]:
     """The projected runners: the dense ones, H2O at the paper's rule, InfiniGen at its measured share (or the share
     given) and at the paper's cap."""
+    name = "infinigen (given share)"
     if fetch_share is None:
-        fetch_share, source = measured_fetch_share(profile)
+        fetch_share, source, name = _measured(profile)
     else:
         source = "given"
     out = [Runner("full", "full"), Runner("paged", "paged"), Runner("h2o", "h2o")]
     if fetch_share is not None:
-        out.append(Runner("infinigen (measured share)", "infinigen", fetch_share, source))
+        out.append(Runner(name, "infinigen", fetch_share, source))
     return out + [Runner("infinigen (0.3 cap)", "infinigen", INFINIGEN_CAP, "the paper's budget 0.3, the cap")]
 
 
 def projection(fetch_share: float | None = None, profile: str = "embedded", hardware_names=HARDWARE,
-               kernels: bool = True, model: str = MODEL, loads: list[Workload] | None = None):
+               kernels: bool = True, model: str = MODEL, loads: list[Workload] | None = None,
+               runner_list: list[Runner] | None = None):
     """Every runner on every hardware at every paper setting (or the workloads given, of `model`): decode step and
     throughput, bound and aiconfigurator's (serialized and overlapped transfers), memory by tier; one row each, every
-    figure labelled projected."""
+    figure labelled projected (`runner_list` in place of the usual runners)."""
     import pandas as pd
 
     from kvlib import hardware
@@ -197,7 +231,7 @@ def projection(fetch_share: float | None = None, profile: str = "embedded", hard
     rows = []
     for name in hardware_names:
         spec = hardware.load(name)
-        for runner in runners(fetch_share, profile):
+        for runner in runner_list or runners(fetch_share, profile):
             for load in loads or workloads():
                 sw = step_work(shape, config.hidden_size, runner, load)
                 times = bound.phase_times(sw.work, spec, "bfloat16")
@@ -240,8 +274,15 @@ def view(table, column: str, setting: str = "batch scaling", hardware: str = "h1
     rows = table[(table.setting == setting) & (table.hardware == hardware)]
     across = "batch_size" if setting == "batch scaling" else "output_tokens"
     out = rows.pivot_table(index="runner", columns=across, values=column, sort=False)
-    out.columns.name = f"{column} on {hardware} ({setting}), by {across}"
+    out.columns.name = (f"{LABELS.get(column, column)} on {hardware} ({setting}), by "
+                        f"{'batch size' if across == 'batch_size' else 'output tokens'}")
+    out.index.name = None
     return out
+
+
+LABELS = {"decode_tokens_per_s_projected": "decode tokens/s, projected (aiconfigurator)",
+          "decode_tokens_per_s_bound_projected": "decode tokens/s at most, projected (bound)",
+          "device_gb_projected": "device memory needed (GB), projected"}
 
 
 def for_workload(model: str, hardware_name: str, prompt: int, batch: int, output: int, profile: str = "embedded"):

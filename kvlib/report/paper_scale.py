@@ -83,3 +83,83 @@ def figure(table: pd.DataFrame, column: str = "decode_tokens_per_s_projected"):
                  f"PROJECTED, not measured")
     fig.tight_layout()
     return fig
+
+
+GAUGE_COLUMNS = {"runner": "runner", "batch_size": "batch", "measured_decode_s": "measured decode (s)",
+                 "decode_bound_s": "bound, overlapped (s)", "bound_as_scheduled_s": "bound as kvlib schedules it (s)",
+                 "limited_by": "bound set by", "measured_over_bound": "measured / bound",
+                 "held_every_repeat": "bound held in every repeat", "repeats": "repeats", "counts": "work counts"}
+
+
+def gauge_table(table: pd.DataFrame):
+    """The gauge for the page: named columns with units, no index (what gauge_text summarises)."""
+    if table.empty:
+        return table
+    out = table[[c for c in GAUGE_COLUMNS if c in table]].rename(columns=GAUGE_COLUMNS)
+    return out.style.hide(axis="index").format(precision=3, na_rep="-")
+
+
+# A spec's figures in the units a reader knows: (divide by, unit).
+UNITS = {"memory_bandwidth": (1e12, "TB/s"), "device_memory": (1e9, "GB"), "disk_bandwidth": (1e9, "GB/s"),
+         "link.bandwidth": (1e9, "GB/s each way"), "link.latency": (1e-6, "us a copy")}
+
+
+def spec_summary(names=None):
+    """One row a shipped machine: the figures a projection reads, in their units (their sources: spec_sources)."""
+    from kvlib import hardware
+
+    rows = []
+    for name in names or [n for n in hardware.names() if n != hardware.THIS_MACHINE]:
+        spec = hardware.load(name)
+        rows.append({"machine": spec.description, "memory bandwidth (TB/s)": spec.memory_bandwidth.value / 1e12,
+                     "bf16 peak, dense (TFLOP/s)": spec.peak("bfloat16") / 1e12,
+                     "device memory (GB)": spec.device_memory.value / 1e9,
+                     "host link (GB/s each way)": None if spec.unified else spec.link_bandwidth.value / 1e9,
+                     "measured kernel tables": spec.kernel_system or "none"})
+    return pd.DataFrame(rows).style.hide(axis="index").format(precision=2, na_rep="unified")
+
+
+def spec_sources(names=None):
+    """Every figure of every shipped spec with its unit and source: the chapter's appendix."""
+    from kvlib import hardware
+
+    rows = []
+    for name in names or [n for n in hardware.names() if n != hardware.THIS_MACHINE]:
+        for figure, fig in hardware.load(name).figures().items():
+            scale, unit = UNITS.get(figure, (1e12, "TFLOP/s") if figure.startswith("peak_flops") else (1, ""))
+            rows.append({"machine": name, "figure": figure.replace("_", " ").replace(".", ", "),
+                         "value": None if fig.value is None else fig.value / scale, "unit": unit,
+                         "source": fig.source})
+    return pd.DataFrame(rows).style.hide(axis="index").format(precision=3, na_rep="-")
+
+
+def decomposition_table(frame: pd.DataFrame, cases=None):
+    """The decomposition for the page: terms as rows, the given cases (every one by default) in ms a step, the
+    residual's row shaded so it is never lost among the terms."""
+    from kvlib.projection.decomposition import RESIDUAL
+
+    keep = ["term", "kind", "basis"] + [c for c in frame.columns[3:] if cases is None or c in cases]
+    def shade(row):
+        return ["font-weight: bold; background-color: #fff3cd" if row["term"] == RESIDUAL else ""] * len(row)
+
+    return frame[keep].style.hide(axis="index").format(precision=1, na_rep="not known").apply(shade, axis=1)
+
+
+def h2o_table(frame: pd.DataFrame):
+    """The paper's H2O beside the projection, for the page: no index, the gap's words wrapped."""
+    return frame.style.hide(axis="index").set_properties(subset=["the gap"], **{"white-space": "normal"})
+
+
+FIGURE_NAMES = {"vllm_memory": "vLLM's device memory", "h2o_memory": "H2O's device memory",
+                "infinigen_host": "InfiniGen's host memory", "batch_gap": "the gap at batch scaling",
+                "length_gap": "the gap at decode length", "infinigen_rate": "InfiniGen's decode rate",
+                "minutes": "decode time at the longest output"}
+
+
+def paper_figures_table(frame: pd.DataFrame):
+    """The paper's figures beside the projection, for the page: each figure named in words, no index, the one
+    machine said in the caption."""
+    out = frame.assign(figure=frame["figure"].map(FIGURE_NAMES).fillna(frame["figure"])).drop(columns="hardware")
+    machine = ", ".join(sorted(set(frame["hardware"])))
+    return (out.style.hide(axis="index").format(na_rep="-").set_caption(f"projected on {machine}")
+            .set_properties(**{"white-space": "normal", "text-align": "left"}))
