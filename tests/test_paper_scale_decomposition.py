@@ -125,3 +125,8 @@ def test_the_long_prompt_share_is_labelled_with_its_model_and_lengths(tmp_path):
         {"prompt_tokens": 2048, "share": 0.1}, {"prompt_tokens": 4096, "share": 0.08}]}))
     share, label = dec.long_prompt_share(path)
     assert share == pytest.approx(0.09) and "smollm2-135m" in label and "2,048" in label and "4,096" in label
+
+
+def test_the_official_schedules_syncs_are_counted_layer_by_layer():
+    # Llama-3.1-8B: 32 layers, 30 sparse: 66 after FlexGen's layers, 30 before attention, 60 in selection
+    assert dec.official_syncs(32, 30) == 66 + 30 + 60

@@ -27,12 +27,14 @@ from kvlib.projection import paper_scale as scale
 PCIE = "h100_sxm"
 RUNNER = "infinigen (0.3 cap)"
 PRACTICAL_LINK = 53e9  # B/s each way: assumed, PCIe Gen5 x16's 64 GB/s less its packet overheads (~83 %)
-# Counted from the official code (snu-comparch/InfiniGen at 33dbddd): speedup/infinigen/infinigen/
-# kv_selection_controller.py's speculate_attention launches 12 kernels (linear, a reshape's copy, bmm, max, sub,
-# repeat, ones_like, zeros_like, where, sum, mean, topk) and syncs twice a sparse layer (its `.item()`, select_kv's
-# index copy to the host); flex_opt.py under `--overlap false` synchronizes twice a layer (as issue 66 reads it).
+# Counted from the official code (snu-comparch/InfiniGen, speedup/): kv_selection_controller.py's
+# speculate_attention launches 12 kernels (linear, a reshape's copy, bmm, max, sub, repeat, ones_like, zeros_like,
+# where, sum, mean, topk) and syncs twice a sparse layer (its `.item()`, select_kv's index copy to the host);
+# flexgen/infinigen/flex_opt.py's generation_loop_normal (the scripts' `--overlap false`) syncs after each of its
+# layers (input embedding, attention and MLP apart, output embedding: 2 a transformer layer and 2 more) and once
+# more before each attention layer but the first and last.
 SPECULATION_LAUNCHES = 12
-SYNCS_PER_LAYER, SYNCS_PER_SPARSE_LAYER = 2, 2
+SYNCS_PER_SPARSE_LAYER = 2
 SYNC_S, LAUNCH_S = 10e-6, 5e-6  # assumed: an idle device's round trip; an eager PyTorch op's dispatch and launch
 GATHER_JSON = "benchmarks/results/infinigen_gather.json"
 GATHER_WAY = "embedding (new tensor)"  # the official select_kv's F.embedding, a new pageable tensor each call
@@ -48,6 +50,12 @@ PRACTICAL = "bus: the same bytes at the practical rate instead (extra time)"
 GATHER = "host gather of the selected entries from pageable memory"
 EXPLAINED, PAPER_STEP, RESIDUAL, PAGED = ("explained (sum of the terms above)", "the paper's InfiniGen step",
                                           "residual: the paper's step less the terms", "vLLM-like (paged) step")
+
+
+def official_syncs(layers: int, sparse: int) -> int:
+    """A decode step's synchronisations in the official schedule: after each of FlexGen's 2 x layers + 2 layers,
+    before each attention but the first and last, and the sparse layers' own."""
+    return (2 * layers + 2) + (layers - 2) + SYNCS_PER_SPARSE_LAYER * sparse
 
 
 def gather_rate(share: float, path=None) -> dict | None:
@@ -104,7 +112,7 @@ def decomposition(table, runner: str = RUNNER, gather: dict | None = None, pract
     h2o_long = rows[(rows.runner == "h2o") & (rows.setting == "decode length")
                     & (rows.output_tokens == max(scale.OUTPUTS))].decode_step_ms_projected.iloc[0]
     orchestration = PAPER_H2O_MINUTES * 60e3 / max(scale.OUTPUTS) - h2o_long
-    syncs = SYNCS_PER_LAYER * shape.num_layers + SYNCS_PER_SPARSE_LAYER * sparse
+    syncs = official_syncs(shape.num_layers, sparse)
     launches = SPECULATION_LAUNCHES * sparse
     columns, readings = {}, []
     for setting, batch, output in CASES:
@@ -135,12 +143,14 @@ def decomposition(table, runner: str = RUNNER, gather: dict | None = None, pract
         (GATHER, "measured here" if gather else "parameter",
          gather["label"] if gather else f"not measured: {GATHER_JSON} is missing, so the term is left out"),
         (f"synchronisations: {syncs} a step", "counted; cost assumed",
-         f"{SYNCS_PER_LAYER} a layer and {SYNCS_PER_SPARSE_LAYER} more a sparse layer, {SYNC_S * 1e6:.0f} us each"),
+         (f"after each attention, MLP and embedding, before each attention but the end layers', "
+          f"{SYNCS_PER_SPARSE_LAYER} more a sparse layer (speculation's .item(), the index copied to the host); "
+          f"{SYNC_S * 1e6:.0f} us each")),
         (f"speculation's kernel launches: {launches} a step", "counted; cost assumed",
          f"{SPECULATION_LAUNCHES} a sparse layer, {LAUNCH_S * 1e6:.0f} us each"),
         ("FlexGen's per-step orchestration", "inferred from the paper",
          (f"its H2O's {PAPER_H2O_MINUTES:.0f} min over {max(scale.OUTPUTS):,} steps less the projected H2O step "
-         f"({h2o_long:.1f} ms); taken as the same a step at every batch")),
+         f"({h2o_long:.1f} ms); taken as the same a step at every batch; it may hold some of the syncs above")),
         (EXPLAINED, "sum", "the terms above (a term left out counts nothing)"),
         (PAPER_STEP, "inferred from the paper", "; ".join(readings)),
         (RESIDUAL, "what the model does not explain", "negative: the terms sum to more than the paper's step"),
