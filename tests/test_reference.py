@@ -110,3 +110,12 @@ def test_publishing_needs_the_chapters_the_run_executes():
     for partial in ({"notebooks": False}, {"experiments": ["ttft"]}, {"policies": ["h2o"]}):
         with pytest.raises(UserError, match="--publish publishes the whole profile"):
             run_study("smoke", publish=True, **partial)
+
+
+def test_readme_names_each_model_its_verdicts_were_measured_on_and_what_device_means(published):
+    from kvlib.models.embedded import EMBEDDED_MODELS
+
+    section = reference.readme_section("verdicts", PUBLISHED)
+    models = {m for name in EXPERIMENTS for m in reference.load(PUBLISHED, name).get("model", [])}
+    assert models and all(EMBEDDED_MODELS[m].described in section for m in models)
+    assert "run in fp32" in section and "configured" in section

@@ -153,6 +153,27 @@ def _word(verdict: str) -> str:
     return verdict.split(":")[0].strip()
 
 
+def models_sentence(profile: str) -> str:
+    """Which model each experiment of the reference ran, how its weights are stored and run, and what "device" means
+    there: read from its rows and its profile."""
+    from kvlib.models.embedded import EMBEDDED_MODELS
+    from kvlib.study import load_profile
+    from kvlib.study.profile import EXPERIMENTS
+
+    frames = [(name, load(profile, name)) for name in EXPERIMENTS]
+    by_model: dict[str, list[str]] = {}
+    for name, frame in frames:
+        for model in frame["model"].dropna().unique() if "model" in frame else ():
+            by_model.setdefault(model, []).append("TTFT" if name == "ttft" else name.replace("_", " "))
+    models = "; ".join(f"{EMBEDDED_MODELS[m].described if m in EMBEDDED_MODELS else m} for {', '.join(names)}"
+                       for m, names in by_model.items())
+    devices = sorted({d for _, frame in frames if "device_name" in frame for d in frame["device_name"].dropna()})
+    capacity = load_profile(profile).device_capacity_gb
+    device = (f"on the CPU, whose \"device memory\" is a configured {capacity:g} GB budget, not a GPU's"
+              if devices == ["cpu"] and capacity else f"on {', '.join(devices)}")
+    return f"Measured on {models}; {device}."
+
+
 def readme_verdicts(profile: str) -> str:
     """README's first screen: the reference book's verdicts, its figure and where its pages are."""
     from kvlib.report.findings import verdict_markdown
@@ -165,7 +186,8 @@ def readme_verdicts(profile: str) -> str:
          "verdicts, each read from measurements by the rules on the methods page. Its pages, executed: "
          f"[findings](reference/{profile}/chapters/findings.ipynb) and the chapters in "
          f"[reference/{profile}/chapters/](reference/{profile}/chapters/); its rows: "
-         f"[reference/{profile}/results/](reference/{profile}/results/). {family_sentence()}"),
+         f"[reference/{profile}/results/](reference/{profile}/results/). {models_sentence(profile)} "
+         f"{family_sentence()}"),
         "",
         verdict_markdown(table, error_rate=False),
         "",
