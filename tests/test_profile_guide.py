@@ -45,3 +45,10 @@ def test_the_guides_validity_gate_is_the_codes():
     stated = float(re.search(r"default ([0-9.]+)", row).group(1))
     default = next(f.default for f in dataclasses.fields(Profile) if f.name == "validity_gate")
     assert stated == default, row
+
+
+def test_a_settings_comment_continued_on_the_next_line_is_read_whole():
+    from kvlib.study.profile_guide import _comments
+    from kvlib.study.runners import runner_class
+
+    assert _comments(runner_class("duo"))["window"].endswith("(plus the new one during a step)")

@@ -132,8 +132,20 @@ def _comments(cls) -> dict[str, str]:
                 line = tokens[i - 1].line.strip()
                 name = line.split(":")[0].strip()
                 if name.isidentifier() and ":" in line and tokens[i - 1].start[0] == tok.start[0]:
-                    out[name] = tok.string.lstrip("# ").strip()
+                    out[name] = _continued(tokens, i)
     return out
+
+
+def _continued(tokens: list, i: int) -> str:
+    """The trailing comment at tokens[i], with the comment-only lines after it that continue it: while a parenthesis
+    it opened is still open (a comment that goes on into the next line, as duo's `window`'s does)."""
+    text, line = tokens[i].string.lstrip("# ").strip(), tokens[i].start[0]
+    following = (t for t in tokens[i + 1:] if t.type not in (tokenize.NL, tokenize.NEWLINE))
+    for tok in following:
+        if text.count("(") <= text.count(")") or tok.type != tokenize.COMMENT or tok.start[0] != line + 1:
+            break
+        text, line = f"{text} {tok.string.lstrip('# ').strip()}", tok.start[0]
+    return text
 
 
 def settings_table(runner: str) -> str:
