@@ -17,7 +17,8 @@ from kvlib.report.stats.accuracy import TAIL_REPLICATES, draws_for
 from kvlib.study.profile import load_profile
 
 TIMED = ("ttft", "batch_scaling", "decode_length")  # the experiments whose timings the by-round test reads
-SIZED = ("embedded", "confirmatory")  # the offline profiles whose accuracy and retention settle findings 4 and 5
+SIZED = ("embedded", "confirmatory")
+BOOKS = ("embedded", "paper", "paper-shapes")  # the profiles whose books read timings: always in the table of rounds  # the offline profiles whose accuracy and retention settle findings 4 and 5
 # sections that settle several tests at their whole share (kvlib.report.pages says which): finding 2's claims by Holm,
 # the chooser's ties by the comparison with the best; every other section divides its share among its intervals
 STEPWISE = {("findings", "finding 2"), ("chooser answer", "decode"), ("chooser answer", "TTFT")}
@@ -47,8 +48,14 @@ def rounds() -> str:
     head = ("| profile | experiment | rounds | smallest p-value | its test: threshold | can settle | real size at "
             f"{stats.ALPHA:.0%}, coverage |")
     rows = [head, "|---|---|---|---|---|---|---|"]
-    for name in sorted(p.stem for p in (repo_root() / "params").glob("*.yaml")):
+    names = sorted(p.stem for p in (repo_root() / "params").glob("*.yaml"))
+    checks = []  # the profiles that check code paths: named, not tabled, where none of their rounds can settle
+    for name in names:
         profile = _profile(name)
+        timed = [e for e in TIMED if e in profile.experiments]
+        if name not in BOOKS and timed and not any(can_settle(profile.repeats(e), e) for e in timed):
+            checks.append(f"`{name}`")
+            continue
         for experiment in (e for e in TIMED if e in profile.experiments):
             n = profile.repeats(experiment)
             first, what = threshold(experiment)
@@ -62,7 +69,9 @@ def rounds() -> str:
          f"n rounds give a smallest p-value of 2 / 2^n ({stats.repeats_needed(stats.ALPHA, paired=True)} are the "
          f"fewest that can reject at {stats.ALPHA:.0%}), and a test run at {stats.ALPHA:.0%} really rejects at the "
          f"largest step under it (its real size; its intervals cover one minus that). \"no\": no statement of that "
-         f"experiment can be settled at these rounds, and its chapter says so."), "", *rows])
+         f"experiment can be settled at these rounds, and its chapter says so."), "", *rows]
+        + (["", f"{' and '.join(checks)} check code paths: none of their rounds can settle a statement."]
+           if checks else []))
 
 
 def families() -> str:
