@@ -119,3 +119,11 @@ def test_readme_names_each_model_its_verdicts_were_measured_on_and_what_device_m
     models = {m for name in EXPERIMENTS for m in reference.load(PUBLISHED, name).get("model", [])}
     assert models and all(EMBEDDED_MODELS[m].described in section for m in models)
     assert "run in fp32" in section and "configured" in section
+
+
+def test_the_published_chapters_name_no_build_machines_folder(published):
+    import re
+
+    for chapter in (reference.folder(PUBLISHED) / "chapters").glob("*.ipynb"):
+        found = re.findall(r"(?<![\w.])/(?:root|home|work|tmp|usr|opt|Users)/[^\s\"']*", chapter.read_text())
+        assert not found, (chapter.name, found[:3])

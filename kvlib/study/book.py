@@ -33,8 +33,13 @@ def execute(notebook: str, profile: str) -> Path:
 
 def for_reading(path: Path) -> None:
     """Tag the executed notebook's cells for the book: parameter cells removed, every other code cell's input
-    hidden behind a click (jupyter-book's `hide-input`)."""
+    hidden behind a click (jupyter-book's `hide-input`); papermill's record of where it read and wrote the notebook
+    made relative to the checkout (a published chapter names no build machine's folders)."""
     nb = nbformat.read(path, as_version=4)
+    record = nb.metadata.get("papermill", {})
+    for key in ("input_path", "output_path"):
+        if record.get(key):
+            record[key] = str(Path(record[key]).relative_to(repo_root()))
     for cell in nb.cells:
         if cell.cell_type != "code":
             continue
