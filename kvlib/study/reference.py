@@ -183,10 +183,9 @@ def readme_verdicts(profile: str) -> str:
     table = pd.DataFrame(info["verdicts"]).assign(paper=lambda d: d.finding.map(FINDINGS))
     return "\n".join([
         (f"**What the study found**, in the reference book ({provenance(info)}): the paper's five findings and our "
-         "verdicts, each read from measurements by the rules on the methods page. Its pages, executed: "
-         f"[findings](reference/{profile}/chapters/findings.ipynb) and the chapters in "
-         f"[reference/{profile}/chapters/](reference/{profile}/chapters/); its rows: "
-         f"[reference/{profile}/results/](reference/{profile}/results/). {models_sentence(profile)} "
+         "verdicts, read from measurements by the rules of [the methods page](book/methods.md). Executed pages: "
+         f"[findings](reference/{profile}/chapters/findings.ipynb), [every chapter](reference/{profile}/chapters/); "
+         f"rows: [reference/{profile}/results/](reference/{profile}/results/). {models_sentence(profile)} "
          f"{family_sentence()}"),
         "",
         verdict_markdown(table, error_rate=False),
@@ -207,12 +206,21 @@ def readme_choose(profile: str) -> str:
     w = CHOOSE_EXAMPLE
     answer = choose(frames, w["prompt_tokens"], w["batch"], w["output_tokens"], w["max_accuracy_drop"],
                     None, load_profile(profile).validity_gate)
+    lines = answer.text().splitlines()
+    shown = [line for line in lines if line.startswith(CHOOSE_SHOWN)]
     return "\n".join([
         "```bash", (f".venv/bin/python -m kvlib choose --profile {profile} --prompt-tokens {w['prompt_tokens']} "
                     f"--batch {w['batch']} --output-tokens {w['output_tokens']} "
                     f"--max-accuracy-drop {w['max_accuracy_drop']:g}"),
-        "```", "", f"prints, from the reference book's rows ({provenance(about(profile))}):", "", "```text",
-        answer.text(), "```"])
+        "```", "", f"prints, from the reference book's rows ({provenance(about(profile))}), these lines among others:", "",
+        "```text", *shown, "```", "",
+        (f"The other {len(lines) - len(shown)} lines say what it ruled out and why, what it cannot tell at the items "
+         "measured, where the workload differs from the grid, and the answer's error rate; the reference book's "
+         f"[Which policy when](reference/{profile}/chapters/choose.ipynb) page gives its answers over the grid.")])
+
+
+# the lines of the answer README shows: the picks (the rest is on the chooser page)
+CHOOSE_SHOWN = ("Highest decode throughput:", "Lowest TTFT:", "Decode throughput of every qualifying policy:")
 
 
 SECTIONS = {"verdicts": readme_verdicts, "choose": readme_choose}
