@@ -124,3 +124,11 @@ def test_fetches_copy_from_a_pinned_buffer_on_a_side_stream(tiny, fake_cuda):
     assert [o["token_ids"] for o in result.outputs] == [o["token_ids"] for o in plain.outputs]
     assert result.stats["bytes_moved_host_to_device"] == plain.stats["bytes_moved_host_to_device"]
 
+
+def test_the_write_back_is_counted(tiny):
+    """Every new key and value of a sparse layer goes to the host tier: counted as crossing it, prefill and decode."""
+    result = Engine(tiny, make_policy("infinigen", budget=0.5)).generate(PROMPTS, 5, stop_at_eos=False)
+    s = tiny.spec
+    token = 2 * s.num_kv_heads * s.head_dim * 4 * (s.num_layers - 2)  # keys and values of the sparse layers, fp32
+    assert result.stats["work_prefill_device_to_host_bytes"] == sum(map(len, PROMPTS)) * token
+    assert result.stats["work_decode_device_to_host_bytes"] == 4 * len(PROMPTS) * token

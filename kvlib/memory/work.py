@@ -4,8 +4,8 @@ Three places count, whatever the policy: the engine, once per forward pass (the 
 linear layers' FLOPs, and a prefill's attention, dense and causal as every policy's prefill computes it); the one
 decode attention every policy runs (kvlib.policies.base.KVPolicy.decode_attention: the KV the kernel actually attended,
 codes and scales where they are codes, and the probabilities handed back where a policy scores); and the copies
-between tiers (kvlib.memory.disk.Transfers for FlexGen's tiers, InfiniGen's fetch). A policy adds only what no shared
-code sees: its selection's metadata and arithmetic (InfiniGen's partial keys, Quest's bounds).
+between tiers (kvlib.memory.disk.Transfers for FlexGen's tiers, InfiniGen's fetch and its write-back). A policy adds
+only what no shared code sees: its selection's metadata and arithmetic (InfiniGen's partial keys, Quest's bounds).
 
 A crossing between tiers is counted where the policy's mechanism crosses them, whether or not this machine copies: on
 a CPU host and device are one memory and InfiniGen reads its host tier in place, and the entries it selects are counted

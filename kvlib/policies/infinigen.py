@@ -15,7 +15,8 @@ the device (an event), not on the host. The host tier itself stays pageable: onl
 it needs pinning. The fetch does not overlap layer i's compute as the official code's does: the selected indices are
 needed on the host to gather from the host tier, so each sparse layer synchronizes the host once (its index list is
 made on the CPU) before its gather. The `fetch` timer section then holds the host-side gather and the copy's issue;
-the copy itself is waited for, and counted, in the next layer's compute.
+the copy itself is waited for, and counted, in the next layer's compute. Each step's new keys and values go the other
+way, to the host tier, and are counted as crossing it (`device_to_host` in kvlib.memory.work).
 
 On a CPU both tiers are one memory, and the copy would only add a read and a write of every selected entry (and
 another of them to append the new token): there a sparse layer reads the selected entries where they lie, through an
@@ -194,7 +195,7 @@ class InfiniGenPolicy(BudgetedPolicy):
             self.ledger.set(tier, kv=0, kv_reserved=0, overhead=0)
 
     # -- storage ---------------------------------------------------------------------------------------------------
-    def _store(self, layer, rows, pos, key, value):
+    def _store(self, layer, rows, pos, key, value, phase):
         """Write new keys/values [B, Hkv, T, D] at positions pos [B, T]; skewed partial keys go to the device."""
         r = rows[:, None, None]
         heads = torch.arange(key.shape[1])[None, :, None]
@@ -208,17 +209,19 @@ class InfiniGenPolicy(BudgetedPolicy):
             # a blocking copy: a non-blocking one into pageable memory could be read before it lands
             self.host_k[i][r, heads, p] = key.to("cpu")
             self.host_v[i][r, heads, p] = value.to("cpu")
+        for entries in (key, value):  # the write-back crosses the tiers as the fetch does (counted alike on a CPU)
+            self.work.transfer(phase, "device_to_host", entries.nbytes)
         with self.timers.section("selection"):  # (advanced indices first: [B, Hkv, T, r])
             self.partial_k[i][r, heads, :, p] = torch.matmul(key, self.skew_cut[layer])
 
     def adopt_pass(self, layer, recorded, step: Step):
         self._store(layer, step.rows, step.start[:, None] + torch.arange(step.q_len)[None, :], recorded.key(layer),
-                    recorded.value(layer))
+                    recorded.value(layer), step.phase)
 
     def attend(self, layer, query, key, value, step: Step):
         t = step.q_len
         pos = step.start[:, None] + torch.arange(t)[None, :]
-        self._store(layer, step.rows, pos, key, value)
+        self._store(layer, step.rows, pos, key, value, step.phase)
         if step.phase == "prefill":
             row, end = int(step.rows[0]), int(step.start[0]) + t
             if layer < self.dense:
