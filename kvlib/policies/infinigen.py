@@ -84,6 +84,10 @@ class InfiniGenPolicy(BudgetedPolicy):
                  kvlib="one A and one selection per KV head (max over its query group)",
                  differs="grouped-query models share a KV head's entries across its group"),
             Rule("dense layers", 2, setting="dense_layers"),
+            Rule("dense layers' cache", "offloaded with the rest: each step fetches their whole KV over the bus",
+                 kvlib="on the device: their KV never crosses the bus",
+                 differs="kvlib's work counter has the sparse layers' fetches alone; the paper-scale decomposition "
+                         "adds the dense layers' bytes as the official placement moves them"),
             Rule("speculation input", "layer i's attention input x layer i+1's query weights",
                  kvlib="layer i's attention input x layer i+1's query weights"),
         ))
