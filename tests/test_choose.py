@@ -160,7 +160,7 @@ def test_the_answer_names_the_policies_it_cannot_be_told_from():
     assert between.decode_ties == [] and "Untested: a figure read between or beyond grid points" in between.text()
     row = regimes(f, tolerances=(None,)).query("batch == 4").iloc[0]
     assert row["fastest decode"].startswith("a (") and row["decode, not distinguishable"] == "twin"
-    assert "TTFT: this profile's TTFT grid does not run a, slow, twin" in c.text()
+    assert "TTFT: not measured for a, slow, twin in this profile's TTFT grid" in c.text()
 
 
 def test_an_answer_is_one_family_with_declared_shares():

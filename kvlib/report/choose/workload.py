@@ -162,8 +162,8 @@ def choose(frames: dict[str, pd.DataFrame], prompt_tokens: int, batch: int, outp
                                          alphas["TTFT"])
     unmeasured = sorted(set(choice.decode) - set(ttft_df.get("policy", [])))
     if unmeasured and not ttft_df.empty:
-        choice.notes.append(f"TTFT: this profile's TTFT grid does not run {', '.join(unmeasured)} (their TTFT at "
-                            f"their own prefill is in the decode-length results).")
+        choice.notes.append(f"TTFT: not measured for {', '.join(unmeasured)} in this profile's TTFT grid; the "
+                            f"decode-length results hold their TTFT, each at its own prefill mode.")
     choice.notes += _workload_notes(decode_df, axis, prompt_tokens, output_tokens)
     choice.error_rate = _error_rate(alphas)
     return choice

@@ -51,8 +51,7 @@ class PageFamily:
     def borrowed(self, section: str) -> str:
         """The error rate of a page whose tested statements are all one section of this page's family, read at its
         level (the retention chapter prints finding 5's claims): what that section spends, said once at its top."""
-        return (f"**One error rate for this page.** Its tested statements are {self.page}'s {section}, its "
-                f"{dict(self.weights)[section]} claims read as the {self.page} page reads them (each interval at "
-                f"{self.level(section):.2%}), "
-                f"so the chance that any of them is wrong is at most {self.share(section):.2%}. The other shares "
-                f"below are described, without a verdict word.")
+        return (f"**One error rate for this page.** Its tested statements are the {self.page} page's {section}: "
+                f"{dict(self.weights)[section]} claims, each interval at {self.level(section):.2%}, as that page "
+                f"reads them. So the chance that any of them is wrong is at most {self.share(section):.2%}. The other "
+                f"figures below are described, without a verdict word.")
