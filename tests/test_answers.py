@@ -91,7 +91,7 @@ def test_the_overviews_names_cover_neither_each_other_nor_a_point_when_runners_c
 def test_a_compressed_runners_accuracy_is_no_evidence_for_it_run_uncompressed():
     """FlexGen + H2O's accuracy was measured in 4 bits; the systems rows ran it uncompressed: no drop is drawn for
     it there (its 4-bit drop says nothing of its uncompressed cache), and the chooser reads the same evidence."""
-    from kvlib.report.choose.evidence import accuracy_evidence, compressed, evidence_for
+    from kvlib.report.choose.evidence import accuracy_evidence, compressed, compressed_apart, evidence_for
 
     batch = batch_rows().assign(compress_cache=False)
     accuracy = accuracy_rows().assign(compress_cache=lambda d: d["policy"] == "h2o")
@@ -102,3 +102,5 @@ def test_a_compressed_runners_accuracy_is_no_evidence_for_it_run_uncompressed():
     assert "h2o" in evidence_for(accuracy, batch.assign(compress_cache=batch["policy"] == "h2o"))
     fig = plots.overview({"batch_scaling": batch, "accuracy": accuracy})
     assert "h2o: accuracy not measured as run here" in {t.get_text() for t in fig.legends[0].get_texts()}
+    assert compressed_apart(accuracy, batch) == {"h2o"}  # the chooser says why: measured, but compressed otherwise
+    assert compressed_apart(accuracy, batch.assign(compress_cache=batch["policy"] == "h2o")) == set()

@@ -166,6 +166,16 @@ def compressed(*frames: pd.DataFrame) -> dict[str, bool]:
     return out
 
 
+def compressed_apart(accuracy: pd.DataFrame, *systems: pd.DataFrame) -> set[str]:
+    """The runners of these systems rows whose accuracy rows all ran with the cache compressed otherwise than the
+    systems rows did (FlexGen + H2O's 4-bit accuracy beside its uncompressed timings)."""
+    if accuracy.empty or "compress_cache" not in accuracy:
+        return set()
+    ran = accuracy.assign(c=accuracy["compress_cache"].fillna(False).astype(bool)).groupby("policy")["c"]
+    timed = compressed(*systems)
+    return {p for p, c in ran if p in timed and p != "full" and (c != timed[p]).all()}
+
+
 def evidence_for(accuracy: pd.DataFrame, *systems: pd.DataFrame, gate: float = GATE, page: stats.PageFamily | None = None
                  ) -> dict[str, list[AccuracyEvidence]]:
     """accuracy_evidence for the runners of these systems rows, each read as it ran there: at its budget (a later

@@ -32,7 +32,7 @@ import numpy as np
 import pandas as pd
 
 from kvlib.report import stats
-from kvlib.report.choose.evidence import CANNOT_TELL, RULED_OUT, evidence_for, judge_accuracy
+from kvlib.report.choose.evidence import CANNOT_TELL, RULED_OUT, compressed_apart, evidence_for, judge_accuracy
 from kvlib.report.gate import GATE
 from kvlib.report.pages import CHOOSER
 from kvlib.report.stats.timing import compare_with_best
@@ -133,9 +133,10 @@ def choose(frames: dict[str, pd.DataFrame], prompt_tokens: int, batch: int, outp
     policies = sorted(set(decode_df.get("policy", [])) | set(ttft_df.get("policy", [])))
     alphas = {question: CHOOSER.share(question) for question in ("decode", "TTFT")}
     if max_accuracy_drop is not None:
-        evidence = evidence_for(frames.get("accuracy", pd.DataFrame()), length_df, batch_df, ttft_df, gate=gate,
-                                page=CHOOSER)
-        _judge_accuracy(choice, _lossy(policies, decode_df, ttft_df), evidence, max_accuracy_drop)
+        accuracy = frames.get("accuracy", pd.DataFrame())
+        evidence = evidence_for(accuracy, length_df, batch_df, ttft_df, gate=gate, page=CHOOSER)
+        _judge_accuracy(choice, _lossy(policies, decode_df, ttft_df), evidence, max_accuracy_drop,
+                        compressed_apart(accuracy, length_df, batch_df, ttft_df))
         choice.notes += _accuracy_length_note(frames.get("accuracy", pd.DataFrame()), evidence, prompt_tokens)
     elif not rank_lossy:
         choice.not_asked = _lossy(policies, decode_df, ttft_df)
@@ -177,10 +178,16 @@ def _error_rate(alphas: dict[str, float]) -> str:
             f"the candidates that allows for the pick of the answer (kvlib.report.pages.CHOOSER).")
 
 
-def _judge_accuracy(choice: Choice, lossy: list[str], evidence: dict, max_accuracy_drop: float) -> None:
+def _judge_accuracy(choice: Choice, lossy: list[str], evidence: dict, max_accuracy_drop: float,
+                    compressed_apart: set[str] = frozenset()) -> None:
     """Each lossy policy against the tolerance: ruled out, cannot tell yet, or its accuracy not measured (within it:
-    left in the ranking)."""
+    left in the ranking). compressed_apart: the policies whose accuracy was measured only with their cache compressed
+    otherwise than they ran here (no evidence for how they ran)."""
     for p in lossy:
+        if p in compressed_apart and p not in evidence:
+            choice.unmeasured[p] = ("its accuracy was measured in this profile only with its cache compressed "
+                                    "otherwise than its timings ran (`compress_cache`), which says nothing of them")
+            continue
         if p not in evidence:
             choice.unmeasured[p] = ("its accuracy was not measured in this profile on a task the full cache "
                                     "passes (the validity gate)")
