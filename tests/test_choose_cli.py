@@ -79,3 +79,10 @@ def test_a_prompt_longer_than_every_accuracy_item_is_said_so_with_the_lengths_me
     assert ("Accuracy: your 2,048-token prompt is longer than every accuracy item read (tokens, at most: recall "
             "512)") in longer.text()
     assert not any(n.startswith("Accuracy:") for n in choose(f, 512, 4, 32, max_accuracy_drop=20.0).notes)
+
+
+def test_the_projection_comes_first_when_another_machine_is_asked(profile, capsys):
+    assert cli.main(["choose", "--profile", profile, "--prompt-tokens", "512", "--batch", "4", "--output-tokens",
+                     "32", "--hardware", "h100_sxm"]) == 0
+    out = capsys.readouterr().out
+    assert out.index("Projected on h100_sxm") < out.index("Highest decode throughput")

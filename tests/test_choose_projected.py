@@ -16,3 +16,18 @@ def test_a_projected_choice_names_each_runner_its_bound_and_its_memory():
 def test_the_command_refuses_hardware_without_a_workload(capsys):
     assert main(["choose", "--profile", "smoke", "--request-rate", "1", "--hardware", "h100_sxm"]) != 0
     assert "--hardware projects a workload" in capsys.readouterr().err
+
+
+def test_the_users_memory_limit_and_the_measured_accuracy_rulings_stand_beside_each_projection():
+    from kvlib.report.choose.workload import Choice
+
+    measured = Choice(None, None)
+    measured.excluded["h2o"] = "loses more than allowed"
+    measured.undecided["infinigen"] = "cannot tell"
+    answer = choose_projected("llama-3.1-8b", "gh200", 2048, 8, 128, profile="smoke", device_limit_gb=1.0,
+                              measured=measured)
+    lines = {line.split(":")[0][2:]: line for line in answer.text().splitlines() if line.startswith("- ")}
+    assert all("(over your 1 GB)" in line for line in lines.values())  # an 8B model's weights alone are over 1 GB
+    assert "accuracy: ruled out" in lines["h2o"] and "accuracy: cannot tell" in lines["infinigen (0.3 cap)"]
+    assert "accuracy:" not in lines["paged"]
+

@@ -98,8 +98,10 @@ def handle(args) -> int:
     if args.hardware is not None:
         from kvlib.report.choose import choose_projected
 
-        answers["projected"] = choose_projected(args.model or MODEL, args.hardware, args.prompt_tokens, args.batch,
-                                                args.output_tokens, profile)
+        # first: asked for another machine, the user reads its projection before this machine's measurements
+        answers = {"projected": choose_projected(args.model or MODEL, args.hardware, args.prompt_tokens, args.batch,
+                                                 args.output_tokens, profile, args.device_memory_gb,
+                                                 answers.get("workload")), **answers}
     if args.json:
         answer = {k: asdict(v) for k, v in answers.items()}
         print(json.dumps({**about, **(answer["workload"] if list(answer) == ["workload"] else answer)}))

@@ -294,9 +294,10 @@ def for_workload(model: str, hardware_name: str, prompt: int, batch: int, output
                       loads=[Workload("your workload", batch, prompt, output)])
 
 
-def workload_text(table) -> str:
+def workload_text(table, device_limit_gb: float | None = None, rulings: dict[str, str] | None = None) -> str:
     """The projection of one workload in words, runner by runner, each figure labelled; no runner ranked (nothing
-    here is measured, so nothing is tested)."""
+    here is measured, so nothing is tested). device_limit_gb: the device memory the user allows, below the
+    machine's; rulings: what the measured answer said of a runner's accuracy, beside its projection."""
     first = table.iloc[0]
     head = (f"Projected on {first.hardware} ({first.hardware_spec}) at batch {first.batch_size}, "
             f"{first.prompt_tokens:,}-token prompts, {first.output_tokens:,} new tokens: no measurement exists there; "
@@ -309,6 +310,10 @@ def workload_text(table) -> str:
                     if "decode_tokens_per_s_projected" in table and r.decode_tokens_per_s_projected == r.decode_tokens_per_s_projected
                     else "")
         fits = "fits" if r.fits_device_projected else "does not fit"
+        if device_limit_gb is not None and r.device_gb_projected > device_limit_gb:
+            fits = f"over your {device_limit_gb:g} GB"
+        ruling = (rulings or {}).get(r.runner.split(" ")[0])
         lines.append(f"- {r.runner}: at most {r.decode_tokens_per_s_bound_projected:,.0f} tokens/s (bound){estimate}; "
-                     f"device {r.device_gb_projected:.1f} GB ({fits}), host {r.host_gb_projected:.1f} GB (projected)")
+                     f"device {r.device_gb_projected:.1f} GB ({fits}), host {r.host_gb_projected:.1f} GB (projected)"
+                     + (f"; accuracy: {ruling}" if ruling else ""))
     return "\n".join(lines)

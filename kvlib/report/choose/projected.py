@@ -3,23 +3,33 @@ workload projected onto it (kvlib.projection.paper_scale.for_workload), every fi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
 class ProjectedChoice:
     rows: list[dict]  # one per runner: kvlib.projection.paper_scale.projection's columns
+    device_limit_gb: float | None = None  # the device memory the user allows (--device-memory-gb)
+    rulings: dict[str, str] = field(default_factory=dict)  # runner -> the measured answer's accuracy ruling
 
     def text(self) -> str:
         import pandas as pd
 
         from kvlib.projection.paper_scale import workload_text
 
-        return workload_text(pd.DataFrame(self.rows))
+        return workload_text(pd.DataFrame(self.rows), self.device_limit_gb, self.rulings)
 
 
-def choose_projected(model: str, hardware: str, prompt: int, batch: int, output: int,
-                     profile: str = "embedded") -> ProjectedChoice:
+def choose_projected(model: str, hardware: str, prompt: int, batch: int, output: int, profile: str = "embedded",
+                     device_limit_gb: float | None = None, measured=None) -> ProjectedChoice:
+    """measured: the answer on the measured rows (a Choice), whose accuracy rulings stand beside each projection:
+    a bound on speed says nothing of what a policy loses."""
     from kvlib.projection.paper_scale import for_workload
 
-    return ProjectedChoice(for_workload(model, hardware, prompt, batch, output, profile).to_dict("records"))
+    rulings = {}
+    if measured is not None:
+        rulings = {**{p: "not asked" for p in measured.not_asked}, **{p: "not measured" for p in measured.unmeasured},
+                   **{p: "cannot tell (see below)" for p in measured.undecided},
+                   **{p: "ruled out (see below)" for p in measured.excluded}}
+    return ProjectedChoice(for_workload(model, hardware, prompt, batch, output, profile).to_dict("records"),
+                           device_limit_gb, rulings)
