@@ -83,7 +83,9 @@ def test_a_real_runs_bound_is_its_counts_over_the_spec(tiny):
         [list(range(10, 43))], 4, stop_at_eos=False).stats
     b = bound.phase_bound(stats, spec(), policy="infinigen")
     read = stats["work_decode_weight_bytes"] + stats["work_decode_kv_read_bytes"] + stats["work_decode_select_read_bytes"]
-    moved = stats["work_decode_host_to_device_bytes"] / 10 + stats["work_decode_host_to_device_transfers"]
+    moved = sum(stats[f"work_decode_{d}_bytes"] / 10 + stats[f"work_decode_{d}_transfers"]  # the fetch, the write-back
+                for d in ("host_to_device", "device_to_host"))
+    assert stats["work_decode_device_to_host_bytes"] > 0
     assert math.isclose(b["memory_s"], read / 100) and math.isclose(b["transfer_s"], moved)
     assert b["bound_as_scheduled_s"] == pytest.approx(max(b["memory_s"], b["compute_s"]) + moved)
     assert bound.phase_bound(stats, spec(unified=True), policy="infinigen")["transfer_s"] == 0
