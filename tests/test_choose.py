@@ -195,7 +195,7 @@ def test_the_ties_are_read_at_the_answers_share_for_decode():
             for p, base in [("a", 100.0), ("b", 50.0)] for b in (1, 4) for r, jitter in enumerate(jitters)]
     c = choose({"batch_scaling": pd.DataFrame(rows)}, 512, 4, 32)
     assert c.fastest_decode == "a" and c.decode_ties == ["b"]
-    from kvlib.report.stats.timing import compare_with_best
+    from kvlib.report.stats.best import compare_with_best
 
     runs = pd.DataFrame({p: [r["decode_tokens_per_s"] for r in rows if r["policy"] == p and r["batch_size"] == 4]
                          for p in "ab"}).rename_axis("round")

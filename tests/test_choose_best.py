@@ -12,7 +12,8 @@ import pandas as pd
 import pytest
 
 from kvlib.report.pages import CHOOSER
-from kvlib.report.stats.timing import compare_timings, compare_with_best
+from kvlib.report.stats.best import compare_with_best
+from kvlib.report.stats.timing import compare_timings
 
 ROUNDS = 10  # the embedded book's rounds at each batch-scaling point
 

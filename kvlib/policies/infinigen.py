@@ -46,13 +46,14 @@ from kvlib.policies import infinigen_coverage
 from kvlib.policies import infinigen_speculation as speculation
 from kvlib.policies.base import BudgetedPolicy, Step
 from kvlib.policies.fidelity import Fidelity, Rule, Source
+from kvlib.policies.infinigen_fetch import StagedFetch
 from kvlib.policies.infinigen_skew import BASES, load_or_compute_skew
 from kvlib.policies.registry import register
 
 
 @register
 @dataclass
-class InfiniGenPolicy(BudgetedPolicy):
+class InfiniGenPolicy(StagedFetch, BudgetedPolicy):
     name = "infinigen"
     calibrates = True
     adopts_prefill = True
@@ -147,7 +148,6 @@ class InfiniGenPolicy(BudgetedPolicy):
         self.dense = min(self.dense_layers, s.num_layers)
         sparse = s.num_layers - self.dense
         cap = max(prompt_lens) + max_new_tokens
-        cuda = self.device.type == "cuda"
         r = self.skew_cut.shape[-1]
         skew_bytes = self.skew_cut.nbytes
         # serving: the rows the device tier holds (its dense layers and partial keys); the host tier has no capacity
@@ -165,8 +165,7 @@ class InfiniGenPolicy(BudgetedPolicy):
         self.dense_k = torch.zeros((self.dense, *shape), dtype=s.dtype, device=self.device)
         self.dense_v = torch.zeros_like(self.dense_k)
         # host tier: pageable, the fetch copies from the pinned staging buffer (_gather) instead
-        self.host_k = torch.zeros((sparse, *shape), dtype=s.dtype)
-        self.host_v = torch.zeros((sparse, *shape), dtype=s.dtype)
+        self.host_k, self.host_v = (torch.zeros((sparse, *shape), dtype=s.dtype) for _ in range(2))
         # [layer, row, head, r, token]: token-minor, so speculation's product with the partial query is one plain
         # matmul (0.10 against 0.31 ms a layer at 8 rows of 2,048 tokens in the einsum over a token-major cache)
         self.partial_k = torch.zeros((sparse, *shape[:2], r, shape[2]), dtype=s.dtype, device=self.device)
@@ -174,9 +173,7 @@ class InfiniGenPolicy(BudgetedPolicy):
         # layer -> (index list [B, Hkv, W] (_select), picks per row, fetched keys, values or None where read in place)
         self.fetched: dict[int, tuple] = {}
         self.captured: dict[int, tuple] = {}  # layer -> (attention input, (cos, sin)) of the current pass
-        self.stream = torch.cuda.Stream() if cuda else None  # the copies' side stream
-        self.staging = None  # [2 (keys, values), elements]: what the last fetch gathered (_gather)
-        self.copied = None  # the event the side stream records after its last copy out of the staging buffer
+        self._reset_fetch(cuda=self.device.type == "cuda")
         # only the layers that speculate for a sparse next layer need their input
         self.hooks = [self.attn_modules[i].register_forward_pre_hook(self._capture_input(i), with_kwargs=True)
                       for i in range(max(self.dense - 1, 0), s.num_layers - 1)]
@@ -192,8 +189,8 @@ class InfiniGenPolicy(BudgetedPolicy):
         for hook in getattr(self, "hooks", []):
             hook.remove()
         self.hooks = []
-        self.dense_k = self.dense_v = self.host_k = self.host_v = self.partial_k = self.staging = None
-        self.copied = None
+        self.dense_k = self.dense_v = self.host_k = self.host_v = self.partial_k = None
+        self._reset_fetch()
         self.fetched, self.captured = {}, {}
         for tier in ("device", "host"):
             self.ledger.set(tier, kv=0, kv_reserved=0, overhead=0)
@@ -265,8 +262,7 @@ class InfiniGenPolicy(BudgetedPolicy):
         return out
 
     def _attend_fetched(self, layer, query, key, value, k_sel, v_sel, count):
-        if self.stream is not None:  # the device waits for the copy, the host goes on
-            torch.cuda.current_stream().wait_event(self.copied)
+        self._wait_for_copy()
         rows = len(count)
         with self.ledger.transient("device", "activations", k_sel.nbytes + v_sel.nbytes + key.nbytes + value.nbytes,
                                    f"infinigen fetched and new entries, layer {layer}"):
@@ -303,43 +299,6 @@ class InfiniGenPolicy(BudgetedPolicy):
         with self.timers.section("fetch"):
             self.ledger.add("device", "kv", moved, where=f"infinigen fetch, layer {nxt}")
             self.fetched[nxt] = (table, count, *self._copy(*self._gather(nxt - self.dense, rows, idx)))
-
-    def _gather(self, i: int, rows: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The entries idx [B, Hkv, W] of sparse layer i's rows, keys and values [B, Hkv, W, D], gathered into the
-        staging buffer: pinned where a side stream copies from it (an advanced index would make a new pageable
-        tensor, whose copy CUDA stages through a pinned one of its own, blocking the host)."""
-        b, h, w = idx.shape
-        d = self.spec.head_dim
-        n = b * h * w
-        if self.copied is not None:
-            self.copied.synchronize()  # the last copy out of the buffer has landed before it is overwritten
-        if self.staging is None or self.staging.shape[1] < n * d:
-            # grown to twice the need: the fetch grows with the rows, and pinning memory is slow
-            size = 2 * n * d if self.staging is not None else n * d
-            held = self.staging.nbytes if self.staging is not None else 0
-            self.staging = torch.empty((2, size), dtype=self.spec.dtype, pin_memory=self.stream is not None)
-            self.ledger.add("host", "overhead", self.staging.nbytes - held, where="infinigen staging buffer")
-        # one flat index per (row, head, pick) into the layer's [rows x Hkv x tokens, D] entries
-        cap = self.host_k.shape[3]
-        flat = ((rows[:, None, None] * h + torch.arange(h)[None, :, None]) * cap + idx).reshape(-1)
-        out = []
-        for tier, buffer in zip((self.host_k, self.host_v), self.staging):
-            entries = tier[i].view(-1, d)
-            out.append(torch.index_select(entries, 0, flat, out=buffer[:n * d].view(n, d)).view(b, h, w, d))
-        return out[0], out[1]
-
-    def _copy(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The gathered entries on the device: on CUDA copied on the side stream, its event recorded for the layer
-        that reads them (_attend_fetched); on a CPU the staging buffer itself, read before the next gather."""
-        if self.stream is None:
-            return k.to(self.device), v.to(self.device)
-        with torch.cuda.stream(self.stream):
-            k_dev, v_dev = k.to(self.device, non_blocking=True), v.to(self.device, non_blocking=True)
-            self.copied = self.stream.record_event()
-        compute = torch.cuda.current_stream()
-        for t in (k_dev, v_dev):  # made on the side stream, read and freed on the compute stream
-            t.record_stream(compute)
-        return k_dev, v_dev
 
     def _select(self, layer: int, q_part: torch.Tensor, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
         """What each (row, KV head) of `layer` reads this step (kvlib.policies.infinigen_speculation.select)."""

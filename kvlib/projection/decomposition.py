@@ -130,15 +130,28 @@ def decomposition(table, runner: str = RUNNER, gather: dict | None = None, pract
         step, read = paper_step_ms(load, paged.decode_step_ms_projected, paper_rate)
         columns[case_name(load)] = terms + [explained, step, step - explained, paged.decode_step_ms_projected]
         readings.append(f"{case_name(load)[:-5]}: {read}")
-    version = mine.kernel_data_version
-    labels = [
+    residuals = [values[-2] for values in columns.values()]
+    labels = _labels(mine.kernel_data_version, share, sparse, dense, shape.num_layers, practical_link, gather, syncs,
+                     launches, h2o_long, readings, residuals)
+    frame = pd.DataFrame([{"term": t, "kind": k, "basis": b} for t, k, b in labels])
+    for name, values in columns.items():
+        frame[name] = values
+    frame.attrs["gather_rate"] = gather["rate"] if gather else None
+    return frame
+
+
+def _labels(version: str, share: float, sparse: int, dense: int, layers: int, practical_link: float,
+            gather: dict | None, syncs: int, launches: int, h2o_long: float, readings: list[str],
+            residuals: list[float]) -> list[tuple[str, str, str]]:
+    """(term, kind of figure, its basis) for each row of the decomposition, in its order."""
+    return [
         ("GPU kernels: the layers, InfiniGen's attention and speculation", "projected",
          (f"aiconfigurator's measured {version} kernels on H100 SXM at the attended length; speculation at the "
          f"datasheet roofline")),
         (BUS[0], "datasheet", (f"share {share:.2f} of the held tokens in {sparse} layers, at 64 GB/s (PCIe Gen5 x16, "
                               f"H100 SXM datasheet), 1 us a copy")),
         (BUS[1], "datasheet", f"every held token in the {dense} dense layers, at 64 GB/s"),
-        (BUS[2], "datasheet", f"one token a row in {shape.num_layers} layers, at 64 GB/s"),
+        (BUS[2], "datasheet", f"one token a row in {layers} layers, at 64 GB/s"),
         (PRACTICAL, "assumed", f"the three bus terms at {practical_link / 1e9:.0f} GB/s in place of 64"),
         (GATHER, "measured here" if gather else "parameter",
          gather["label"] if gather else f"not measured: {GATHER_JSON} is missing, so the term is left out"),
@@ -153,14 +166,18 @@ def decomposition(table, runner: str = RUNNER, gather: dict | None = None, pract
          f"({h2o_long:.1f} ms); taken as the same a step at every batch; it may hold some of the syncs above")),
         (EXPLAINED, "sum", "the terms above (a term left out counts nothing)"),
         (PAPER_STEP, "inferred from the paper", "; ".join(readings)),
-        (RESIDUAL, "what the model does not explain", "negative: the terms sum to more than the paper's step"),
+        (RESIDUAL, "what the model does not explain", _residual_basis(residuals)),
         (PAGED, "projected", f"aiconfigurator's measured {version} kernels, the whole cache on the device"),
     ]
-    frame = pd.DataFrame([{"term": t, "kind": k, "basis": b} for t, k, b in labels])
-    for name, values in columns.items():
-        frame[name] = values
-    frame.attrs["gather_rate"] = gather["rate"] if gather else None
-    return frame
+
+
+def _residual_basis(residuals: list[float]) -> str:
+    """What the residual's sign says, read from the residuals themselves."""
+    if all(r < 0 for r in residuals):
+        return "negative in every case: the terms sum to more than the paper's step"
+    if all(r >= 0 for r in residuals):
+        return "the part of the paper's step no term above accounts for"
+    return "negative where the terms sum to more than the paper's step, else the part no term accounts for"
 
 
 def gather_needed(frame, case: str) -> float | None:

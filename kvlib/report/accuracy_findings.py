@@ -206,6 +206,17 @@ def deployed_rows(df: pd.DataFrame, gate: float) -> pd.DataFrame:
     return budgeted(d).assign(correct=d["correct"].astype(float))
 
 
+def _shared_budgets(d: pd.DataFrame) -> list[float]:
+    """The budgets at which both H2O and InfiniGen ran, smallest first."""
+    return [b for b in sorted(d["budget"].unique()) if {"h2o", "infinigen"} <= set(d.loc[d["budget"] == b, "policy"])]
+
+
+def _buckets_line(d: pd.DataFrame, buckets: list[str], budget: float, gate: float) -> str:
+    return (f"buckets {', '.join(buckets)} at budget {budget:g}; full cache {_full_score(d, 'correct'):.1%} (the "
+            f"paper's 94-96 % is not a tested claim: the validity gate keeps only the buckets where the full cache "
+            f"scores at least {gate:.0%}, so its score here is chosen by the gate)")
+
+
 def retention_claims(df: pd.DataFrame, gate: float, level: float = FINDINGS.level("finding 5")) -> Claims:
     """Finding 5's three claims, as deployed (the paper's systems answer as deployed), over the buckets the full cache
     passes, at the smallest budget both H2O and InfiniGen ran: InfiniGen's drop within +-5 pp, H2O's inside 17-27 pp
@@ -219,8 +230,7 @@ def retention_claims(df: pd.DataFrame, gate: float, level: float = FINDINGS.leve
     if d.empty:
         return Claims([], [], ("not testable on this machine", (f"no context-length bucket passes the validity gate "
                                                                f"({gate:.0%} with the full cache)")))
-    budgets = [b for b in sorted(d["budget"].unique()) if {"h2o", "infinigen"} <= set(d.loc[d["budget"] == b,
-                                                                                          "policy"])]
+    budgets = _shared_budgets(d)
     if not budgets:
         return Claims([], [], (INCONCLUSIVE, "H2O and InfiniGen did not both run on a bucket that passes"))
     item, cluster, stratum = retention_design(d)
@@ -237,9 +247,7 @@ def retention_claims(df: pd.DataFrame, gate: float, level: float = FINDINGS.leve
                         in_range(h2o, low, high), "conversations", side(h2o, low - MARGIN, high + MARGIN, "H2O"))]
     buckets = sorted(d["bucket"].unique(), key=bucket_start)
     ig_mid = sum(INFINIGEN_RETENTION_DROP) / 2
-    context = [(f"buckets {', '.join(buckets)} at budget {budgets[0]:g}; full cache {_full_score(d, 'correct'):.1%} "
-               f"(the paper's 94-96 % is not a tested claim: the validity gate keeps only the buckets where the full "
-               f"cache scores at least {gate:.0%}, so its score here is chosen by the gate)"),
+    context = [_buckets_line(d, buckets, budgets[0], gate),
                reach(f"InfiniGen within +-{MARGIN * 100:g} pp", f"InfiniGen loses {ig_mid * 100:g} pp (the middle "
                      f"of the paper's {INFINIGEN_RETENTION_DROP[0] * 100:g}-{INFINIGEN_RETENTION_DROP[1] * 100:g} pp)",
                      units_needed(level, -MARGIN, MARGIN, ig_mid), f"{infinigen.clusters:,} conversations",

@@ -16,7 +16,7 @@ ACCURACY = PageFamily("accuracy", (("multiple choice", 1), ("RULER", 1), ("the f
 # The chooser: each answer to a workload (`kvlib choose`, a row of the chooser page's regimes table) is one family: a
 # quarter to the accuracy intervals against the tolerance (every lossy policy on every task scored at the budget read:
 # kvlib.report.choose.evidence), half to the decode answer's ties, a quarter to the TTFT answer's (the comparison
-# with the best at one grid point, its pick allowed for: kvlib.report.stats.timing.compare_with_best). Why an answer
+# with the best at one grid point, its pick allowed for: kvlib.report.stats.best.compare_with_best). Why an answer
 # and not the page: the table's rows are separate questions that reread the same grid points with the same tests, and
 # a page-wide share, divided again among the grid points the decode question reads, would ask for more rounds than
 # the embedded book runs before two runners could be told apart (methods' table of rounds).

@@ -17,7 +17,7 @@ Evidence per question:
   the policy out of the ranking without calling it lossy. Policies that keep and attend every entry (rows say
   `lossless`) lose nothing by construction.
 - ties: the runners the timing rule cannot tell from the answer at the grid point read, the answer's pick among
-  them accounted for: a step-down max-T over the candidates (kvlib.report.stats.timing.compare_with_best) at the
+  them accounted for: a step-down max-T over the candidates (kvlib.report.stats.best.compare_with_best) at the
   answer's share for that question, so that among equal runners one is called slower at most at that share; a
   figure interpolated between grid points has no repeats of its own and is said to be untested.
 - a runner that preallocates its KV pool from the memory it is given (vLLM) is, below the memory it was measured
@@ -35,7 +35,7 @@ from kvlib.report import stats
 from kvlib.report.choose.evidence import CANNOT_TELL, RULED_OUT, compressed_apart, evidence_for, judge_accuracy
 from kvlib.report.gate import GATE
 from kvlib.report.pages import CHOOSER
-from kvlib.report.stats.timing import compare_with_best
+from kvlib.report.stats.best import compare_with_best
 from kvlib.report.tables import decode_kernels, geometric_mean, kernel_note
 
 
@@ -217,7 +217,7 @@ def _keep_the_main_kernel(choice: Choice, decode_df: pd.DataFrame) -> None:
 def _within_noise(df: pd.DataFrame, axis: str, value: str, best: str, estimates: dict[str, Estimate], alpha: float
                   ) -> list[str]:
     """The runners measured at the same grid point as the answer that the timing rule cannot tell from it there, the
-    pick of the answer among them accounted for (kvlib.report.stats.timing.compare_with_best: a max-T over the
+    pick of the answer among them accounted for (kvlib.report.stats.best.compare_with_best: a max-T over the
     candidates at alpha; TTFT: each runner's fastest prefill mode there). A runner the rule could not test (too few
     repeats) is listed too: nothing shows it slower."""
     point = estimates[best]
