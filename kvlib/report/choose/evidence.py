@@ -61,14 +61,7 @@ def items_for_power(drop: stats.Drop, tolerance: float, lost: float, gained: flo
 
 @lru_cache(maxsize=1024)  # the regimes table asks the same of each policy at every workload
 def _items_for_power(lost: float, gained: float, tolerance: float, level: float, power: float) -> int:
-    high = 1
-    while settled_share(high, lost, gained, tolerance, level) < power:  # double, then bisect
-        high *= 2
-    low = high // 2
-    while high - low > 1:
-        mid = (low + high) // 2
-        low, high = (low, mid) if settled_share(mid, lost, gained, tolerance, level) >= power else (mid, high)
-    return high
+    return stats.smallest_passing(lambda n: settled_share(n, lost, gained, tolerance, level) >= power)
 
 
 def settled_share(items: int, lost: float, gained: float, tolerance: float, level: float) -> float:
@@ -121,15 +114,8 @@ def _log_binomial(log_factorial: np.ndarray, n, k, p: float) -> np.ndarray:
 @lru_cache(maxsize=4096)
 def _sign_threshold(gained: int, alpha: float) -> int:
     """The fewest items lost against `gained` gained at which the exact sign test rejects at alpha (its p-value falls
-    as more are lost: a gap doubled until it rejects, then bisected)."""
-    gap = 1
-    while stats.sign_test_p(gained + gap, gained) > alpha:
-        gap *= 2
-    low, high = gap // 2, gap  # low does not reject (0: lost = gained never does), high does
-    while high - low > 1:
-        mid = (low + high) // 2
-        low, high = (low, mid) if stats.sign_test_p(gained + mid, gained) <= alpha else (mid, high)
-    return gained + high
+    as more are lost; lost = gained never rejects)."""
+    return gained + stats.smallest_passing(lambda gap: stats.sign_test_p(gained + gap, gained) <= alpha)
 
 
 def items_to_resolve(drop: stats.Drop, tolerance: float, lost: float, gained: float) -> str:

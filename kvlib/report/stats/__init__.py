@@ -18,6 +18,7 @@ from kvlib.report.stats.accuracy import (
     paired_drop,
     resolution,
     sign_test_p,
+    smallest_passing,
     two_sided_z,
 )
 from kvlib.report.stats.family import PageFamily
@@ -91,6 +92,7 @@ __all__ = [
     "settle",
     "sign_test_p",
     "smallest_p_value",
+    "smallest_passing",
     "timing_rule",
     "two_sided_z",
 ]

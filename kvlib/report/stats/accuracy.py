@@ -138,17 +138,24 @@ def confirm_chance(effect: float, se: float, half_width: float, low: float, high
     return (1.0 if math.isinf(hi) else spread.cdf(hi)) - spread.cdf(lo)
 
 
-def units_for_power(chance, power: float = POWER, most: int = 10**7) -> int | None:
-    """The fewest units n at which chance(n) reaches `power` (chance non-decreasing in n); None if not by `most`."""
-    if chance(most) < power:
+def smallest_passing(passes, most: int | None = None) -> int | None:
+    """The smallest n >= 1 for which passes(n) holds, where it fails below some n and holds from there on: n doubled
+    until it holds, then bisected. None where it does not hold by `most`."""
+    if most is not None and not passes(most):
         return None
-    low, high = 0, 1
-    while chance(high) < power:
-        low, high = high, high * 2
+    high = 1
+    while not passes(high):
+        high *= 2
+    low = high // 2  # (0 when 1 passes: never asked)
     while high - low > 1:
         middle = (low + high) // 2
-        low, high = (middle, high) if chance(middle) < power else (low, middle)
+        low, high = (low, middle) if passes(middle) else (middle, high)
     return high
+
+
+def units_for_power(chance, power: float = POWER, most: int = 10**7) -> int | None:
+    """The fewest units n at which chance(n) reaches `power` (chance non-decreasing in n); None if not by `most`."""
+    return smallest_passing(lambda n: chance(n) >= power, most)
 
 
 def sign_test_p(positive: int, negative: int) -> float:
