@@ -42,11 +42,12 @@ from kvlib.errors import UserError
 from kvlib.kernels.attention import prefill_attention
 from kvlib.kernels.decode import DecodeReads
 from kvlib.models.llama_forward import FusedAttention, QueryProjection
-from kvlib.policies import infinigen_coverage
+from kvlib.policies import infinigen_coverage, infinigen_one_pass
 from kvlib.policies import infinigen_speculation as speculation
 from kvlib.policies.base import BudgetedPolicy, Step
 from kvlib.policies.fidelity import Fidelity, Rule, Source
 from kvlib.policies.infinigen_fetch import StagedFetch
+from kvlib.policies.infinigen_one_pass import CANDIDATES, by_protocol
 from kvlib.policies.infinigen_skew import BASES, load_or_compute_skew
 from kvlib.policies.registry import register
 
@@ -59,31 +60,28 @@ class InfiniGenPolicy(StagedFetch, BudgetedPolicy):
     adopts_prefill = True
     host_tensors = ("host_k", "host_v")
     reads = "the entries a speculation of each layer's attention selects, each step"
+    one_pass_source = "snu-comparch/InfiniGen@3754f52 accuracy/src/modeling_llama_ours.py"
     fidelity = Fidelity(
         Source("snu-comparch/InfiniGen", "3754f52d131c30ab7a310e3c4cf356e8e3326ac3",
                "accuracy/src/modeling_llama_ours.py, accuracy/setup/*, speedup/infinigen/kv_selection_controller.py"),
         rules=(
-            Rule("candidates", "approximate logit within alpha of the head's max",
-                 kvlib="approximate logit within alpha of the head's max"),
+            Rule("candidates", CANDIDATES, kvlib=CANDIDATES),
             Rule("alpha", 5.0, setting="alpha"),
             Rule("fetch count", "int(mean over heads of the candidates), at most int(budget x tokens)",
                  kvlib="int(mean over heads of the candidates), at most int(budget x tokens)"),
-            Rule("cap's tokens", "the whole sequence (lm-eval's one pass: context + continuation)",
-                 kvlib="the tokens cached at the step",
-                 differs="kvlib selects at each decode step, as a deployed system does; the cap then grows with "
-                         "the row"),
-            Rule("where it selects", "every query position past int(budget x tokens) (lm-eval: one dense pass)",
-                 kvlib="decode steps (the context prefilled dense)",
-                 differs="kvlib scores continuations by decode steps (kvlib.evaluation.lm), as the speedup code runs"),
-            Rule("fewest fetched", "0 (the official mask then attends everything)", kvlib="1 and the new token",
-                 differs="a row always reads its best entry"),
+            *by_protocol("cap's tokens", "the whole sequence (lm-eval's one pass: context + continuation)",
+                         "the tokens cached at the step", "as a deployed system selects; the cap grows with the row"),
+            *by_protocol("where it selects", "every query position past int(budget x tokens)",
+                         "decode steps (the context prefilled dense)", "as the speedup code runs (kvlib.evaluation.lm)"),
+            *by_protocol("fewest fetched", "0 (the official mask then attends everything)", "1 and the new token",
+                         "a row always reads its best entry"),
             Rule("partial ratio", 0.2, setting="partial_ratio"),
             Rule("skewing basis", "query", setting="skew_basis"),
             Rule("partial columns", "int(r x D) by |QA| united with int(r x D) by |KA|",
                  kvlib="int(r x D) by |QA| united with int(r x D) by |KA|"),
-            Rule("heads", "multi-head: one A and one count per query head",
-                 kvlib="one A and one selection per KV head (max over its query group)",
-                 differs="grouped-query models share a KV head's entries across its group"),
+            Rule("heads", "multi-head: one A and one selection per query head", kvlib="one A per KV head; one "
+                 "selection per query head (one pass), per KV head, the max over its group (decode steps)",
+                 differs="grouped-query models: the one pass shares no cache, decode steps share the KV head's"),
             Rule("dense layers", 2, setting="dense_layers"),
             Rule("dense layers' cache", "offloaded with the rest: each step fetches their whole KV over the bus",
                  kvlib="on the device: their KV never crosses the bus",
@@ -94,7 +92,8 @@ class InfiniGenPolicy(StagedFetch, BudgetedPolicy):
         ))
 
     partial_ratio: float = 0.2  # share of each head's dimensions speculation uses (the official default)
-    # candidates: approximate logit within alpha of the head's max (weight within e^-alpha); the official runs use 5 on
+    # candidates: approximate logit within alpha of the head's max (weight within e^-alpha; the one pass: the first
+    # head's max, as the official accuracy code, kvlib.policies.infinigen_one_pass); the official runs use 5 on
     # Llama (4 on OPT); alpha=inf makes the budget bind, every head fetching its cap (the official figure 13: alpha 99)
     alpha: float = 5.0
     skew: bool = True
@@ -141,6 +140,10 @@ class InfiniGenPolicy(StagedFetch, BudgetedPolicy):
         skew = load_or_compute_skew(self.model, prompt[:self.calibration_tokens], self.partial_ratio, self.skew,
                                     self.skew_basis)
         self.skew_cut = skew.cut().to(self.device)
+
+    # the official accuracy harness's masked pass (kvlib.evaluation.one_pass), by kvlib.policies.infinigen_one_pass
+    one_pass_session = infinigen_one_pass.session
+    one_pass_keep = infinigen_one_pass.keep_for
 
     # -- lifecycle -----------------------------------------------------------------------------------------------
     def start(self, batch_size, prompt_lens, max_new_tokens):
