@@ -20,6 +20,10 @@ def add_parser(sub) -> None:
     ev.add_argument("--limit", type=int, default=None, help="items per task")
     ev.add_argument("--batch-size", type=int, default=8)
     ev.add_argument("--device", default=None)
+    ev.add_argument("--protocol", default="deployed", choices=["deployed", "strict", "one_pass"],
+                    help="one_pass: each scored request one masked pass, as the official H2O and InfiniGen harnesses "
+                         "run lm-eval (kvlib.evaluation.one_pass); deployed/strict: the context prefilled, the "
+                         "continuation scored by decode steps through the policy's cache")
 
 
 def handle(args) -> int:
@@ -30,14 +34,17 @@ def handle(args) -> int:
 
     settings = make_policy(args.policy, **settings_from_args(args)).settings()  # bad settings fail before loading
     lm = KVLibLM(pretrained=args.model, policy=args.policy, batch_size=args.batch_size, device=args.device,
-                 **settings)
+                 protocol=args.protocol, **settings)
     folder = args.include_path
     if folder is None and all(t in OFFLINE_TASKS for t in args.tasks):
         folder = write_offline_tasks(lm.tokenizer, recall_lengths=[256, 512, 1024])
     import pandas as pd
 
     rows = evaluate(lm, args.tasks, include_path=folder, limit=args.limit)
-    table = accuracy_table(pd.DataFrame(rows).assign(policy=args.policy, budget=settings.get("budget")))
-    print(json.dumps({"policy": {"name": args.policy, **settings}, "scores": table.to_dict(orient="records"),
+    frame = pd.DataFrame(rows).assign(policy=args.policy, budget=settings.get("budget"),
+                                      kv_share_attended=lm.kv_share_attended)
+    table = accuracy_table(frame)
+    print(json.dumps({"policy": {"name": args.policy, **settings}, "protocol": args.protocol,
+                      "scores": table.to_dict(orient="records"),
                       "items": rows}))
     return 0

@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from kvlib.engine import Engine
 from kvlib.errors import UserError
+from kvlib.evaluation import one_pass
 from kvlib.evaluation.generation import answer_rows, check_protocol
 from kvlib.models import load_model
 from kvlib.policies import make_policy
@@ -37,12 +38,16 @@ class KVLibLM(TemplateLM):
                  device: str | None = None, max_length: int | None = None, loaded=None,
                  calibration: list[int] | None = None, protocol: str = "deployed", prefill_store=None,
                  prefill: str | None = None, **policy_settings):
-        """protocol: where generated answers' first token comes from (kvlib.evaluation.generation); scored
-        continuations always come from decode steps. prefill_store: prefills shared with other models (above).
-        prefill: the prefill mode of every prompt (the policy's preferred one by default)."""
+        """protocol: where generated answers' first token comes from (kvlib.evaluation.generation), scored
+        continuations then coming from decode steps; or `one_pass` (kvlib.evaluation.one_pass): scored requests as the
+        official harnesses run them, one masked pass each (log-likelihood tasks only). prefill_store: prefills shared
+        with other models (above). prefill: the prefill mode of every prompt (the policy's preferred one by
+        default)."""
         super().__init__()
-        self.protocol = check_protocol(protocol)
+        self.protocol = protocol if protocol == one_pass.PROTOCOL else check_protocol(protocol)
         kv_policy = make_policy(policy, **policy_settings)  # bad settings fail here, before the model is loaded
+        if protocol == one_pass.PROTOCOL:
+            one_pass.check(kv_policy)
         self.prefill_mode = prefill or kv_policy.preferred_prefill
         kv_policy.check_prefill(self.prefill_mode)
         self.loaded = loaded or load_model(pretrained, device=device)
@@ -55,6 +60,7 @@ class KVLibLM(TemplateLM):
         self.bytes_held: int | None = 0  # device KV bytes after each decode step, and the tokens seen then
         self.tokens_held = 0
         self.speculation = [0, 0.0, 0.0]  # InfiniGen's measure_coverage: samples, speculated mass, oracle mass
+        self.one_pass = one_pass.Counter()  # what the one-pass protocol's scored rows attended
 
     def _generate(self, prompts, max_new_tokens, **kwargs):
         result = self.engine.generate(prompts, max_new_tokens, prefill_mode=self.prefill_mode,
@@ -83,6 +89,8 @@ class KVLibLM(TemplateLM):
     def kv_share_attended(self) -> float | None:
         """The share of the KV cache decode steps attended, over every request scored so far (what the policy
         actually used, whatever its budget setting)."""
+        if self.protocol == one_pass.PROTOCOL:
+            return self.one_pass.share
         return self.tokens_attended / self.tokens_seen if self.tokens_seen else None
 
     @property
@@ -112,6 +120,9 @@ class KVLibLM(TemplateLM):
         return self.tokenizer.encode(string, add_special_tokens=add_special_tokens)
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+        if self.protocol == one_pass.PROTOCOL:
+            pairs = [(context, continuation) for _, context, continuation in requests]
+            return one_pass.score(self.loaded, self.engine.policy, pairs, self.one_pass)
         scored = [self._split(context, continuation) for _, context, continuation in requests]
         # same contexts next to each other, so that a batch forks one prefill for all of a question's choices
         order = sorted(range(len(scored)), key=lambda i: (len(scored[i][0]), scored[i][0]))
@@ -154,6 +165,9 @@ class KVLibLM(TemplateLM):
         """Greedy answers, batch_size requests at a time through one Session (kvlib.evaluation.generation, under this
         model's protocol): requests with the same generation settings together, longest prompts first; each answer
         as the request alone would get it (tested)."""
+        if self.protocol == one_pass.PROTOCOL:
+            raise UserError("the one-pass protocol scores log-likelihood tasks (the official harnesses' accuracy "
+                            "path); a generated answer runs under deployed or strict")
         asked = [self._request(req) for req in requests]
         order = sorted(range(len(asked)), key=lambda i: (json.dumps(asked[i][1:], default=str), -len(asked[i][0])))
         batches = [order[i:i + self.batch_size] for i in range(0, len(order), self.batch_size)]

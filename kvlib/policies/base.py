@@ -10,6 +10,7 @@ implements and which the engine provides.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -122,6 +123,10 @@ class KVPolicy:
     # waiting one in (vLLM's rule, the default: it waits). compress_h2o makes both settings.
     compress_share: ClassVar[float] = 0.5
     compress_to_admit: ClassVar[bool] = False
+    # the official accuracy harness's rule (kvlib.evaluation.one_pass): one dense pass per scored request, each query
+    # row attending what the rule keeps for it; where the rule comes from (repository path), "" where the policy has
+    # none (the protocol refuses it)
+    one_pass_source: ClassVar[str] = ""
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -280,6 +285,19 @@ class KVPolicy:
         from dataclasses import asdict
         return asdict(self)
 
+    def one_pass_session(self):
+        """What the one-pass protocol holds open around its passes (kvlib.evaluation.one_pass): nothing by default;
+        a rule that reads more than a layer's own query and keys (InfiniGen's the previous layer's input) hooks it."""
+        return contextlib.nullcontext()
+
+    def one_pass_keep(self, layer: int, query: torch.Tensor, key: torch.Tensor,
+                      scores: torch.Tensor) -> torch.Tensor | None:
+        """The keys each query row attends in the one-pass protocol: bool [B, Hq, T, T] (True = attended; the causal
+        mask is applied after), or None for every earlier one. query [B, Hq, T, D], key [B, Hkv, T, D] with RoPE;
+        scores [B, Hq, T, T]: the scaled logits, -inf above the diagonal."""
+        raise UserError(f"policy {self.name!r} has no official one-pass accuracy rule: run it under the deployed "
+                        f"protocol (one_pass runs {', '.join(one_pass_policies())})")
+
 
 @dataclass
 class BudgetedPolicy(KVPolicy):
@@ -305,3 +323,10 @@ def tokens_allowed(budget: float, budget_tokens: int | None, tokens: int) -> int
     if budget_tokens is not None:
         return min(budget_tokens, tokens)
     return min(tokens, max(1, round(budget * tokens)))
+
+
+def one_pass_policies() -> list[str]:
+    """The registered policies with an official one-pass accuracy rule."""
+    from kvlib.policies.registry import REGISTRY
+
+    return sorted(name for name, cls in REGISTRY.items() if cls.one_pass_source)

@@ -48,6 +48,7 @@ class CompressH2OPolicy(HeavyHitterPolicy):
     instead of preempting them."""
 
     name = "compress_h2o"
+    one_pass_source = ""  # a serving schedule's policy: no accuracy harness of its own
     serving_schedule: ClassVar[str] = "compress"
     adopts_prefill = True  # H2O's prefill, unchanged
     keeps = ("every entry until the block pool runs low, then compress_share of a running request's entries per KV "

@@ -26,6 +26,7 @@ class FullPolicy(KVPolicy):
     name = "full"
     lossless = True
     adopts_prefill = True
+    one_pass_source = "EleutherAI/lm-evaluation-harness models/huggingface.py (one dense pass)"
 
     fidelity = Fidelity(Source("huggingface/transformers", "67dd5524d384fdf6b20f6123e7a9d74e6ed96345",
                                "src/transformers/cache_utils.py"), rules=(
@@ -40,6 +41,9 @@ class FullPolicy(KVPolicy):
              differs="the study serves it under continuous batching, a request waiting for a free row as servers "
                      "before paging did"),
     ), note="StaticCache (StaticLayer): the dense cache transformers' generate keeps for a fixed-size run")
+
+    def one_pass_keep(self, layer, query, key, scores):
+        return None  # every earlier entry: lm-eval's own dense pass
 
     def start(self, batch_size, prompt_lens, max_new_tokens):
         s = self.spec

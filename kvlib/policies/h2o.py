@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from kvlib.errors import UserError
 from kvlib.kernels.attention import causal_mask, matrix_attention, matrix_bytes
+from kvlib.policies import h2o_one_pass
 from kvlib.policies.base import tokens_allowed
 from kvlib.policies.fidelity import Fidelity, Rule, Source
 from kvlib.policies.registry import register
@@ -61,6 +62,8 @@ class HeavyHitterPolicy(ScoredEvictionPolicy):
     adopts_prefill = True
     evicts = "the least accumulated attention outside a recent window, for good"
 
+    one_pass_source = "FMInference/H2O@1603343 h2o_hf/utils_lm_eval/modify_llama.py"
+
     recent_ratio: float = 0.5  # share of the budget given to the recent window (the H2O paper splits it evenly)
     chunk_scoring: str = "accumulate"
     budget_rule: str = "seen"
@@ -86,6 +89,11 @@ class HeavyHitterPolicy(ScoredEvictionPolicy):
              differs="chunks bound the attention matrix's memory; under accumulate the scores are the same sums"),
         Rule("prompt scored by every later query", "accumulate", setting="chunk_scoring"),
         Rule("score precision", "the model's (fp16)", kvlib="fp32", differs="sums of many probabilities round in fp16"),
+        Rule("accuracy harness (utils_lm_eval)", "one pass a request, each row masked: heavy - 1 hitters by "
+             "accumulated attention, itself, and int(recent_ratio x T) before it; heavy = int(heavy_ratio x T)",
+             kvlib="protocol one_pass: the same mask, per attention head, T the request's tokens",
+             differs="the accuracy chapter also runs kvlib's deployed protocol (a dense prefill, then decode "
+                     "steps through the cache), reported apart"),
     ), note="the authors' real-eviction cache (fixed token counts); their accuracy runs (utils_hh) simulate it "
              "with attention masks, the counts int(ratio x prompt)")
 
@@ -133,6 +141,14 @@ class HeavyHitterPolicy(ScoredEvictionPolicy):
                 scores[:, -t:] += received[:, -t:]
             else:
                 scores += received
+
+    def one_pass_keep(self, layer, query, key, scores):
+        """The harness's mask (kvlib.policies.h2o_one_pass): heavy and recent counted on the whole sequence under
+        the budget rule (`flexgen`: heavy_ratio = recent_ratio = budget, as the harness's two ratios; `seen`: the
+        budget in all, split by recent_ratio)."""
+        t = scores.shape[-1]
+        kept, recent = heavy_recent(self.budget_rule, self.budget, None, self.recent_ratio, t, t)
+        return h2o_one_pass.keep_mask(scores, kept - recent, recent)
 
     def update_scores(self, layer, rows, probs):
         with self.timers.section("eviction"):

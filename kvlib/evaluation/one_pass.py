@@ -1,0 +1,90 @@
+"""The official accuracy harnesses' protocol: one dense pass per scored request, each query row masked by the policy.
+
+H2O's lm-eval path (FMInference/H2O h2o_hf/utils_lm_eval) and InfiniGen's (snu-comparch/InfiniGen accuracy/) do not
+prefill a context and then decode its continuation: they run lm-eval's log-likelihood request, context and
+continuation together, as one forward pass of the model, and in every layer mask each query row's attention to the
+keys the method's rule keeps for that row (`KVPolicy.one_pass_keep`). The budget then counts the whole sequence, the
+context's rows are sparse as well as the continuation's, and nothing is stored. kvlib's deployed protocol
+(kvlib.evaluation.lm) prefills the context densely and scores the continuation by decode steps through the policy's
+cache, as a deployed system runs; the accuracy experiment reports both, each named in its rows (`protocol`).
+
+The pass is transformers' forward of the model; its attention goes through kvlib's registered function, which hands
+the pass to this module when `one_pass=<policy>` is passed (kvlib.kernels.attention). The share attended is counted
+over the rows that score a continuation token: what each of them attended of the entries causally before it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvlib.errors import UserError
+from kvlib.policies.base import one_pass_policies
+
+PROTOCOL = "one_pass"
+
+
+class Counter:
+    """Entries attended and entries causally visible, over the scored rows of every pass so far."""
+
+    def __init__(self):
+        self.attended = self.visible = 0
+        self.rows: slice | None = None  # the current pass's scored query rows
+
+    def add(self, keep: torch.Tensor) -> None:
+        rows = keep[..., self.rows, :]
+        self.attended += int(rows.sum())
+        self.visible += int(torch.ones(rows.shape[-2:], dtype=torch.bool).tril(self.rows.start).sum()) * \
+            rows.shape[0] * rows.shape[1]
+
+    @property
+    def share(self) -> float | None:
+        return self.attended / self.visible if self.visible else None
+
+
+def masked_attention(module, query, key, value, scaling, policy, counter: Counter | None) -> torch.Tensor:
+    """A layer's attention over the whole sequence, each query row [B, Hq, T, D] attending what the policy keeps
+    for it, causally; output [B, T, Hq, D] as an attention function returns it."""
+    t, groups = query.shape[2], query.shape[1] // key.shape[1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=query.device).tril()
+    keys, values = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(query, keys.transpose(-1, -2)).mul_(scaling).masked_fill_(~causal, float("-inf"))
+    keep = policy.one_pass_keep(module.layer_idx, query, key, scores)
+    keep = causal.expand_as(scores) if keep is None else keep & causal
+    if counter is not None and counter.rows is not None:
+        counter.add(keep)
+    probs = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(probs, values).transpose(1, 2).contiguous()
+
+
+def check(policy) -> None:
+    if not policy.one_pass_source:
+        policy.one_pass_keep(0, None, None, None)  # raises: the policy's words for it
+    if getattr(policy, "budget_tokens", None) is not None:
+        raise UserError("the one-pass protocol counts a budget as a share of the sequence (as the official harnesses "
+                        "do); budget_tokens has no meaning there")
+
+
+def score(loaded, policy, requests: list[tuple[list[int], list[int]]], counter: Counter | None = None
+          ) -> list[tuple[float, bool]]:
+    """(log-likelihood of the continuation, whether greedy decoding gives it) per (context, continuation) request,
+    each one masked pass of context + continuation (left-truncated to the model's context, as lm-eval's `hf` model)."""
+    check(policy)
+    results = []
+    with torch.inference_mode(), policy.one_pass_session():
+        for context, continuation in requests:
+            if not continuation:
+                raise UserError("lm-eval asked to score an empty continuation")
+            whole = (context + continuation)[-(loaded.spec.max_context + 1):]
+            ids = torch.tensor([whole[:-1]], device=loaded.device)
+            first = len(whole) - 1 - len(continuation)  # the row that predicts the continuation's first token
+            if counter is not None:
+                counter.rows = slice(first, ids.shape[1])
+            logits = loaded.model(input_ids=ids, use_cache=False, one_pass=(policy, counter)).logits[0, first:]
+            logprobs = torch.log_softmax(logits.float(), dim=-1)
+            target = torch.tensor(continuation, device=logprobs.device)
+            results.append((float(logprobs.gather(-1, target[:, None]).sum()),
+                            bool((logprobs.argmax(dim=-1) == target).all())))
+    return results
+
+
+__all__ = ["PROTOCOL", "Counter", "masked_attention", "one_pass_policies", "score"]
