@@ -99,17 +99,26 @@ class Profile:
         return self.experiments[experiment].get("repeats", 1)
 
     def points(self, experiment: str) -> list[Point]:
-        """Every grid point of one experiment, in a stable order."""
+        """Every grid point of one experiment, in a stable order: its grid's, then each of its arms' (an arm: other
+        policies over another grid, its fixed values laid over the experiment's, on its own model if it names one)."""
         spec = self.experiments[experiment]
-        grid, fixed = spec.get("grid", {}), spec.get("fixed", {})
+        points = self._grid_points(experiment, spec, spec["policies"], spec.get("grid", {}), spec.get("fixed", {}))
+        for arm in spec.get("arms") or []:
+            fixed = {**spec.get("fixed", {}), **arm.get("fixed", {}), "role": arm.get("role", "confirmatory")}
+            own = {**spec, "model": arm.get("model", spec.get("model", self.model))}
+            points += self._grid_points(experiment, own, arm["policies"], arm.get("grid", {}), fixed, arm=True)
+        return points
+
+    def _grid_points(self, experiment: str, spec: dict, policies, grid: dict, fixed: dict,
+                     arm: bool = False) -> list[Point]:
         any_setting = {name for r in runners() for name in _setting_names(r)}
         points = []
-        for name in self._runners(spec["policies"]):
+        for name in self._runners(policies):
             own = _setting_names(name)
             # an axis named after a setting (e.g. budget) varies only the runners that have it
             axes = sorted(a for a in grid if a in own or a not in any_setting)
             for values in itertools.product(*(grid[a] for a in axes)):
-                given = {**fixed, **self._exploratory_values(spec, name), **dict(zip(axes, values))}
+                given = {**fixed, **({} if arm else self._exploratory_values(spec, name)), **dict(zip(axes, values))}
                 settings = {**self.policy_settings.get(name, {}), **{k: v for k, v in given.items() if k in own}}
                 workload = {k: v for k, v in given.items() if k not in any_setting}
                 cls = runner_class(name)

@@ -140,7 +140,7 @@ WORKLOAD: dict[str, dict[str, Check]] = {
                 "rate_multiple": positive_number,
                 "burstiness": positive_number, "slo_ttft_s": optional(positive_number),
                 "slo_tpot_s": optional(positive_number)},
-    "accuracy": {"task": text, "batch_size": positive_int, "protocol": one_of(*PROTOCOLS),
+    "accuracy": {"task": text, "batch_size": positive_int, "protocol": one_of(*PROTOCOLS, "one_pass"),
                  "limit": optional(positive_int), "ruler": optional(RULER), "offline_tasks": optional(OFFLINE_TASKS),
                  "prefill_store_gb": optional(positive_number)},
     "offload": {"batch_size": positive_int, "prompt_tokens": positive_int, "max_new_tokens": positive_int},
@@ -157,7 +157,8 @@ REQUIRED = {"ttft": ("prompt_tokens",), "batch_scaling": ("batch_size", "min_pro
             "offload": ("batch_size", "prompt_tokens", "max_new_tokens")}
 PROFILE_KEYS = {"model", "device_capacity_gb", "policy_settings", "experiments", "description", "device", "weights",
                 "validity_gate", "toy"}
-EXPERIMENT_KEYS = {"policies", "grid", "fixed", "model", "device_capacity_gb", "repeats", "exploratory"}
+EXPERIMENT_KEYS = {"policies", "grid", "fixed", "model", "device_capacity_gb", "repeats", "exploratory", "arms"}
+ARM_KEYS = {"policies", "grid", "fixed", "role", "model"}
 
 
 class Problems(list):
@@ -248,8 +249,13 @@ def _check_experiment(problems: Problems, exp, spec, settings: dict, weights) ->
     for key in sorted(set(exploratory) - {"policies", "fixed"}, key=str):
         problems.add(f"{here}.exploratory", f"unknown key {key!r}; allowed: ['fixed', 'policies']")
     explored = _policies(problems, f"{here}.exploratory.policies", exploratory.get("policies", []))
-    for part, values, as_axis, who in (("grid", grid, True, names), ("fixed", fixed, False, names),
-                                       ("exploratory.fixed", exploratory.get("fixed") or {}, False, explored)):
+    parts = [("grid", grid, True, names), ("fixed", fixed, False, names),
+             ("exploratory.fixed", exploratory.get("fixed") or {}, False, explored)]
+    for i, arm in enumerate(_arms(problems, f"{here}.arms", spec.get("arms") or [])):
+        armed = _policies(problems, f"{here}.arms[{i}].policies", arm.get("policies", []))
+        parts += [(f"arms[{i}].grid", arm.get("grid") or {}, True, armed),
+                  (f"arms[{i}].fixed", arm.get("fixed") or {}, False, armed)]
+    for part, values, as_axis, who in parts:
         if not isinstance(values, dict):
             problems.add(f"{here}.{part}", f"expected a mapping of values, got {values!r}")
             continue
@@ -265,6 +271,19 @@ def _check_experiment(problems: Problems, exp, spec, settings: dict, weights) ->
         either = key if isinstance(key, tuple) else (key,)  # one of them
         if not set(either) & given:
             problems.add(f"{here}", f"needs {' or '.join(map(repr, either))} in its grid or fixed values")
+
+
+def _arms(problems: Problems, path: str, arms) -> list[dict]:
+    """An experiment's arms, each a mapping of policies, grid, fixed values and a role."""
+    if not isinstance(arms, list) or not all(isinstance(a, dict) for a in arms):
+        problems.add(path, f"expected a list of mappings of {sorted(ARM_KEYS)}, got {arms!r}")
+        return []
+    for i, arm in enumerate(arms):
+        for key in sorted(set(arm) - ARM_KEYS, key=str):
+            problems.add(f"{path}[{i}]", f"unknown key {key!r}; allowed: {sorted(ARM_KEYS)}")
+        if not arm.get("policies"):
+            problems.add(f"{path}[{i}]", "needs its policies")
+    return arms
 
 
 def _check_value(problems: Problems, path: str, exp: str, key, value, runner_names: list[str]) -> None:

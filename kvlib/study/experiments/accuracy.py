@@ -1,5 +1,10 @@
 """Accuracy per task and KV budget through lm-eval (paper Fig. 7): one row per item.
 
+A point's `protocol` says how a log-likelihood request is scored: by decode steps through the policy's cache after a
+dense prefill (kvlib.evaluation.lm; its rows say `strict`), or, under `one_pass`, as the official H2O and InfiniGen
+harnesses run lm-eval, one masked pass a request (kvlib.evaluation.one_pass): the paper's six tasks run so in the
+profiles' arms.
+
 Every point of a model shares one process-level PrefillStore (kvlib.engine.prefill_record): the points of a task run
 the same items, so each item's dense prefill is computed once and every policy that adopts one takes it from there
 (each item's result is the one its own prefill gives). The store holds at most `prefill_store_gb` (a fixed value of
@@ -13,6 +18,7 @@ import weakref
 
 from kvlib.engine.prefill_record import PrefillStore
 from kvlib.evaluation import KVLibLM
+from kvlib.evaluation.one_pass import PROTOCOL as ONE_PASS
 from kvlib.evaluation.ruler import RULER_TASKS, evaluate_ruler
 from kvlib.evaluation.tasks import evaluate, write_offline_tasks
 from kvlib.models.workloads import calibration_prompt
@@ -59,8 +65,10 @@ def run_point(point) -> list[dict]:
         offline = v.get("offline_tasks")
         folder = write_offline_tasks(loaded.tokenizer, **offline) if offline else None
         rows = evaluate(lm, [v["task"]], include_path=folder, limit=v.get("limit"))
-        # a scored continuation always comes from decode steps (kvlib.evaluation.lm): strict, whatever the point says
-        rows = [{**row, "kv_share_attended": lm.kv_share_attended, "protocol": "strict"} for row in rows]
+        # a scored continuation comes from decode steps (kvlib.evaluation.lm), strict whatever the point says, or
+        # from the official harnesses' one masked pass (kvlib.evaluation.one_pass)
+        scored_by = protocol if protocol == ONE_PASS else "strict"
+        rows = [{**row, "kv_share_attended": lm.kv_share_attended, "protocol": scored_by} for row in rows]
     held = held_columns(lm, loaded.spec.kv_bytes_per_token)
     return [{**row, **held} for row in rows]
 
