@@ -15,22 +15,34 @@ import torch
 
 
 def heavy_hitter_mask(scores: torch.Tensor, heavy: int) -> torch.Tensor:
-    """Keys kept as heavy hitters [B, H, T, T] from the scaled logits [B, H, T, T] (-inf above the diagonal)."""
-    t = scores.shape[-1]
-    keep = torch.zeros_like(scores, dtype=torch.bool)
+    """Keys kept as heavy hitters [B, H, T, T] from the scaled logits [B, H, T, T] (-inf above the diagonal).
+
+    The harness's top heavy - 1 of the accumulated scores are, from row `heavy` on, the keys the last row kept less
+    the one with the lowest score (the others' scores are 0 after eviction, the kept ones' positive): so each row
+    evicts one key, and a key is attended from the row it enters (the first `heavy` keys: row 0) until the row that
+    evicts it. The loop keeps the scores of the live keys (evicted and later ones +inf, never the minimum) and when
+    each key leaves; the mask is built from that at the end (one op a row fewer than writing it row by row)."""
+    *lead, t, _ = scores.shape
     if heavy <= 0:
-        return keep
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
-    accumulated = probs[..., :heavy, :].sum(dim=-2)
-    accumulated[..., heavy:] = 0
-    keep[..., :heavy, :heavy] = True
+        return torch.zeros_like(scores, dtype=torch.bool)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).reshape(-1, t, t)
+    accumulated = probs[:, :heavy, :].sum(dim=-2)
+    accumulated[:, heavy:] = float("inf")
+    evicted = []
     for row in range(heavy, t):
-        chosen = torch.zeros_like(accumulated, dtype=torch.bool)
-        chosen.scatter_(-1, accumulated.topk(heavy - 1, dim=-1).indices, True)
-        chosen[..., row] = True
-        keep[..., row, :] = chosen
-        accumulated = (accumulated + probs[..., row, :]) * chosen
-    return keep
+        lowest = accumulated.argmin(dim=-1, keepdim=True)
+        evicted.append(lowest)
+        accumulated.scatter_(-1, lowest, float("inf"))
+        accumulated[:, row] = 0
+        accumulated += probs[:, row, :]
+    leaves = torch.full_like(accumulated, t, dtype=torch.long)  # the first row that no longer attends each key
+    if evicted:
+        rows = torch.arange(heavy, t, device=scores.device).expand(accumulated.shape[0], -1)
+        leaves.scatter_(-1, torch.cat(evicted, dim=-1), rows)
+    position = torch.arange(t, device=scores.device)
+    enters = torch.where(position < heavy, 0, position)
+    keep = (position[:, None] >= enters[None, :]) & (position[:, None] < leaves[:, None, :])
+    return keep.reshape(*lead, t, t)
 
 
 def keep_mask(scores: torch.Tensor, heavy: int, recent: int) -> torch.Tensor:
