@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from kvlib.report import findings, tables
+from kvlib.report import findings, stats, tables
 
 
 def ttft_rows(policy, values, prompt_tokens=512):
@@ -158,8 +158,13 @@ def test_retention_pairs_questions_and_resamples_conversations():
     # if InfiniGen lost the middle of the paper's 1-4 pp
     assert any(line.startswith("Ours, finding 5 (as deployed): infinigen within +-5 pp") and "inconclusive" in line
                for line in lines)
-    assert any("40 conversations here (no interval narrower than +-17.3 pp), about 544 conversations to confirm it "
-               "with 80% power if InfiniGen loses 2.5 pp" in line for line in lines)
+    from kvlib.report.accuracy_findings import units_needed
+    from kvlib.report.pages import FINDINGS
+
+    level = FINDINGS.level("finding 5")
+    floor, needed = stats.resolution(40, level), units_needed(level, -0.05, 0.05, 0.025)
+    assert any(f"40 conversations here (no interval narrower than +-{floor * 100:.1f} pp), about {needed:,} "
+               "conversations to confirm it with 80% power if InfiniGen loses 2.5 pp" in line for line in lines)
     assert any(line.startswith("Ours, finding 5 (as deployed): h2o worse with longer contexts") for line in lines)
 
 

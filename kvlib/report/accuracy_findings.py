@@ -1,8 +1,8 @@
 """Findings 4 and 5 as the paper states them, each a declared list of claims, each claim one paired drop read at the
-findings page's level (kvlib.report.pages.FINDINGS) and pooled as the paper pools it: finding 4 "on average", over
-every item of the units the full cache passes (the multiple-choice tasks, RULER per length), items resampled within
-their unit; finding 5 over the context-length buckets, conversations resampled within their bucket, and its trend
-from the shortest bucket to the longest. Before the verdicts, each claim's reach: the units from which it comes out
+findings page's level (kvlib.report.pages.FINDINGS) and pooled as the paper pools it: finding 4 "on average" over the
+paper's six tasks, each task weighed equally (kvlib.report.paper_accuracy: the rules shared here); finding 5 over the
+context-length buckets, conversations resampled within their bucket, and its trend from the shortest bucket to the
+longest, H2O under FlexGen's budget rule where the rows record one (the official code's). Before the verdicts, each claim's reach: the units from which it comes out
 confirmed with 80 % power if the effect the paper reports held."""
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from dataclasses import dataclass, replace
 import pandas as pd
 
 from kvlib.report import stats
-from kvlib.report.drop_words import change
-from kvlib.report.gate import passing, passing_units, retention_gate
+from kvlib.report.drop_words import change, signed_pp
+from kvlib.report.gate import passing, retention_gate
 from kvlib.report.pages import FINDINGS
 from kvlib.report.stats import CONFIRMED, INCONCLUSIVE, REFUTED
 from kvlib.report.stats.accuracy import POWER, confirm_chance, difference_verdict, units_for_power
-from kvlib.report.tables import accuracy_item, budgeted, retention_design
+from kvlib.report.tables import budgeted, retention_design
 
 MARGIN = stats.EQUIVALENCE_MARGIN
 INFINIGEN_ACCURACY_DROP = 0.06  # the paper: at budget 0.1 "InfiniGen loses ~6 pp on average"
@@ -123,72 +123,19 @@ def reach(claim: str, effect: str, needed: int | None, here: str, floor: float, 
             f"{size} to confirm it with {POWER:.0%} power if {effect}")
 
 
-def _pooled(units: dict) -> pd.DataFrame:
-    """Every unit's rows as one frame: `score` the unit's value, `stratum` the unit (and RULER's subtask)."""
-    return pd.concat([rows.assign(score=rows[value].astype(float),
-                                  stratum=label + ("/" + rows[stratum].astype(str) if stratum else ""))
-                      for label, (rows, value, stratum) in units.items()], ignore_index=True)
-
-
 def _full_score(rows: pd.DataFrame, value: str) -> float:
     return rows.loc[rows["policy"] == "full", value].astype(float).mean()
 
 
 def accuracy_claims(df: pd.DataFrame, gate: float, level: float = FINDINGS.level("finding 4")) -> Claims:
-    """Finding 4's four claims over the pooled items: H2O and InfiniGen near the full cache at budget 0.5, InfiniGen's
-    drop at 0.1 inside ~6 pp (1-11: the margin either side), H2O losing more than InfiniGen at 0.1."""
+    """Finding 4's eight claims as the paper states them, on its six tasks, averaged over tasks
+    (kvlib.report.paper_accuracy); the other readings beside them, the book's own tasks among them, as context lines
+    that never enter the verdict (kvlib.report.paper_accuracy_beside)."""
     if df.empty:
         return Claims([], [], ("not run in this profile", "the accuracy experiment has no results"))
-    units = passing_units(df, gate)
-    if not units:
-        return Claims([], [], ("not testable on this machine",
-                               f"no scored task passes the validity gate ({gate:.0%} with the full cache)"))
-    pooled = _pooled(units)
-    item = accuracy_item(pooled)
+    from kvlib.report.paper_accuracy_beside import finding_4  # it reads this module's rules
 
-    def rows(policy, budget=None):
-        at = pooled[pooled["policy"] == policy]
-        return at if budget is None else at[at["budget"] == budget]
-
-    def drop(reference, other):
-        return stats.paired_drop(reference, other, "score", item, None, "stratum", level=level)
-
-    claims = []
-    for policy in ("h2o", "infinigen"):
-        if not rows(policy, 0.5).empty:
-            d = drop(rows("full"), rows(policy, 0.5))
-            claims.append(DropClaim(f"{policy} at budget 0.5 near the full cache (+-{MARGIN * 100:g} pp)", d,
-                                    near_baseline(d), "items", side(d, -MARGIN, MARGIN, f"{NAMES[policy]} at budget 0.5")))
-    low, high = INFINIGEN_ACCURACY_DROP - MARGIN, INFINIGEN_ACCURACY_DROP + MARGIN
-    if not rows("infinigen", 0.1).empty:
-        d = drop(rows("full"), rows("infinigen", 0.1))
-        claims.append(DropClaim(f"infinigen at budget 0.1 loses ~{INFINIGEN_ACCURACY_DROP * 100:g} pp "
-                                f"(inside {low * 100:g}-{high * 100:g} pp)", d,
-                                in_range(d, INFINIGEN_ACCURACY_DROP, INFINIGEN_ACCURACY_DROP), "items",
-                                side(d, low, high, "InfiniGen at budget 0.1")))
-    if not rows("h2o", 0.1).empty and not rows("infinigen", 0.1).empty:
-        d = as_difference(drop(rows("infinigen", 0.1), rows("h2o", 0.1)))
-        claims.append(DropClaim("H2O loses more than InfiniGen at budget 0.1 (H2O's change from InfiniGen)", d,
-                                loses_more(d), "items", "H2O loses less than InfiniGen at budget 0.1, not more"))
-    if not claims:
-        return Claims([], [], (INCONCLUSIVE, ("H2O and InfiniGen did not run at budgets 0.1 or 0.5 on a task that "
-                                             "passes")))
-    n = int(rows("full")[item].drop_duplicates().shape[0])
-    floor, extra = stats.resolution(n, level), H2O_ACCURACY_DROP - INFINIGEN_ACCURACY_DROP
-    context = [f"{label}: full cache {_full_score(r, v):.1%}" for label, (r, v, _) in units.items()]
-    context += [(f"pooled over {n} items of {', '.join(units)} (each item weighs the same, items resampled within "
-                f"their unit)"),
-                reach(f"near the full cache (+-{MARGIN * 100:g} pp)", f"the policy loses {NEAR * 100:g} pp (half the "
-                      "margin: the paper gives no figure for \"near\")", units_needed(level, -MARGIN, MARGIN, NEAR),
-                      f"{n:,} items", floor, level, "items"),
-                reach(f"~{INFINIGEN_ACCURACY_DROP * 100:g} pp (inside {low * 100:g}-{high * 100:g} pp)",
-                      f"InfiniGen loses the paper's {INFINIGEN_ACCURACY_DROP * 100:g} pp",
-                      units_needed(level, low, high, INFINIGEN_ACCURACY_DROP), f"{n:,} items", floor, level, "items"),
-                reach("H2O loses more than InfiniGen", f"H2O loses {extra * 100:.1f} pp more (the paper's HellaSwag "
-                      f"and BoolQ drops averaged, {H2O_ACCURACY_DROP * 100:.1f} pp, less InfiniGen's "
-                      f"~{INFINIGEN_ACCURACY_DROP * 100:g})", units_needed(level, 0.0, math.inf, extra), f"{n:,} items",
-                      floor, level, "items")]
-    return Claims(claims, context)
+    return finding_4(df, gate, level)
 
 
 def bucket_start(label: str) -> int:
@@ -197,13 +144,38 @@ def bucket_start(label: str) -> int:
     return int(first[:-1]) * 1024 if first.endswith("K") else int(first)
 
 
-def deployed_rows(df: pd.DataFrame, gate: float) -> pd.DataFrame:
+def official_rule(d: pd.DataFrame, rule: str = "flexgen") -> pd.DataFrame:
+    """H2O's rows under one budget rule where the rows record one ("flexgen", the official code's: heavy = recent =
+    int(budget x tokens); "seen", the paper's words); rows without a budget_rule column (older ones) as they are."""
+    if "budget_rule" not in d or not d.loc[d["policy"] == "h2o", "budget_rule"].notna().any():
+        return d
+    return d[(d["policy"] != "h2o") | (d["budget_rule"] == rule)]
+
+
+def deployed_rows(df: pd.DataFrame, gate: float, rule: str = "flexgen") -> pd.DataFrame:
     """Retention's rows as finding 5 reads them: the buckets the full cache passes, as deployed where both protocols
-    ran (the paper's systems answer as deployed), budgeted, `correct` as a share."""
+    ran (the paper's systems answer as deployed), H2O under `rule` where the rows record one, budgeted, `correct` as
+    a share."""
     d = df[df["bucket"].isin(passing(retention_gate(df, gate), "bucket"))]
     if "protocol" in d and d["protocol"].nunique() > 1:
         d = d[d["protocol"] == "deployed"]
+    d = official_rule(d, rule)
     return budgeted(d).assign(correct=d["correct"].astype(float))
+
+
+def seen_line(df: pd.DataFrame, gate: float, full: pd.DataFrame, budget: float, level: float) -> list[str]:
+    """H2O under the "seen" rule at the verdict's budget, beside finding 5's verdict (never in it)."""
+    if "budget_rule" not in df or not (df["budget_rule"] == "seen").any():
+        return []
+    seen = deployed_rows(df, gate, "seen")
+    seen = seen[(seen["policy"] == "h2o") & (seen["budget"] == budget)]
+    if seen.empty:
+        return []
+    item, cluster, stratum = retention_design(seen)
+    d = stats.paired_drop(full, seen, "correct", item, cluster, stratum, level=level)
+    return [(f"beside, not in the verdict: H2O under the seen rule (the paper's words: budget x tokens kept in all; "
+            f"the verdict reads flexgen, the official code's) at budget {budget:g}: {signed_pp(d.drop)} pp, interval "
+            f"{signed_pp(d.high)} to {signed_pp(d.low)} ({d.clusters} conversations)")]
 
 
 def _shared_budgets(d: pd.DataFrame) -> list[float]:
@@ -247,7 +219,7 @@ def retention_claims(df: pd.DataFrame, gate: float, level: float = FINDINGS.leve
                         in_range(h2o, low, high), "conversations", side(h2o, low - MARGIN, high + MARGIN, "H2O"))]
     buckets = sorted(d["bucket"].unique(), key=bucket_start)
     ig_mid = sum(INFINIGEN_RETENTION_DROP) / 2
-    context = [_buckets_line(d, buckets, budgets[0], gate),
+    context = [_buckets_line(d, buckets, budgets[0], gate), *seen_line(df, gate, full, budgets[0], level),
                reach(f"InfiniGen within +-{MARGIN * 100:g} pp", f"InfiniGen loses {ig_mid * 100:g} pp (the middle "
                      f"of the paper's {INFINIGEN_RETENTION_DROP[0] * 100:g}-{INFINIGEN_RETENTION_DROP[1] * 100:g} pp)",
                      units_needed(level, -MARGIN, MARGIN, ig_mid), f"{infinigen.clusters:,} conversations",

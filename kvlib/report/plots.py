@@ -1,5 +1,6 @@
 """Figures of the book, drawn from results frames (kvlib.study.results.load), so notebook cells stay one line; the
-findings' overview figure has its own module (kvlib.report.overview_figure)."""
+findings' overview figure has its own module (kvlib.report.overview_figure), the paper's Fig. 7 on its six tasks
+too (kvlib.report.fig7)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,13 @@ import matplotlib.pyplot as plt
 import pandas as pd
 import seaborn as sns
 
+from kvlib.report.fig7 import fig7
 from kvlib.report.figure_style import GB, policy_colours, set_style
 from kvlib.report.overview_figure import overview
 from kvlib.report.tables import decode_spread, geometric_mean
 
-__all__ = ["GB", "accuracy", "batch_scaling", "decode_length", "memory_components", "overview", "recall_by_length",
-           "retention", "ruler", "throughput", "ttft", "wall_split"]
+__all__ = ["GB", "accuracy", "batch_scaling", "decode_length", "fig7", "memory_components", "overview",
+           "recall_by_length", "retention", "ruler", "throughput", "ttft", "wall_split"]
 
 COMPONENTS = ["weights", "weights_packed", "activations", "kv", "kv_reserved", "overhead"]
 

@@ -1,7 +1,8 @@
 """The statistics the book's verdicts rest on: pure functions of numbers and frames (numpy, pandas), seeded, so the
 same results always read the same way. Timings (kvlib.report.stats.timing): a permutation test on the repeats, read
 round by round, ratios of geometric means, families of claims settled by Holm. Accuracy
-(kvlib.report.stats.accuracy): paired drops against the full cache with bootstrap intervals. Every page's tested
+(kvlib.report.stats.accuracy): paired drops against the full cache with bootstrap intervals, and their average
+over tasks, each task weighed equally (kvlib.report.stats.task_average). Every page's tested
 statements are one family (kvlib.report.stats.family).
 """
 
@@ -36,6 +37,7 @@ from kvlib.report.stats.rule import (
     SMALLER,
     TOO_FEW,
 )
+from kvlib.report.stats.task_average import effective_items, task_average, task_average_drop
 from kvlib.report.stats.timing import (
     EQUIVALENCE_TIMING,
     EXACT_SPLITS,
@@ -81,6 +83,7 @@ __all__ = [
     "compare_timings",
     "drop_change",
     "drop_verdict",
+    "effective_items",
     "family_level",
     "holm",
     "mean_interval",
@@ -93,6 +96,8 @@ __all__ = [
     "sign_test_p",
     "smallest_p_value",
     "smallest_passing",
+    "task_average",
+    "task_average_drop",
     "timing_rule",
     "two_sided_z",
 ]
