@@ -114,6 +114,21 @@ def _items(fixed: dict, task: str) -> str:
     return f"{task}: {n:,} items" if n else f"{task}: every item"
 
 
+def _arm_row(name: str, accuracy: dict, arm: dict) -> str:
+    """An accuracy arm's row: its policies and what sets them apart (rule, alpha, protocol, model), budgets, items."""
+    fixed = {**accuracy["fixed"], **arm.get("fixed", {})}
+    grid = arm.get("grid", {})
+    apart = [f"{k} {fixed[k]:g}" if isinstance(fixed[k], float) else f"{k} {fixed[k]}"
+             for k in ("protocol", "budget_rule", "alpha") if k in arm.get("fixed", {})]
+    model = f"; {arm['model']}" if arm.get("model") else ""
+    label = f"accuracy ({', '.join(apart)}{model}{', exploratory' if arm.get('role') == 'exploratory' else ''})"
+    budgets = ", ".join(f"{b:g}" for b in grid.get("budget", []))
+    items = fixed.get("limit")
+    tasks = ", ".join(grid.get("task", []))
+    return (f"| `{name}` | {label} | {', '.join(arm['policies'])} | {budgets} | "
+            f"{tasks}: {f'{items:,} items' if items else 'every item'} each, paired |")
+
+
 def sizes() -> str:
     rows = ["| profile | experiment | policies | budgets | size |", "|---|---|---|---|---|"]
     for name in SIZED:
@@ -128,9 +143,12 @@ def sizes() -> str:
                 fixed = {**accuracy["fixed"], **exploratory.get("fixed", {})}
                 rows.append(f"| `{name}` | accuracy (exploratory) | {', '.join(exploratory['policies'])} | {budgets} | "
                             + "; ".join(_items(fixed, t) for t in tasks) + ", paired |")
+            rows += [_arm_row(name, accuracy, arm) for arm in accuracy.get("arms") or []]
         if "retention" in spec:
             retention = spec["retention"]
             fixed, budgets = retention["fixed"], ", ".join(f"{b:g}" for b in retention["grid"]["budget"])
+            if retention["grid"].get("budget_rule"):
+                budgets += f" (H2O's budget rule: {', '.join(retention['grid']['budget_rule'])})"
             buckets = fixed["buckets"]
             protocols = fixed.get("protocol", "deployed")
             rows.append(f"| `{name}` | retention | {', '.join(retention['policies'])} | {budgets} | "
