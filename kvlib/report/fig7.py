@@ -31,14 +31,16 @@ def fig7_points(df: pd.DataFrame) -> pd.DataFrame:
     model = reading_model(d)
     d = d[d["model"] == model] if model is not None else d
     if d.empty:
-        return pd.DataFrame(columns=["task", "line", "budget", "score", "low", "high", "items", "chance"])
+        return pd.DataFrame(columns=["task", "line", "budget", "score", "low", "high", "items", "chance",
+                                     "kv_share_attended"])
     d = d.assign(line=d.apply(_label, axis=1), chance=d["chance"] if "chance" in d else float("nan"))
     rows = []
     for (task, line, budget), g in d.groupby(["task", "line", "budget"]):
         low, high = wilson(g["correct"].sum(), len(g))
-        rows.append((task, line, budget, g["correct"].mean(), low, high, len(g), g["chance"].iloc[0]))
-    return pd.DataFrame(rows, columns=["task", "line", "budget", "score", "low", "high", "items", "chance"]).assign(
-        model=model)
+        shared = g["kv_share_attended"].mean() if "kv_share_attended" in g else float("nan")
+        rows.append((task, line, budget, g["correct"].mean(), low, high, len(g), g["chance"].iloc[0], shared))
+    return pd.DataFrame(rows, columns=["task", "line", "budget", "score", "low", "high", "items", "chance",
+                                       "kv_share_attended"]).assign(model=model)
 
 
 def fig7(df: pd.DataFrame):

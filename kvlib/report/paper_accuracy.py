@@ -73,6 +73,11 @@ def paper_rows(df: pd.DataFrame, protocol: str | None = PROTOCOL) -> pd.DataFram
     return budgeted(d).assign(correct=d["correct"].astype(float)) if not d.empty else budgeted(d)
 
 
+def own_rows(df: pd.DataFrame) -> pd.DataFrame:
+    """The book's own tasks' rows (kvlib_recall, RULER...): everything but the paper's six."""
+    return df[~df["task"].isin(PAPER_TASKS)] if "task" in df else df
+
+
 def reading_model(d: pd.DataFrame) -> str | None:
     """The model the verdict reads: the one with the most rows (several are never pooled)."""
     if "model" not in d or d["model"].isna().all():
