@@ -1,7 +1,8 @@
 """Each chapter's opening: two or three sentences that answer the chapter's question from its results, before any
 figure or table. Every figure in them is read from the frame; a lead is a description (the highest geometric mean,
 the ratio to the next with the timing rule's interval), never a ranking claim (those are the findings' family,
-kvlib.report.verdicts). An empty frame answers that nothing was measured."""
+kvlib.report.verdicts); its last sentence says which model(s) and machine the rows come from. An empty frame answers
+that nothing was measured."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from kvlib.report.accuracy_findings import deployed_rows, retention_claims
 from kvlib.report.accuracy_lines import change, multiple_choice_drops
 from kvlib.report.gate import GATE
 from kvlib.report.pages import ACCURACY, FINDINGS, TIMING
+from kvlib.report.provenance import sentence
 from kvlib.report.serving import sustained_rates
 from kvlib.report.tables import decode_spread, geometric_mean, retention_design, scored_rows, ttft_spread
 
@@ -179,10 +181,14 @@ ANSWERS = {"ttft": ttft, "batch_scaling": batch_scaling, "decode_length": decode
 
 
 def answer(name: str, df: pd.DataFrame, gate: float = GATE) -> str:
-    """A chapter's opening sentences, as Markdown."""
+    """A chapter's opening sentences, as Markdown, the last naming the model(s) and machine its rows come from
+    (kvlib.report.provenance, as its figures' titles do)."""
     read = ANSWERS[name]
     lead = read(df, gate) if name in ("accuracy", "retention") else read(df)
-    return f"**In short.** {lead}" + ("" if lead == NOTHING else f"\n\n{PAGE_ERROR_RATES[name]}")
+    if lead == NOTHING:
+        return f"**In short.** {lead}"
+    where = sentence(df)
+    return f"**In short.** {lead}" + (f" {where}" if where else "") + f"\n\n{PAGE_ERROR_RATES[name]}"
 
 
 # each chapter's error rate, said once at its top, under its lead (kvlib.report.pages)

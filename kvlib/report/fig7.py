@@ -1,7 +1,7 @@
 """The paper's Fig. 7 redrawn from the rows: six panels (PIQA, COPA, WinoGrande / HellaSwag, OpenBookQA, BoolQ),
 accuracy against the KV budget, one line per policy (H2O per budget rule, InfiniGen at its official alpha), the full
 cache as a horizontal band (its 95 % Wilson interval), each task's chance rate as a dashed line. Protocol one_pass,
-the official harnesses' (the paper's numbers' own); one model (the one with the most rows), named in the title."""
+the official harnesses' (the paper's numbers' own); one model (the one with the most rows), named in the title with the machine (kvlib.report.provenance)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pandas as pd
 
 from kvlib.report.figure_style import policy_colours, set_style
 from kvlib.report.paper_accuracy import ALPHA, PAPER_TASKS, paper_rows, reading_model
+from kvlib.report.provenance import suptitle
 from kvlib.report.tables import wilson
 
 TITLES = {"piqa": "PIQA", "copa": "COPA", "winogrande": "WinoGrande", "hellaswag": "HellaSwag",
@@ -73,8 +74,11 @@ def fig7(df: pd.DataFrame):
     key = [plt.Line2D([], [], color="black", lw=6, alpha=0.2, label="full cache (band: 95 % Wilson)"),
            plt.Line2D([], [], color="grey", ls="--", label="chance (guessing)")]
     key += [plt.Line2D([], [], color=palette[n], marker="o", label=n) for n in lines]
-    model = points["model"].iloc[0] if "model" in points and len(points) else "no rows"
-    fig.suptitle(f"Fig. 7 from the rows: accuracy against KV budget, protocol one_pass, {model}")
+    drawn = paper_rows(df)  # the model the points read (kvlib.report.paper_accuracy.reading_model), with its machine
+    model = reading_model(drawn)
+    drawn = drawn[drawn["model"] == model] if model is not None else drawn
+    suptitle(fig, drawn, title="Fig. 7 from the rows: accuracy against KV budget, protocol one_pass"
+                               + ("" if len(points) else ", no rows"))
     fig.legend(handles=key, loc="lower center", ncol=min(len(key), 5), fontsize="small", frameon=False)
     fig.tight_layout(rect=(0, 0.06, 1, 0.96))
     return fig

@@ -28,6 +28,7 @@ from kvlib.report.accuracy_lines import change, role
 from kvlib.report.figure_style import policy_colours, set_style
 from kvlib.report.gate import GATE, passing_units
 from kvlib.report.pages import ACCURACY
+from kvlib.report.provenance import suptitle
 from kvlib.report.tables import accuracy_item
 
 HYBRIDS = ("duo", "adakv", "pyramidkv")
@@ -211,6 +212,7 @@ def plot(df: pd.DataFrame, gate: float = GATE):
             key.setdefault(label, handle)
     fig.legend(key.values(), key.keys(), loc="lower center", ncol=4, fontsize="small",
                title="hybrid: solid, filled; uniform: dashed, hollow; other: dotted")
+    suptitle(fig, df)
     fig.tight_layout(rect=(0, 0.06 + 0.045 * -(-len(key) // 4), 1, 1))
     return fig
 

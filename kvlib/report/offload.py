@@ -16,6 +16,7 @@ import pandas as pd
 from kvlib.memory.placement import TIERS, Placement
 from kvlib.report import stats
 from kvlib.report.figure_style import policy_colours, set_style
+from kvlib.report.provenance import suptitle
 from kvlib.report.tables import decode_spread, geometric_mean
 
 GIB, MIB = 2**30, 2**20
@@ -135,5 +136,6 @@ def figure(df: pd.DataFrame):
     bx.set(xlabel="KV on disk (%; the rest on the host)", ylabel="read off the disk per generated token (MiB)",
            title="Disk reads per generated token")
     bx.legend(*ax.get_legend_handles_labels(), loc="upper left", bbox_to_anchor=(1.02, 1), fontsize="small")
+    suptitle(fig, df)
     fig.tight_layout()
     return fig

@@ -12,6 +12,7 @@ from kvlib.report.accuracy_lines import signed_pp
 from kvlib.report.choose.evidence import evidence_for
 from kvlib.report.figure_style import GB, set_style
 from kvlib.report.gate import GATE
+from kvlib.report.provenance import titled
 from kvlib.report.tables import decode_spread
 
 
@@ -55,11 +56,12 @@ def overview(frames: dict[str, pd.DataFrame], gate: float | None = None):
     bar.set_label("accuracy lost against the full cache (pp)")
     levels = {e.drop.level for ev in evidence.values() for e in ev}
     level = f"its {levels.pop() * 100:g} % interval" if len(levels) == 1 else "its interval"
+    title = (f"Throughput, memory and accuracy at batch {int(big['batch_size'].iloc[0])}\n"
+             f"geometric mean; bars: range of repeats and steps\naccuracy: the paired drop"
+             + (f" on {next(iter(tasks))}" if len(tasks) == 1 else "") + f" and {level} (described, not tested: "
+             "unadjusted)")
     ax.set(xlabel="device memory peak (GiB)", ylabel="decode throughput (tokens/s)",
-           title=f"Throughput, memory and accuracy at batch {int(big['batch_size'].iloc[0])}\n"
-                 f"geometric mean; bars: range of repeats and steps\naccuracy: the paired drop"
-                 + (f" on {next(iter(tasks))}" if len(tasks) == 1 else "")
-                 + f" and {level} (described, not tested: unadjusted)")
+           title=titled(title, big, frames.get("accuracy", pd.DataFrame())))
     # the name beside each point; its drop and interval in the key below, fastest first (one task decides every
     # drop: named once, in the title)
     key = [plt.Line2D([], [], ls="", marker="o", ms=8, mfc=colour, mec="black",

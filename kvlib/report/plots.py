@@ -11,6 +11,7 @@ import seaborn as sns
 from kvlib.report.fig7 import fig7
 from kvlib.report.figure_style import GB, policy_colours, set_style
 from kvlib.report.overview_figure import overview
+from kvlib.report.provenance import suptitle, titled
 from kvlib.report.tables import decode_spread, geometric_mean
 
 __all__ = ["GB", "accuracy", "batch_scaling", "decode_length", "fig7", "memory_components", "overview",
@@ -33,7 +34,7 @@ def ttft(df: pd.DataFrame):
         ax.scatter(oom["prompt_tokens"], [top] * len(oom), marker="x", color="crimson", s=80, label="OOM")
         ax.axhline(top, color="crimson", lw=0.5, ls=":")
     ax.set(xscale="log", yscale="log", xlabel="prompt length (tokens)", ylabel="time to first token (s)",
-           title="TTFT vs prompt length (geometric mean, band: range of repeats; x = out of device memory)")
+           title=titled("TTFT vs prompt length (geometric mean, band: range of repeats; x = out of device memory)", df))
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
     fig.tight_layout()
     return fig
@@ -55,7 +56,7 @@ def memory_components(df: pd.DataFrame, by: str, tier: str = "device", title: st
     data.plot.bar(stacked=True, ax=ax, width=0.8)
     note = f" (weights, {weights:.2f} GiB for every policy, not shown)" if weights else ""
     ax.set(xlabel=f"policy, {by.replace('_', ' ')}", ylabel=f"{tier} memory, GiB (peak per component)",
-           title=(title or f"{tier.capitalize()} memory by component") + note)
+           title=titled((title or f"{tier.capitalize()} memory by component") + note, df))
     ax.legend(title="component", fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))
     plt.setp(ax.get_xticklabels(), rotation=45, ha="right")
     fig.tight_layout()
@@ -80,8 +81,8 @@ def batch_scaling(df: pd.DataFrame):
             sns.lineplot(d, x="batch_size", y=col, hue="policy", palette=policy_colours(d["policy"]), marker="o",
                          estimator=geometric_mean, errorbar=None, ax=ax, legend=False)
         ax.set(xlabel="batch size", ylabel=label)
-    fig.suptitle("Batch scaling (mixed-length prompts; geometric mean of repeats, bars: range of repeats and their "
-                 "steps)")
+    suptitle(fig, df, title="Batch scaling (mixed-length prompts; geometric mean of repeats, bars: range of repeats "
+                            "and their steps)")
     fig.tight_layout()
     # one legend beside the four panels: inside one, eleven runners covered its lines
     fig.legend(*axes.flat[0].get_legend_handles_labels(), loc="upper left", bbox_to_anchor=(1.0, 0.93),
@@ -115,7 +116,8 @@ def wall_split(df: pd.DataFrame, by: str, title: str = ""):
                     for c in cols]
     fig, ax = plt.subplots(figsize=(9, 4.5))
     data.plot.bar(stacked=True, ax=ax, width=0.8)
-    ax.set(xlabel=f"policy, {by.replace('_', ' ')}", ylabel="wall time (s)", title=title or "Wall-time split")
+    ax.set(xlabel=f"policy, {by.replace('_', ' ')}", ylabel="wall time (s)",
+           title=titled(title or "Wall-time split", df))
     ax.legend(fontsize="small")
     plt.setp(ax.get_xticklabels(), rotation=45, ha="right")
     fig.tight_layout()
@@ -127,14 +129,16 @@ def decode_length(df: pd.DataFrame):
     fig, ax = plt.subplots(figsize=(7, 4))
     throughput(df[~df["oom"]], "output_tokens", ax)
     ax.set(xlabel="output length (tokens)", ylabel="decode throughput (tokens/s)",
-           title="Decode throughput vs output length (geometric mean, bars: range of repeats and their steps)")
+           title=titled("Decode throughput vs output length (geometric mean, bars: range of repeats and their steps)",
+                        df))
     return fig
 
 
-def accuracy(table: pd.DataFrame):
+def accuracy(table: pd.DataFrame, rows: pd.DataFrame | None = None):
     """Paper Fig. 7: one panel per task, score against the KV share each policy actually attended (its configured
     budget as the point's marker), 95 % intervals as bars, the full cache as a dashed line with its band; the key below
-    the panels (eleven policies' names written beside their points covered each other)."""
+    the panels (eleven policies' names written beside their points covered each other). The model and machine above
+    them, from `rows` (the table's rows) where given, else from the table."""
     set_style()
     tasks = sorted(table["task"].unique())
     fig, axes = plt.subplots(1, len(tasks), figsize=(max(9.0, 5.5 * len(tasks)), 6), squeeze=False)
@@ -160,6 +164,7 @@ def accuracy(table: pd.DataFrame):
     key += [plt.Line2D([], [], ls="", marker=shapes[b], color="grey", mec="black", label=f"configured budget {b:g}")
             for b in budgets]
     columns = 3 if len(tasks) == 1 else 4
+    suptitle(fig, table if rows is None else rows)
     fig.legend(handles=key, loc="lower center", ncol=columns, fontsize="small", frameon=False)
     fig.tight_layout(rect=(0, 0.03 + 0.04 * -(-len(key) // columns), 1, 1))
     return fig
@@ -178,6 +183,7 @@ def recall_by_length(df: pd.DataFrame):
                      errorbar=None, ax=ax,
                      legend=ax is axes.flat[-1])
         ax.set(xscale="log", xlabel="context length (tokens)", ylabel="recall accuracy", title=f"budget {budget:g}")
+    suptitle(fig, df)
     fig.tight_layout()
     return fig
 
@@ -203,14 +209,15 @@ def retention(df: pd.DataFrame):
         b.set(xlabel="turn at which the question is asked", ylabel="retention accuracy",
               title=f"(b) by turn{named} (band: range over buckets)")
         b.legend(title="policy", fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))  # inside, it hid lines
+    suptitle(fig, df)
     fig.tight_layout()
     return fig
 
 
-def ruler(table: pd.DataFrame, task: str = "mean"):
+def ruler(table: pd.DataFrame, task: str = "mean", rows: pd.DataFrame | None = None):
     """RULER score vs KV budget, one line per policy, one panel per length (kvlib.report.tables.ruler_table; `task`: one
     subtask or `mean`, the mean over the subtasks); bars: 95 % bootstrap interval over the items; the full cache as a
-    dashed line with its band."""
+    dashed line with its band. The model and machine in the title, from `rows` where given, else from the table."""
     set_style()
     t = table[table["task"] == task]
     lengths = sorted(t["length"].unique())
@@ -228,6 +235,7 @@ def ruler(table: pd.DataFrame, task: str = "mean"):
         ax.set(xscale="log", ylim=(-0.03, 1.03), xlabel="configured KV budget",
                ylabel=f"RULER score ({task})", title=f"{length:,} tokens")
         ax.legend(fontsize="small")
-    fig.suptitle(f"RULER {'mean over subtasks' if task == 'mean' else task} vs KV budget (bars: 95 % interval)")
+    suptitle(fig, table if rows is None else rows,
+             title=f"RULER {'mean over subtasks' if task == 'mean' else task} vs KV budget (bars: 95 % interval)")
     fig.tight_layout()
     return fig

@@ -8,6 +8,7 @@ import pandas as pd
 import seaborn as sns
 
 from kvlib.report.figure_style import set_style
+from kvlib.report.provenance import suptitle
 from kvlib.report.serving.frame import MIB, serving_frame
 
 
@@ -45,6 +46,7 @@ def latency_vs_rate(df: pd.DataFrame):
         axes[2].plot([0, top], [0, top], color="grey", ls=":", lw=1, label="offered rate")
         axes[2].legend(fontsize="x-small")
     axes[2].set(xlabel="request rate (requests/s)", ylabel="goodput (requests/s within the SLO)", title="Goodput")
+    suptitle(fig, df)
     fig.tight_layout()
     return fig
 
@@ -78,5 +80,6 @@ def memory_vs_rate(df: pd.DataFrame):
                 ax.axhline(pool, color="crimson", ls=":", lw=1, label="the pool (0.9 x capacity - weights)")
             ax.legend(fontsize="x-small")
         ax.set(xlabel="request rate (requests/s)", ylabel=label, title=label[0].upper() + label[1:] + " vs rate")
+    suptitle(fig, df)
     fig.tight_layout()
     return fig
