@@ -8,11 +8,12 @@ import math
 import pandas as pd
 
 from kvlib.report import stats
-from kvlib.report.accuracy_findings import retention_claims
+from kvlib.report.accuracy_findings import accuracy_claims, retention_claims
 from kvlib.report.drop_words import change, signed_pp  # noqa: F401 -- the chapters' words, by name
 from kvlib.report.gate import GATE, accuracy_gate, beyond_model, passing, retention_gate
 from kvlib.report.pages import ACCURACY
 from kvlib.report.paper import PAPER
+from kvlib.report.paper_accuracy import described, own_rows, paper_rows
 from kvlib.report.tables import (
     accuracy_item,
     accuracy_table,
@@ -83,10 +84,26 @@ def _who_loses_more(drop: stats.Drop) -> str:
     return f"{words[drop.verdict]} (H2O's change from InfiniGen {change(drop)}; paper: H2O loses more)"
 
 
+def paper_tasks(df: pd.DataFrame, gate: float = GATE) -> list[str]:
+    """Finding 4's drops on the paper's six tasks (kvlib.report.paper_accuracy), described: what they rest on, then
+    each claim's drop and interval without a verdict word (the verdicts are the findings page's, in its family);
+    nothing where the rows hold none of those tasks."""
+    if paper_rows(df, None).empty:
+        return []
+    claims = accuracy_claims(df, gate)
+    if claims.unanswered:
+        return [f"The paper's six tasks: no reading ({claims.unanswered[1]})."]
+    return [f"The paper's six tasks: {line}" for line in claims.context] + [
+        f"The paper's six tasks, {c.name}: {described(c.drop)} ({c.drop.clusters} {c.units}; the verdict is the "
+        f"findings page's)" for c in claims.claims]
+
+
 def accuracy(df: pd.DataFrame, gate: float = GATE) -> list[str]:
-    """Each task's full-cache score, then, where the full cache passes the validity gate (kvlib.report.gate), each
-    policy's paired change from it; a task the full cache fails is said to be beyond the model, with no verdict."""
-    out = [f"Paper: {PAPER['accuracy']}"]
+    """The paper's six tasks as finding 4 reads them, then the book's own tasks: each task's full-cache score, and,
+    where the full cache passes the validity gate (kvlib.report.gate), each policy's paired change from it; a task the
+    full cache fails is said to be beyond the model, with no verdict."""
+    out = [f"Paper: {PAPER['accuracy']}", *paper_tasks(df, gate)]
+    df = own_rows(df)
     table = accuracy_table(df)
     gated = accuracy_gate(df, gate)
     gated = gated[gated["length"].isna()]
@@ -120,7 +137,9 @@ def accuracy(df: pd.DataFrame, gate: float = GATE) -> list[str]:
 
 def multiple_choice_drops(df: pd.DataFrame, gate: float = GATE) -> dict:
     """(task, budget, policy) -> each policy's paired drop from the full cache (and H2O's from InfiniGen) on every
-    multiple-choice task the full cache passes: the accuracy page's first section, read by its lead and its body."""
+    multiple-choice task of the book's own the full cache passes (the paper's six are finding 4's: paper_tasks), read by
+    the page's lead and its body."""
+    df = own_rows(df)
     rows = scored_rows(df)
     table = accuracy_table(df)
     gated = accuracy_gate(df, gate)
