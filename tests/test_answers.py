@@ -53,7 +53,7 @@ def test_a_lead_is_worded_by_its_verdict():
 
 def test_accuracy_opens_with_the_paired_drops_of_the_papers_two_methods():
     text = answers.answer("accuracy", accuracy_rows())
-    assert "On recall (the full cache 100.0% over 60 items)" in text
+    assert "On the book's recall (the full cache 100.0% over 60 items, kvlib's deployed protocol)" in text
     # the multiple-choice section's 1.67 % of the page (the page's error rate is said under the lead)
     assert "h2o at 0.1 -50.0 pp, interval -66.7 to -33.3: lower" in text and "**One error rate for this page.**" in text
     assert "h2o at 0.5 +0.0 pp, interval" in text
@@ -104,3 +104,19 @@ def test_a_compressed_runners_accuracy_is_no_evidence_for_it_run_uncompressed():
     assert "h2o: accuracy not measured as run here" in {t.get_text() for t in fig.legends[0].get_texts()}
     assert compressed_apart(accuracy, batch) == {"h2o"}  # the chooser says why: measured, but compressed otherwise
     assert compressed_apart(accuracy, batch.assign(compress_cache=batch["policy"] == "h2o")) == set()
+
+
+def test_the_paper_tasks_lead_the_accuracy_answer_as_drops_never_as_verdicts():
+    """The accuracy page's lead reads finding 4's task averages first, described: the verdict words are the findings
+    page's, in its family, and the paper's rows never enter the page's own multiple-choice section."""
+    from test_paper_accuracy_findings import paper_frame
+
+    paper = paper_frame(items=40)
+    text = answers.answer("accuracy", pd.concat([paper, accuracy_rows()], ignore_index=True))
+    lead = text.split("On the book's recall")[0]
+    assert lead.startswith("**In short.** On the paper's six tasks (the official harnesses' one-pass protocol")
+    assert "infinigen at budget 0.1 loses ~6 pp on the task average" in lead
+    assert not any(word in lead for word in (": confirmed", ": refuted", ": inconclusive", ": lower", ": equivalent"))
+    alone = answers.answer("accuracy", accuracy_rows())
+    assert text.split("On the book's recall")[1].split("(paired).")[0] == \
+        alone.split("On the book's recall")[1].split("(paired).")[0]
