@@ -39,8 +39,9 @@ def test_an_arm_adds_its_policies_over_its_own_grid_on_the_experiments_fixed_val
 
 def test_an_arms_values_are_checked_as_the_grids_are(tmp_path):
     bad = {**PROFILE, "experiments": {"accuracy": {**PROFILE["experiments"]["accuracy"], "arms": [
-        {"policies": ["h2o"], "grid": {"budget": ["half"]}, "colour": 1}]}}}
+        {"policies": ["h2o"], "grid": {"budget": ["half"]}, "colour": 1, "role": "decisive"}]}}}
     with pytest.raises(UserError) as err:
         points(tmp_path, bad)
     assert "experiments.accuracy.arms[0].grid.budget[0]: expected float" in str(err.value)
     assert "unknown key 'colour'" in str(err.value)
+    assert "arms[0].role: expected confirmatory or exploratory, got 'decisive'" in str(err.value)

@@ -88,7 +88,8 @@ class KVLibLM(TemplateLM):
     @property
     def kv_share_attended(self) -> float | None:
         """The share of the KV cache decode steps attended, over every request scored so far (what the policy
-        actually used, whatever its budget setting)."""
+        actually used, whatever its budget setting); under one_pass, what the scored rows' masks kept of the entries
+        before each (kvlib.evaluation.one_pass.Counter)."""
         if self.protocol == one_pass.PROTOCOL:
             return self.one_pass.share
         return self.tokens_attended / self.tokens_seen if self.tokens_seen else None

@@ -283,6 +283,8 @@ def _arms(problems: Problems, path: str, arms) -> list[dict]:
             problems.add(f"{path}[{i}]", f"unknown key {key!r}; allowed: {sorted(ARM_KEYS)}")
         if not arm.get("policies"):
             problems.add(f"{path}[{i}]", "needs its policies")
+        if arm.get("role", "confirmatory") not in ("confirmatory", "exploratory"):
+            problems.add(f"{path}[{i}].role", f"expected confirmatory or exploratory, got {arm['role']!r}")
     return arms
 
 
