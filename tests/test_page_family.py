@@ -7,8 +7,9 @@ import pandas as pd
 import pytest
 
 from kvlib.report import stats
-from kvlib.report.accuracy_findings import accuracy_claims, retention_claims
+from kvlib.report.accuracy_findings import retention_claims
 from kvlib.report.pages import ACCURACY, FINDINGS
+from kvlib.report.paper_accuracy_beside import accuracy_claims
 from kvlib.report.stats import CONFIRMED, REFUTED
 from kvlib.report.verdicts import throughput_claims
 

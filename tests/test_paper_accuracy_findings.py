@@ -10,10 +10,11 @@ import pandas as pd
 import pytest
 
 from kvlib.report import stats
-from kvlib.report.accuracy_findings import accuracy_claims, retention_claims
+from kvlib.report.accuracy_findings import retention_claims
 from kvlib.report.fig7 import fig7, fig7_points
 from kvlib.report.pages import FINDINGS
 from kvlib.report.paper_accuracy import CLAIMS, PAPER_TASKS
+from kvlib.report.paper_accuracy_beside import accuracy_claims
 from kvlib.report.stats import CONFIRMED, INCONCLUSIVE, REFUTED
 
 matplotlib.use("Agg")

@@ -8,8 +8,9 @@ context's rows are sparse as well as the continuation's, and nothing is stored. 
 (kvlib.evaluation.lm) prefills the context densely and scores the continuation by decode steps through the policy's
 cache, as a deployed system runs; the accuracy experiment reports both, each named in its rows (`protocol`).
 
-The pass is transformers' forward of the model; its attention goes through kvlib's registered function, which hands
-the pass to this module when `one_pass=<policy>` is passed (kvlib.kernels.attention). The share attended is counted
+The pass is transformers' forward of the model; its attention goes through kvlib's registered function, which masks
+each layer by the policy's rule when `one_pass=(policy, counter)` is passed (kvlib.kernels.attention's
+`masked_attention`). The share attended is counted
 over the rows that score a continuation token: what each of them attended of the entries causally before it.
 """
 
@@ -39,21 +40,6 @@ class Counter:
     @property
     def share(self) -> float | None:
         return self.attended / self.visible if self.visible else None
-
-
-def masked_attention(module, query, key, value, scaling, policy, counter: Counter | None) -> torch.Tensor:
-    """A layer's attention over the whole sequence, each query row [B, Hq, T, D] attending what the policy keeps
-    for it, causally; output [B, T, Hq, D] as an attention function returns it."""
-    t, groups = query.shape[2], query.shape[1] // key.shape[1]
-    causal = torch.ones(t, t, dtype=torch.bool, device=query.device).tril()
-    keys, values = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    scores = torch.matmul(query, keys.transpose(-1, -2)).mul_(scaling).masked_fill_(~causal, float("-inf"))
-    keep = policy.one_pass_keep(module.layer_idx, query, key, scores)
-    keep = causal.expand_as(scores) if keep is None else keep & causal
-    if counter is not None and counter.rows is not None:
-        counter.add(keep)
-    probs = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1, dtype=torch.float32).to(query.dtype)
-    return torch.matmul(probs, values).transpose(1, 2).contiguous()
 
 
 def check(policy) -> None:
@@ -87,4 +73,4 @@ def score(loaded, policy, requests: list[tuple[list[int], list[int]]], counter: 
     return results
 
 
-__all__ = ["PROTOCOL", "Counter", "masked_attention", "one_pass_policies", "score"]
+__all__ = ["PROTOCOL", "Counter", "one_pass_policies", "score"]

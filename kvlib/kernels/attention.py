@@ -14,8 +14,6 @@ import torch.nn.functional as F
 def kvlib_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, kv_step=None, one_pass=None,
                     **kwargs):
     if one_pass is not None:  # the official accuracy harnesses' masked pass (kvlib.evaluation.one_pass)
-        from kvlib.evaluation.one_pass import masked_attention
-
         return masked_attention(module, query, key, value, scaling, *one_pass), None
     if kv_step is None:  # the model called outside the engine (e.g. a plain forward): behave like SDPA
         out = F.scaled_dot_product_attention(query, key, value, is_causal=query.shape[2] > 1, scale=scaling,
@@ -23,6 +21,22 @@ def kvlib_attention(module, query, key, value, attention_mask, scaling=None, dro
     else:
         out = kv_step.policy.attend(module.layer_idx, query, key, value, kv_step)
     return out.transpose(1, 2).contiguous(), None
+
+
+def masked_attention(module, query, key, value, scaling, policy, counter=None) -> torch.Tensor:
+    """A layer's attention over the whole sequence, each query row [B, Hq, T, D] attending what the policy's one-pass
+    rule keeps for it (KVPolicy.one_pass_keep), causally; output [B, T, Hq, D] as an attention function returns it.
+    counter (kvlib.evaluation.one_pass.Counter): adds what its scored rows attended."""
+    t, groups = query.shape[2], query.shape[1] // key.shape[1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=query.device).tril()
+    keys, values = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(query, keys.transpose(-1, -2)).mul_(scaling).masked_fill_(~causal, float("-inf"))
+    keep = policy.one_pass_keep(module.layer_idx, query, key, scores)
+    keep = causal.expand_as(scores) if keep is None else keep & causal
+    if counter is not None and counter.rows is not None:
+        counter.add(keep)
+    probs = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(probs, values).transpose(1, 2).contiguous()
 
 
 def register_attention() -> None:

@@ -1,9 +1,11 @@
 """Findings 4 and 5 as the paper states them, each a declared list of claims, each claim one paired drop read at the
-findings page's level (kvlib.report.pages.FINDINGS) and pooled as the paper pools it: finding 4 "on average" over the
-paper's six tasks, each task weighed equally (kvlib.report.paper_accuracy: the rules shared here); finding 5 over the
-context-length buckets, conversations resampled within their bucket, and its trend from the shortest bucket to the
-longest, H2O under FlexGen's budget rule where the rows record one (the official code's). Before the verdicts, each claim's reach: the units from which it comes out
-confirmed with 80 % power if the effect the paper reports held."""
+findings page's level (kvlib.report.pages.FINDINGS): the rules a claim is read by (near_baseline, in_range,
+loses_more) and its reach. Finding 4 is read "on average" over the paper's six tasks, each task weighed equally
+(kvlib.report.paper_accuracy; its claims with the readings beside them: paper_accuracy_beside.accuracy_claims);
+finding 5, here, over the context-length buckets, conversations resampled within their bucket, and its trend from
+the shortest bucket to the longest, H2O under FlexGen's budget rule where the rows record one (the official code's).
+Before the verdicts, each claim's reach: the units from which it comes out confirmed with 80 % power if the effect
+the paper reports held."""
 
 from __future__ import annotations
 
@@ -125,17 +127,6 @@ def reach(claim: str, effect: str, needed: int | None, here: str, floor: float, 
 
 def _full_score(rows: pd.DataFrame, value: str) -> float:
     return rows.loc[rows["policy"] == "full", value].astype(float).mean()
-
-
-def accuracy_claims(df: pd.DataFrame, gate: float, level: float = FINDINGS.level("finding 4")) -> Claims:
-    """Finding 4's eight claims as the paper states them, on its six tasks, averaged over tasks
-    (kvlib.report.paper_accuracy); the other readings beside them, the book's own tasks among them, as context lines
-    that never enter the verdict (kvlib.report.paper_accuracy_beside)."""
-    if df.empty:
-        return Claims([], [], ("not run in this profile", "the accuracy experiment has no results"))
-    from kvlib.report.paper_accuracy_beside import finding_4  # it reads this module's rules
-
-    return finding_4(df, gate, level)
 
 
 def bucket_start(label: str) -> int:

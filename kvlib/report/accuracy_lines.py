@@ -8,12 +8,13 @@ import math
 import pandas as pd
 
 from kvlib.report import stats
-from kvlib.report.accuracy_findings import accuracy_claims, retention_claims
+from kvlib.report.accuracy_findings import retention_claims
 from kvlib.report.drop_words import change, signed_pp  # noqa: F401 -- the chapters' words, by name
 from kvlib.report.gate import GATE, accuracy_gate, beyond_model, passing, retention_gate
 from kvlib.report.pages import ACCURACY
 from kvlib.report.paper import PAPER
 from kvlib.report.paper_accuracy import described, own_rows, paper_rows
+from kvlib.report.paper_accuracy_beside import accuracy_claims
 from kvlib.report.tables import (
     accuracy_item,
     accuracy_table,

@@ -9,11 +9,12 @@ from __future__ import annotations
 import pandas as pd
 
 from kvlib.report import frontier, offload, stats
-from kvlib.report.accuracy_findings import accuracy_claims, deployed_rows, retention_claims
+from kvlib.report.accuracy_findings import deployed_rows, retention_claims
 from kvlib.report.accuracy_lines import change, multiple_choice_drops
 from kvlib.report.gate import GATE
 from kvlib.report.pages import ACCURACY, FINDINGS, TIMING
 from kvlib.report.paper_accuracy import described, own_rows, paper_rows
+from kvlib.report.paper_accuracy_beside import accuracy_claims
 from kvlib.report.provenance import sentence
 from kvlib.report.serving import sustained_rates
 from kvlib.report.tables import decode_spread, geometric_mean, retention_design, scored_rows, ttft_spread

@@ -11,9 +11,10 @@ from collections import Counter
 import pandas as pd
 
 from kvlib.report import stats
-from kvlib.report.accuracy_findings import UNTESTED, Claims, accuracy_claims, retention_claims
+from kvlib.report.accuracy_findings import UNTESTED, Claims, retention_claims
 from kvlib.report.gate import GATE
 from kvlib.report.pages import FINDINGS as FINDINGS_FAMILY
+from kvlib.report.paper_accuracy_beside import accuracy_claims
 from kvlib.report.tables import outside_label
 from kvlib.report.throughput_claims import one_memory, throughput_claims
 
