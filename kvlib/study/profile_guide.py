@@ -41,6 +41,8 @@ EXPERIMENT = {
     "model": "this experiment's model instead of the profile's",
     "device_capacity_gb": "this experiment's device capacity instead of the profile's",
     "exploratory": "`policies` and `fixed` of runners read but not tested (no verdict rests on them)",
+    "arms": ("a list of other grids, each `policies`, `grid`, `fixed` (laid over the experiment's), `role` "
+             "(confirmatory or exploratory) and optionally `model`: e.g. the paper's six tasks under one_pass"),
 }
 WORKLOAD = {
     "text_source": "where prompts come from: `{kind: hf, path: ..., field: ...}`; default: the CPython docs offline",
@@ -64,7 +66,9 @@ WORKLOAD = {
     "slo_ttft_s": "the TTFT a request must meet to count toward goodput, in seconds",
     "slo_tpot_s": "the time per output token a request must meet to count toward goodput, in seconds",
     "task": "an lm-eval task name, or one of kvlib's offline tasks (kvlib_recall, niah_single_1, ...)",
-    "protocol": "deployed (the question prefilled with the context) or strict (the question decoded after it)",
+    "protocol": ("deployed (the question prefilled with the context) or strict (the question decoded after it); for "
+                 "accuracy also one_pass (each log-likelihood request one masked pass, as the official H2O and "
+                 "InfiniGen harnesses score lm-eval: kvlib.evaluation.one_pass)"),
     "limit": "the first N items of the task (paired across runners); default: every item",
     "ruler": "RULER's `max_seq_lengths`, `items` and `max_gen_toks` (kvlib.evaluation.ruler)",
     "offline_tasks": "the offline tasks' sizes: recall lengths, items, choices, depths; perplexity documents, tokens",
