@@ -43,8 +43,7 @@ class Counter:
 
 
 def check(policy) -> None:
-    if not policy.one_pass_source:
-        policy.one_pass_keep(0, None, None, None)  # raises: the policy's words for it
+    policy.check_one_pass()
     if getattr(policy, "budget_tokens", None) is not None:
         raise UserError("the one-pass protocol counts a budget as a share of the sequence (as the official harnesses "
                         "do); budget_tokens has no meaning there")

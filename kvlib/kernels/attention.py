@@ -27,16 +27,16 @@ def masked_attention(module, query, key, value, scaling, policy, counter=None) -
     """A layer's attention over the whole sequence, each query row [B, Hq, T, D] attending what the policy's one-pass
     rule keeps for it (KVPolicy.one_pass_keep), causally; output [B, T, Hq, D] as an attention function returns it.
     counter (kvlib.evaluation.one_pass.Counter): adds what its scored rows attended."""
-    t, groups = query.shape[2], query.shape[1] // key.shape[1]
+    b, heads, t, _ = query.shape
     causal = torch.ones(t, t, dtype=torch.bool, device=query.device).tril()
-    keys, values = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    scores = torch.matmul(query, keys.transpose(-1, -2)).mul_(scaling).masked_fill_(~causal, float("-inf"))
+    scores = grouped_scores(query, key, scaling).view(b, heads, t, t).masked_fill_(~causal, float("-inf"))
     keep = policy.one_pass_keep(module.layer_idx, query, key, scores)
     keep = causal.expand_as(scores) if keep is None else keep & causal
     if counter is not None and counter.rows is not None:
         counter.add(keep)
     probs = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1, dtype=torch.float32).to(query.dtype)
-    return torch.matmul(probs, values).transpose(1, 2).contiguous()
+    out = torch.matmul(probs.view(b, key.shape[1], -1, t, t), value.unsqueeze(2))  # [B, Hkv, G, T, D]
+    return out.reshape(b, heads, t, -1).transpose(1, 2).contiguous()
 
 
 def register_attention() -> None:

@@ -295,8 +295,14 @@ class KVPolicy:
         """The keys each query row attends in the one-pass protocol: bool [B, Hq, T, T] (True = attended; the causal
         mask is applied after), or None for every earlier one. query [B, Hq, T, D], key [B, Hkv, T, D] with RoPE;
         scores [B, Hq, T, T]: the scaled logits, -inf above the diagonal."""
-        raise UserError(f"policy {self.name!r} has no official one-pass accuracy rule: run it under the deployed "
-                        f"protocol (one_pass runs {', '.join(one_pass_policies())})")
+        self.check_one_pass()
+        raise NotImplementedError(f"{self.name} declares a one_pass_source but no one_pass_keep")
+
+    def check_one_pass(self) -> None:
+        """Refuse the one-pass protocol where the policy has no official rule for it."""
+        if not self.one_pass_source:
+            raise UserError(f"policy {self.name!r} has no official one-pass accuracy rule: run it under the deployed "
+                            f"protocol (one_pass runs {', '.join(one_pass_policies())})")
 
 
 @dataclass
