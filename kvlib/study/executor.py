@@ -184,6 +184,18 @@ def selected_points(points: list[Point], policies: Iterable[str] | None = None) 
     return points
 
 
+def stored(profile: str, experiment: str, point: Point, repeat: int) -> bool:
+    return results.unit_path(profile, experiment, point.key, repeat).exists()
+
+
+def units_to_compute(profile: Profile, experiment: str, force: bool = False,
+                     policies: Iterable[str] | None = None) -> list[tuple[Point, int]]:
+    """(point, repeat) of every unit run_experiment would compute."""
+    points = selected_points(profile.points(experiment), policies)
+    return [(p, r) for r in range(profile.repeats(experiment)) for p in points
+            if force or not stored(profile.name, experiment, p, r)]
+
+
 def run_experiment(profile: Profile, experiment: str, force: bool = False, progress: bool = True,
                    policies: Iterable[str] | None = None, executor: Executor | None = None) -> None:
     """Store every missing unit of one experiment (of the given policies only, if any), and the manifest of the
@@ -202,8 +214,7 @@ def run_experiment(profile: Profile, experiment: str, force: bool = False, progr
     ordered = rounds(points, repeats, f"{profile.name}/{experiment}", shuffled=timed)
     slots = {(p.key, r): slot for p, r, slot in ordered}
     units = [(p, r) for p, r, _ in ordered]
-    todo = [(p, r) for p, r in units
-            if force or not results.unit_path(profile.name, experiment, p.key, r).exists()]
+    todo = [(p, r) for p, r in units if force or not stored(profile.name, experiment, p, r)]
     if timed and todo and executor is None:
         # this machine's limits beside the rows it is about to time: their bounds are read against them
         record(machine_limits(profile.name), machine())

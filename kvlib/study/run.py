@@ -11,8 +11,9 @@ from __future__ import annotations
 import pandas as pd
 
 from kvlib.errors import UserError
-from kvlib.study import book, reference, results
-from kvlib.study.executor import Executor, UnitsFailed, run_experiment
+from kvlib.study import book, estimate, reference, results
+from kvlib.study.executor import Executor, UnitsFailed, run_experiment, units_to_compute
+from kvlib.study.limits import measure
 from kvlib.study.profile import EXPERIMENTS, Profile
 from kvlib.study.profile import load_profile as _load_profile
 
@@ -38,6 +39,9 @@ def run_study(profile: str, experiments: list[str] | None = None, force: bool = 
         raise UserError("--publish publishes the whole profile and the chapters the run executes from it: drop "
                         "--compute-only, --experiments and --policies")
     names = experiments or [e for e in EXPERIMENTS if e in prof.experiments]
+    if said := estimate.announce(prof.name, {n: units_to_compute(prof, n, force, policies) for n in names
+                                             if n in prof.experiments}, measure):
+        print(said, flush=True)
     failed = []
     for name in names:  # a unit that fails stops nothing: the other experiments are computed before the run fails
         try:
