@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from kvlib.models.pass_shape import PassShape, add
 from kvlib.policies.h2o import heavy_recent
+from kvlib.projection.policy_step import NotProjected
 
 MODEL = "llama-3.1-8b"
 DTYPE_BYTES = 2  # bf16, as the paper ran it
@@ -51,6 +52,10 @@ class Runner:
     fetch_share: float | None = None  # InfiniGen: the share of held tokens a sparse layer fetches
     share_source: str = ""
     h2o_ratio: float = H2O_RATIO  # H2O: heavy = recent = int(ratio x prompt), FlexGen's rule
+    # a profile's runner: its policy's settings (key, value) pairs, its step read from the policy itself
+    # (kvlib.projection.policy_step); None: the paper's rule above for its policy
+    settings: tuple | None = None
+    reason: str = ""  # why it is not projected, where it is not
 
 
 @dataclass(frozen=True)
@@ -92,11 +97,16 @@ class StepWork:
     work: dict  # one decode step's counts (kvlib.memory.work.QUANTITIES)
     kv_length: float  # what the sparse layers' attention attends, per row
     full_layers_share: float  # layers that attend every held token instead
+    kernels: bool = True  # aiconfigurator's kernels describe its attention
+    note: str = ""
 
 
 def step_work(shape: PassShape, hidden_size: int, runner: Runner, load: Workload) -> StepWork:
     """One mean decode step's work at the shape, counted as kvlib's engine counts it."""
     b, held = load.batch, load.mean_held
+    if runner.settings is not None:
+        got = policy_rule(shape, runner, load)
+        return StepWork(with_zeros(got.work), got.kv_length, got.full_layers_share, got.kernels, got.note)
     if runner.policy == "h2o":
         attended = h2o_attended(load.prompt, held, runner.h2o_ratio)
         work = shape.decode_step(b, attended)
@@ -119,6 +129,26 @@ def step_work(shape: PassShape, hidden_size: int, runner: Runner, load: Workload
     return StepWork(with_zeros(work), fetched + 1, dense / shape.num_layers)
 
 
+def policy_rule(shape: PassShape, runner: Runner, load: Workload):
+    """A profile runner's step and memory, read from its policy (kvlib.projection.policy_step.rule)."""
+    from kvlib.projection import policy_step
+
+    policy = _policy(runner.policy, runner.settings, shape)
+    return policy_step.rule(policy, shape, load.batch, load.prompt, load.output)
+
+
+_POLICIES: dict = {}
+
+
+def _policy(name: str, settings: tuple, shape: PassShape):
+    from kvlib.projection import policy_step
+
+    key = (name, repr(settings), shape)
+    if key not in _POLICIES:
+        _POLICIES[key] = policy_step.policy_at(name, dict(settings), shape)
+    return _POLICIES[key]
+
+
 def with_zeros(work: dict) -> dict:
     from kvlib.memory.work import QUANTITIES
 
@@ -128,6 +158,12 @@ def with_zeros(work: dict) -> dict:
 def memory_by_tier(shape: PassShape, config, runner: Runner, load: Workload) -> dict:
     """Bytes held at the run's end (its peak): device weights + KV, host KV."""
     weights = shape.weight_bytes + (0 if config.tie_word_embeddings else config.vocab_size * shape.row_bytes)
+    if runner.settings is not None:
+        got = policy_rule(shape, runner, load)
+        device, host = weights * got.device_weight_share + got.device_kv_bytes, weights * (1 - got.device_weight_share)
+        return {"device_weights_gb_projected": weights * got.device_weight_share / 1e9,
+                "device_kv_gb_projected": got.device_kv_bytes / 1e9, "device_gb_projected": device / 1e9,
+                "host_gb_projected": (host + got.host_kv_bytes) / 1e9}
     per_token = shape.num_kv_heads * shape.kv_token_bytes  # one layer's
     held = load.batch * load.final_held
     device_kv, host_kv = held * shape.num_layers * per_token, 0
@@ -233,7 +269,14 @@ def projection(fetch_share: float | None = None, profile: str = "embedded", hard
         spec = hardware.load(name)
         for runner in runner_list or runners(fetch_share, profile):
             for load in loads or workloads():
-                sw = step_work(shape, config.hidden_size, runner, load)
+                if runner.reason:
+                    rows.append(not_projected(name, runner, load, runner.reason, spec))
+                    continue
+                try:
+                    sw = step_work(shape, config.hidden_size, runner, load)
+                except NotProjected as why:
+                    rows.append(not_projected(name, runner, load, str(why), spec))
+                    continue
                 times = bound.phase_times(sw.work, spec, "bfloat16")
                 bound_s = bound.combine(times, bound.OVERLAPPED)
                 row = {"setting": load.setting, "hardware": name, "runner": runner.name, "policy": runner.policy,
@@ -246,10 +289,19 @@ def projection(fetch_share: float | None = None, profile: str = "embedded", hard
                        "decode_minutes_bound_projected": load.output * bound_s / 60,
                        **memory_by_tier(shape, config, runner, load), "hardware_spec": spec.description}
                 row["fits_device_projected"] = row["device_gb_projected"] * 1e9 <= spec.device_memory.value
-                if kernels and spec.kernel_system and model in gpu_kernels.MODELS:
+                if sw.note:
+                    row["note"] = sw.note
+                if kernels and sw.kernels and spec.kernel_system and model in gpu_kernels.MODELS:
                     row |= aiconfigurator_columns(model, spec, sw, load)
                 rows.append(row)
     return pd.DataFrame(rows)
+
+
+def not_projected(hardware_name: str, runner: Runner, load: Workload, reason: str, spec) -> dict:
+    """A runner's row without figures: why its step is not projected."""
+    return {"setting": load.setting, "hardware": hardware_name, "runner": runner.name, "policy": runner.policy,
+            "batch_size": load.batch, "prompt_tokens": load.prompt, "output_tokens": load.output,
+            "not_projected": reason, "hardware_spec": spec.description}
 
 
 def aiconfigurator_columns(model: str, spec, sw: StepWork, load: Workload) -> dict:
@@ -287,11 +339,29 @@ LABELS = {"decode_tokens_per_s_projected": "decode tokens/s, projected (aiconfig
 
 def for_workload(model: str, hardware_name: str, prompt: int, batch: int, output: int, profile: str = "embedded"):
     """One workload of `model` on one machine, every runner projected (`kvlib choose --hardware`): where no
-    measurement of that model on that machine exists."""
+    measurement of that model on that machine exists. The paper's runners (`runners`), then every other runner of
+    the profile's systems experiments, its step read from its policy (kvlib.projection.policy_step); a runner that
+    cannot be projected keeps a row that says why."""
     from kvlib.projection import gpu_kernels
 
     return projection(profile=profile, hardware_names=(hardware_name,), kernels=gpu_kernels.available(), model=model,
-                      loads=[Workload("your workload", batch, prompt, output)])
+                      loads=[Workload("your workload", batch, prompt, output)], runner_list=workload_runners(profile))
+
+
+def workload_runners(profile: str = "embedded") -> list[Runner]:
+    """`runners` (InfiniGen at its measured share, or a row saying none was measured) and every other runner of
+    `profile`'s systems experiments at its settings there."""
+    from kvlib.projection.policy_step import systems_runners
+
+    share, source, _ = _measured(profile)
+    out = runners(profile=profile)
+    if share is None:
+        out.insert(3, Runner("infinigen (measured share)", "infinigen", reason=source))
+    paper = {r.policy for r in out}
+    for label, policy, settings in systems_runners(profile):
+        if policy not in paper:
+            out.append(Runner(label, policy, settings=tuple(sorted(settings.items()))))
+    return out
 
 
 def workload_text(table, device_limit_gb: float | None = None, rulings: dict[str, str] | None = None) -> str:
@@ -302,18 +372,24 @@ def workload_text(table, device_limit_gb: float | None = None, rulings: dict[str
     head = (f"Projected on {first.hardware} ({first.hardware_spec}) at batch {first.batch_size}, "
             f"{first.prompt_tokens:,}-token prompts, {first.output_tokens:,} new tokens: no measurement exists there; "
             f"a bound is the most decode throughput the counted work allows on its datasheet figures"
-            + (f", aiconfigurator's an estimate from NVIDIA's measured kernels ({first.kernel_data_version})"
-               if "decode_tokens_per_s_projected" in table else "") + ".")
+            + (f", aiconfigurator's an estimate from NVIDIA's measured kernels "
+               f"({table.kernel_data_version.dropna().iloc[0]})" if "decode_tokens_per_s_projected" in table else "")
+            + ".")
     lines = [head]
     for _, r in table.iterrows():
+        reason = r.get("not_projected")
+        if isinstance(reason, str):
+            lines.append(f"- {r.runner}: not projected: {reason}")
+            continue
         estimate = (f", ~{r.decode_tokens_per_s_projected:,.0f} (aiconfigurator)"
                     if "decode_tokens_per_s_projected" in table and r.decode_tokens_per_s_projected == r.decode_tokens_per_s_projected
                     else "")
         fits = "fits" if r.fits_device_projected else "does not fit"
         if device_limit_gb is not None and r.device_gb_projected > device_limit_gb:
             fits = f"over your {device_limit_gb:g} GB"
-        ruling = (rulings or {}).get(r.runner.split(" ")[0])
+        ruling = (rulings or {}).get(r.runner) or (rulings or {}).get(r.runner.split(" ")[0])
         lines.append(f"- {r.runner}: at most {r.decode_tokens_per_s_bound_projected:,.0f} tokens/s (bound){estimate}; "
                      f"device {r.device_gb_projected:.1f} GB ({fits}), host {r.host_gb_projected:.1f} GB (projected)"
-                     + (f"; accuracy: {ruling}" if ruling else ""))
+                     + (f"; accuracy: {ruling}" if ruling else "")
+                     + (f"; {r.note}" if isinstance(r.get("note"), str) else ""))
     return "\n".join(lines)
