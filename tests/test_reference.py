@@ -44,7 +44,7 @@ def test_the_published_verdicts_are_what_the_code_draws_from_the_published_rows(
 
     frames = {name: reference.load(PUBLISHED, name) for name in EXPERIMENTS}
     table = verdict_table(frames, load_profile(PUBLISHED).validity_gate)
-    assert table[["finding", "verdict", "numbers"]].to_dict(orient="records") == published["verdicts"]
+    assert table[["finding", "verdict", "numbers", "model"]].to_dict(orient="records") == published["verdicts"]
 
 
 def test_readme_shows_the_published_verdicts(published):
@@ -84,6 +84,7 @@ def test_a_profile_never_run_here_reads_its_reference_and_one_run_here_does_not(
 
 def test_a_rebuild_says_which_verdicts_agree(published, monkeypatch):
     monkeypatch.setattr(reference, "stands_in", lambda profile: False)
+    monkeypatch.setattr(reference, "is_own_build", lambda profile, info: False)
     ours = pd.DataFrame(published["verdicts"])
     flipped = {"confirmed": "refuted", "refuted": "confirmed"}
     first = ours.verdict[0].split(":")[0]
@@ -96,10 +97,25 @@ def test_a_rebuild_says_which_verdicts_agree(published, monkeypatch):
     assert reference.reproduction_markdown("smoke", ours) == ""  # no reference book for smoke
 
 
+def test_the_build_that_publishes_a_book_is_its_reference_not_a_reproduction_of_the_last(published, tmp_path,
+                                                                                          monkeypatch):
+    """Its findings page is executed from the rows it publishes: it says it is the reference book, where comparing
+    with the book published before it would read its own changes as failures to reproduce."""
+    monkeypatch.setattr(reference, "stands_in", lambda profile: False)
+    monkeypatch.setattr(reference.results, "results_dir", lambda profile, e: tmp_path / e)
+    ours = pd.DataFrame(published["verdicts"])
+    start, end = published["computed_between"]
+    (tmp_path / "ttft").mkdir()
+    pd.DataFrame({"finished_at": [start, end]}).to_parquet(tmp_path / "ttft" / "a-r0.parquet")
+    assert reference.reproduction_markdown(PUBLISHED, ours).startswith("*This page is the reference book (")
+    pd.DataFrame({"finished_at": [start, "2099-01-01T00:00:00+00:00"]}).to_parquet(tmp_path / "ttft" / "a-r0.parquet")
+    assert reference.reproduction_markdown(PUBLISHED, ours).startswith("**Reproduction.**")
+
+
 def test_the_published_book_stands_in_only_where_nothing_was_run(published):
     note = reference.reproduction_markdown(PUBLISHED, pd.DataFrame(published["verdicts"]))
     results_here = any((kvlib.paths.repo_root() / "results" / PUBLISHED).glob(f"*/{kvlib.paths.MANIFEST}"))
-    assert note.startswith("**Reproduction.**") == results_here
+    assert (note.startswith("**Reproduction.**") or note.startswith("*This page is the reference book")) == results_here
     assert ("reads the reference book's results" in note) == (not results_here)
 
 

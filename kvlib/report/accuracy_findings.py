@@ -55,6 +55,8 @@ class Claims:
     context: list[str]
     unanswered: tuple[str, str] | None = None
     untested: tuple[str, ...] = ()  # declared claims these rows cannot test, each with why (each reads inconclusive)
+    limits: tuple[str, ...] = ()  # what keeps these rows from settling more (a task beyond the model): said with an
+    #                               inconclusive verdict
 
     @property
     def verdicts(self) -> list[str]:

@@ -41,6 +41,7 @@ from kvlib.report.accuracy_findings import (
 )
 from kvlib.report.drop_words import signed_pp
 from kvlib.report.gate import accuracy_gate, beyond_model, passing
+from kvlib.report.provenance import model_name
 from kvlib.report.stats import CONFIRMED, INCONCLUSIVE, REFUTED
 from kvlib.report.tables import budgeted
 
@@ -224,7 +225,10 @@ def paper_claims(df: pd.DataFrame, gate: float, level: float) -> tuple[Claims, p
                    "items (effective, the tasks weighed equally)"),
              reach(f"near the full cache (+-{MARGIN * 100:g} pp)", f"the policy loses {NEAR * 100:g} pp",
                    units_needed(level, -MARGIN, MARGIN, NEAR), f"{n:,} effective items", floor, level, "items")]
-    return Claims(claims, head, untested=tuple(untested)), d, tasks
+    reach_of = model_name(model) if model else "the model"
+    limits = ((f"only {len(tasks)} of the paper's {len(PAPER_TASKS)} tasks within {reach_of}'s reach (its full cache "
+               "above chance)"),) if len(tasks) < len(PAPER_TASKS) else ()
+    return Claims(claims, head, untested=tuple(untested), limits=limits), d, tasks
 
 
 def low_high() -> tuple[float, float]:

@@ -131,10 +131,11 @@ def accuracy_claims(df: pd.DataFrame, gate: float, level: float = FINDINGS.level
     claims, d, tasks = paper_claims(df, gate, level)
     beside = book_lines(df, gate, level)
     if not tasks:
-        return Claims(claims.claims, claims.context + beside, claims.unanswered, claims.untested)
+        return Claims(claims.claims, claims.context + beside, claims.unanswered, claims.untested, claims.limits)
     model = str(d["model"].iloc[0]) if "model" in d and d["model"].notna().any() else None
     extra = (task_lines(d, tasks, level) + seen_lines(d, level) + equal_share_lines(d, level)
              + strict_lines(df, model, tasks, level))
     note = (f"{BESIDE}: the lines below read the same rows ({model or 'an unrecorded model'}; {SCALE}) at other "
             f"settings (InfiniGen at alpha {ALPHA:g} unless named)")
-    return Claims(claims.claims, claims.context + [note] + extra + beside, claims.unanswered, claims.untested)
+    return Claims(claims.claims, claims.context + [note] + extra + beside, claims.unanswered, claims.untested,
+                  claims.limits)

@@ -52,14 +52,20 @@ def machines(*frames: pd.DataFrame) -> list[str]:
     return list(out)
 
 
+def models(*frames: pd.DataFrame) -> str:
+    """The model(s) the rows come from, by the names README gives them ("" where they record none)."""
+    names = [model_name(m) for m in _values(frames, "model")]
+    return _several(names, "models") if names else ""
+
+
 def provenance(*frames: pd.DataFrame) -> str:
     """The model(s) and the machine(s) the rows come from, e.g. "SmolLM2-135M-Instruct on Intel(R) Xeon(R) Processor
     (device cpu)"; "several models (...)" where the rows hold more than one; "" where they record neither."""
-    models = [model_name(m) for m in _values(frames, "model")]
+    model = models(*frames)
     named = machines(*frames)
     devices = [d for d in _values(frames, "device") or _values(frames, "device_name")
                if not any(d in m for m in named)]  # a GPU already named as the machine's is not said twice
-    parts = [_several(models, "models")] if models else []
+    parts = [model] if model else []
     if named:
         parts.append("on " + _several(named, "machines"))
     if devices:

@@ -11,10 +11,12 @@ from collections import Counter
 import pandas as pd
 
 from kvlib.report import stats
-from kvlib.report.accuracy_findings import UNTESTED, Claims, retention_claims
+from kvlib.report.accuracy_findings import MARGIN, UNTESTED, Claims, retention_claims
 from kvlib.report.gate import GATE
 from kvlib.report.pages import FINDINGS as FINDINGS_FAMILY
+from kvlib.report.paper_accuracy import paper_rows
 from kvlib.report.paper_accuracy_beside import accuracy_claims
+from kvlib.report.provenance import models
 from kvlib.report.tables import outside_label
 from kvlib.report.throughput_claims import one_memory, throughput_claims
 
@@ -88,8 +90,11 @@ def verdict_table(frames: dict[str, pd.DataFrame], gate: float = GATE) -> pd.Dat
     rows = [_prefill_finding(frame("ttft")), _throughput_finding(frame("batch_scaling")),
             _host_memory_finding(frame("batch_scaling")), _accuracy_finding(frame("accuracy"), gate),
             _retention_finding(frame("retention"), gate)]
-    return pd.DataFrame([(n, FINDINGS[n], verdict, numbers) for n, (verdict, numbers) in enumerate(rows, 1)],
-                        columns=["finding", "paper", "verdict", "numbers"])
+    read = [frame("ttft"), frame("batch_scaling"), frame("batch_scaling"), paper_rows(frame("accuracy")),
+            frame("retention")]  # the rows each verdict reads, whose model(s) it names
+    return pd.DataFrame([(n, FINDINGS[n], verdict, numbers, models(rows_read))
+                         for n, ((verdict, numbers), rows_read) in enumerate(zip(rows, read), 1)],
+                        columns=["finding", "paper", "verdict", "numbers", "model"])
 
 
 CHAPTERS = {1: ("ttft", "Time to first token"), 2: ("batch_scaling", "Batch scaling"),
@@ -107,8 +112,11 @@ def verdict_markdown(table: pd.DataFrame, error_rate: bool = True) -> str:
     outside it (`error_rate`: False where the table is shown away from its page, as README does), then the paper's
     claim and our verdict, one line each; the numbers follow per finding (`evidence_markdown`)."""
     lines = ([FINDINGS_FAMILY.statement() + " " + checks_sentence(), ""] if error_rate else [])
-    lines += ["| # | the paper | our verdict |", "|---|---|---|"]
-    lines += [f"| {r.finding} | {_paper_claim(r.paper)} | **{r.verdict}** |" for r in table.itertuples()]
+    named = "model" in table
+    lines += ["| # | the paper | our verdict |" + (" measured with |" if named else ""),
+              "|---|---|---|" + ("---|" if named else "")]
+    lines += [f"| {r.finding} | {_paper_claim(r.paper)} | **{r.verdict}** |" + (f" {r.model or '-'} |" if named else "")
+              for r in table.itertuples()]
     return "\n".join(lines)
 
 
@@ -264,7 +272,24 @@ def _claims_finding(claims: Claims, level: float) -> tuple[str, str]:
     parts = claims.context + [c.line() for c in claims.claims] + [f"{name}: {UNTESTED}" for name in claims.untested]
     n = len(claims.claims) + len(claims.untested)
     refuted_as = [c.refuted_as for c in claims.claims if c.verdict == REFUTED]
-    return _verdict(claims.verdicts, refuted_as), "; ".join(parts) + f"; {n} claims, each interval at {level:.2%}"
+    verdict = _verdict(claims.verdicts, refuted_as)
+    if _combined(claims.verdicts) == INCONCLUSIVE:
+        verdict = "; ".join([verdict, *claims.limits, *filter(None, [_sizes(claims)])])
+    return verdict, "; ".join(parts) + f"; {n} claims, each interval at {level:.2%}"
+
+
+def _sizes(claims: Claims) -> str | None:
+    """Why the claims left open stay open, from their intervals: how wide they are at these sizes against the margin
+    the claims are read with (the reason an inconclusive verdict gives, not a direction it does not have)."""
+    open_claims = [c for c in claims.claims if c.verdict == INCONCLUSIVE]
+    if not open_claims:
+        return None
+    halves = sorted((c.drop.high - c.drop.low) / 2 * 100 for c in open_claims)
+    n, units = min(c.drop.clusters for c in open_claims), open_claims[0].units
+    widths = f"+-{halves[0]:.0f}" + (f" to +-{halves[-1]:.0f}" if round(halves[-1]) != round(halves[0]) else "")
+    lead = f"too few {units}: " if halves[0] > MARGIN * 100 else ""
+    return (f"{lead}at {n:,} {units} its open claims' intervals are {widths} pp wide, the claims' margin "
+            f"+-{MARGIN * 100:g} pp")
 
 
 def _accuracy_finding(df: pd.DataFrame, gate: float) -> tuple[str, str]:

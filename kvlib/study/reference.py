@@ -83,8 +83,9 @@ def _write_rows(frame: pd.DataFrame, path: Path) -> None:
 
 
 def save(profile: str, gate: float) -> Path:
-    """Publish results/<profile>/ with the chapters the build executed from it (book/executed/) and the verdicts the
-    findings page draws from the published rows (at the profile's validity gate)."""
+    """Publish results/<profile>/ and the verdicts the findings page draws from the published rows (at the profile's
+    validity gate); its chapters follow once the build has executed them from it (save_chapters), so that its
+    findings page knows itself for the reference book it becomes."""
     from kvlib.report.findings import verdict_table
     from kvlib.study.executor import run_metadata
     from kvlib.study.profile import EXPERIMENTS
@@ -103,8 +104,6 @@ def save(profile: str, gate: float) -> Path:
     limits = machine_limits(profile)
     if limits.exists():
         shutil.copy(limits, out / "machine.json")
-    for chapter in sorted((repo_root() / "book" / "executed").glob("*.ipynb")):
-        shutil.copy(chapter, out / "chapters" / chapter.name)
     computed = pd.concat([f[["finished_at", "git_sha", "device_name"]] for f in frames.values() if "git_sha" in f])
     machine = json.loads(limits.read_text()) if limits.exists() else {}
     (out / "reference.json").write_text(json.dumps({
@@ -115,9 +114,28 @@ def save(profile: str, gate: float) -> Path:
         "machine": {"cpu": machine.get("machine_cpu"), "host": machine.get("machine_host"),
                     "threads": machine.get("threads"), "device": ", ".join(sorted(computed.device_name.dropna().unique())),
                     "torch": machine.get("torch_version")},
-        "verdicts": verdicts[["finding", "verdict", "numbers"]].to_dict(orient="records"),
+        "verdicts": verdicts[["finding", "verdict", "numbers", "model"]].to_dict(orient="records"),
     }, indent=1) + "\n")
     return out
+
+
+def save_chapters(profile: str) -> None:
+    """The chapters the build executed (book/executed/), into the profile's published reference book."""
+    for chapter in sorted((repo_root() / "book" / "executed").glob("*.ipynb")):
+        shutil.copy(chapter, folder(profile) / "chapters" / chapter.name)
+
+
+def is_own_build(profile: str, info: dict) -> bool:
+    """Whether this checkout's results of the profile are the reference book's own rows (the build that publishes
+    it): computed over the same span of time."""
+    from kvlib.study.profile import EXPERIMENTS
+
+    ends = [pd.read_parquet(f, columns=["finished_at"])["finished_at"] for e in EXPERIMENTS
+            for f in results.results_dir(profile, e).glob("*.parquet")]
+    if not ends:
+        return False
+    stamps = pd.concat(ends).dropna()
+    return [stamps.min(), stamps.max()] == list(info["computed_between"])
 
 
 def provenance(info: dict) -> str:
@@ -138,6 +156,9 @@ def reproduction_markdown(profile: str, verdicts: pd.DataFrame) -> str:
         return (f"*This page reads the reference book's results ({provenance(info)}), published with the "
                 f"repository: `kvlib study --profile {profile} --build` computes this machine's and then says which "
                 "verdicts agree with these.*")
+    if is_own_build(profile, info):
+        return (f"*This page is the reference book ({provenance(info)}): a rebuild on another machine says here which "
+                "of its verdicts agree with these.*")
     theirs = {r["finding"]: r["verdict"] for r in info["verdicts"]}
     lines = [f"**Reproduction.** These verdicts against the reference book's ({provenance(info)}):", "",
              "| # | this build | the reference book | |", "|---|---|---|---|"]

@@ -50,6 +50,8 @@ def run_study(profile: str, experiments: list[str] | None = None, force: bool = 
             failed.append(exc)
     if failed:
         raise UnitsFailed([f for exc in failed for f in exc.failures], sum(exc.total for exc in failed))
+    if publish:  # before the chapters: the findings page then reads itself as the reference book it becomes
+        reference.save(prof.name, prof.validity_gate)
     if notebooks:  # the chapters of the experiments run, and those that read every experiment
         for chapter in [c for c in book.CHAPTERS if c in names or c not in EXPERIMENTS]:
             book.execute(chapter, prof.name)
@@ -57,7 +59,7 @@ def run_study(profile: str, experiments: list[str] | None = None, force: bool = 
     if build:
         book.build()
     if publish:
-        reference.save(prof.name, prof.validity_gate)
+        reference.save_chapters(prof.name)
         if prof.name == reference.README_PROFILE:
             reference.write_readme(prof.name)
 
