@@ -132,3 +132,14 @@ def test_the_users_limit_says_over_where_a_runner_needs_more_and_the_lines_fit_1
         over, fits = over + said, fits + (not said)
     assert over and fits
     assert all(len(line) <= WIDTH for line in _wrapped(scale.workload_text(table, limit)).splitlines())
+
+
+def test_the_projected_answer_is_valid_json_where_a_row_lacks_a_figure():
+    import json
+    from dataclasses import asdict
+
+    from kvlib.report.choose import choose_projected
+
+    answer = choose_projected("llama-3.1-8b", "h100_sxm", 8192, 4, 256, profile="embedded", device_limit_gb=18.0)
+    json.dumps(asdict(answer), allow_nan=False)  # kivi has no aiconfigurator estimate: None, not NaN
+    assert {r["policy"] for r in answer.rows} >= {p for _, p, _ in policy_step.systems_runners("embedded")}

@@ -3,6 +3,7 @@ workload projected onto it (kvlib.projection.paper_scale.for_workload), every fi
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -31,5 +32,8 @@ def choose_projected(model: str, hardware: str, prompt: int, batch: int, output:
         rulings = {**{p: "not asked" for p in measured.not_asked}, **{p: "not measured" for p in measured.unmeasured},
                    **{p: "cannot tell (see below)" for p in measured.undecided},
                    **{p: "ruled out (see below)" for p in measured.excluded}}
-    return ProjectedChoice(for_workload(model, hardware, prompt, batch, output, profile).to_dict("records"),
-                           device_limit_gb, rulings)
+    table = for_workload(model, hardware, prompt, batch, output, profile)
+    # a figure a row has not (a runner not projected, an estimate without kernel tables) is None, valid in --json
+    rows = [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()}
+            for row in table.to_dict("records")]
+    return ProjectedChoice(rows, device_limit_gb, rulings)
