@@ -88,3 +88,30 @@ def test_make_install_pins_the_version_whose_files_are_checked():
     from kvlib.paths import repo_root
 
     assert f"{paper_tasks.DISTRIBUTION}=={paper_tasks.VERSION}" in (repo_root() / "Makefile").read_text()
+
+
+def test_an_evaluation_does_not_describe_the_environment_it_discards():
+    """lm-eval's environment report (pip list and other subprocesses) cost each accuracy unit ~0.8 s; kvlib keeps only
+    the samples, so it is skipped, and put back after."""
+    from lm_eval import evaluator
+    from lm_eval.api.model import LM
+
+    class Even(LM):  # every choice equally likely: only the harness runs
+        def loglikelihood(self, requests):
+            return [(0.0, False)] * len(requests)
+
+        def loglikelihood_rolling(self, requests):
+            raise NotImplementedError
+
+        def generate_until(self, requests):
+            raise NotImplementedError
+
+    described = evaluator.add_env_info
+    calls = []
+    evaluator.add_env_info = mine = calls.append
+    try:
+        rows = evaluate(Even(), ["copa"], limit=2)
+        assert len(rows) == 2 and not calls
+        assert evaluator.add_env_info is mine
+    finally:
+        evaluator.add_env_info = described
