@@ -14,6 +14,9 @@ tokens held, so the mean step is the step at the mean length):
   token's partial key (partial_ratio of the head's dimensions) and fetches `fetch_share` of the held tokens from the
   host over the link (a copy for keys, one for values), attending those and the new token. The share is taken from
   measured runs (`measured_fetch_share`) and at the paper's 0.3 cap.
+These four are the chapter's. `for_workload` (`kvlib choose --hardware`) adds every other runner of a profile's
+systems experiments, each step read from its policy's settings and methods (kvlib.projection.policy_step: a Runner
+with `settings`), and keeps a row saying why where a runner is not projected.
 """
 
 from __future__ import annotations
