@@ -23,8 +23,9 @@ LAYERS = [
                                                                 # recorded pass), read by policies and the engine
     ["kvlib.policies"],                                         # KV-cache policies (one file each)
     ["kvlib.engine"],                                           # the engine, its scheduler, run results, capacity
-    ["kvlib.projection"],                                       # bounds and GPU estimates from counted work
     ["kvlib.backends", "kvlib.evaluation"],                     # outside engines; lm-eval and retention on the engine
+    ["kvlib.projection"],                                       # bounds and GPU estimates from counted work, of
+                                                                # every runner (an outside engine's among them)
     ["kvlib.report"],                                           # tables, findings, figures, the chooser: pure
                                                                 # functions of results frames, below the study
     ["kvlib.study"],                                            # profiles, points, executors, results, the book build

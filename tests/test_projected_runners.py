@@ -5,10 +5,13 @@ from types import SimpleNamespace
 
 import pytest
 
+from kvlib.paths import repo_root
 from kvlib.projection import paper_scale as scale
 from kvlib.projection import policy_step
+from kvlib.study.profile import load_profile
 
 LONG = scale.Workload("your workload", 4, 8192, 256)
+SYSTEMS = load_profile("embedded", repo_root()).systems_runners()
 
 
 @pytest.fixture(scope="module")
@@ -35,11 +38,11 @@ def memory(shape, r: scale.Runner, load=LONG) -> dict:
 
 
 def test_every_systems_runner_of_the_embedded_profile_has_a_projected_row_or_a_reason():
-    wanted = {policy for _, policy, _ in policy_step.systems_runners("embedded")}
+    wanted = {policy for _, policy, _ in SYSTEMS}
     assert {"full", "paged", "h2o", "infinigen", "streaming", "snapkv", "quest", "kivi", "flexgen", "flexgen_h2o",
             "vllm"} <= wanted
     table = scale.projection(hardware_names=("h100_sxm",), kernels=False, loads=[LONG],
-                             runner_list=scale.workload_runners("embedded"))
+                             runner_list=scale.workload_runners("embedded", SYSTEMS))
     assert wanted <= set(table.policy)
     for _, row in table.iterrows():
         projected = row.decode_tokens_per_s_bound_projected
@@ -119,7 +122,7 @@ def test_the_users_limit_says_over_where_a_runner_needs_more_and_the_lines_fit_1
     from kvlib.commands.choose import WIDTH, _wrapped
 
     table = scale.projection(hardware_names=("h100_sxm",), kernels=False, loads=[LONG],
-                             runner_list=scale.workload_runners("embedded"))
+                             runner_list=scale.workload_runners("embedded", SYSTEMS))
     limit = 18.0  # the 8B model's weights are 16 GB: some runners' KV fits beside them, full's does not
     lines = {line.split(":")[0][2:]: line for line in scale.workload_text(table, limit).splitlines()
              if line.startswith("- ")}
@@ -140,6 +143,7 @@ def test_the_projected_answer_is_valid_json_where_a_row_lacks_a_figure():
 
     from kvlib.report.choose import choose_projected
 
-    answer = choose_projected("llama-3.1-8b", "h100_sxm", 8192, 4, 256, profile="embedded", device_limit_gb=18.0)
+    answer = choose_projected("llama-3.1-8b", "h100_sxm", 8192, 4, 256, profile="embedded", device_limit_gb=18.0,
+                              systems=SYSTEMS)
     json.dumps(asdict(answer), allow_nan=False)  # kivi has no aiconfigurator estimate: None, not NaN
-    assert {r["policy"] for r in answer.rows} >= {p for _, p, _ in policy_step.systems_runners("embedded")}
+    assert {r["policy"] for r in answer.rows} >= {p for _, p, _ in SYSTEMS}

@@ -115,7 +115,7 @@ def test_the_build_that_publishes_a_book_is_its_reference_not_a_reproduction_of_
 def test_the_published_book_stands_in_only_where_nothing_was_run(published):
     note = reference.reproduction_markdown(PUBLISHED, pd.DataFrame(published["verdicts"]))
     results_here = any((kvlib.paths.repo_root() / "results" / PUBLISHED).glob(f"*/{kvlib.paths.MANIFEST}"))
-    assert (note.startswith("**Reproduction.**") or note.startswith("*This page is the reference book")) == results_here
+    assert note.startswith(("**Reproduction.**", "*This page is the reference book")) == results_here
     assert ("reads the reference book's results" in note) == (not results_here)
 
 

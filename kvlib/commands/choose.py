@@ -101,7 +101,7 @@ def handle(args) -> int:
         # first: asked for another machine, the user reads its projection before this machine's measurements
         answers = {"projected": choose_projected(args.model or MODEL, args.hardware, args.prompt_tokens, args.batch,
                                                  args.output_tokens, profile, args.device_memory_gb,
-                                                 answers.get("workload")), **answers}
+                                                 answers.get("workload"), loaded.systems_runners()), **answers}
     if args.json:
         answer = {k: asdict(v) for k, v in answers.items()}
         print(json.dumps({**about, **(answer["workload"] if list(answer) == ["workload"] else answer)}))

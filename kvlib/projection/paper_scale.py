@@ -340,28 +340,27 @@ LABELS = {"decode_tokens_per_s_projected": "decode tokens/s, projected (aiconfig
           "device_gb_projected": "device memory needed (GB), projected"}
 
 
-def for_workload(model: str, hardware_name: str, prompt: int, batch: int, output: int, profile: str = "embedded"):
+def for_workload(model: str, hardware_name: str, prompt: int, batch: int, output: int, profile: str = "embedded",
+                 systems: list[tuple[str, str, dict]] = ()):
     """One workload of `model` on one machine, every runner projected (`kvlib choose --hardware`): where no
     measurement of that model on that machine exists. The paper's runners (`runners`), then every other runner of
-    the profile's systems experiments, its step read from its policy (kvlib.projection.policy_step); a runner that
-    cannot be projected keeps a row that says why."""
+    the profile's systems experiments (`systems`: kvlib.study.profile.Profile.systems_runners), its step read from
+    its policy (kvlib.projection.policy_step); a runner that cannot be projected keeps a row that says why."""
     from kvlib.projection import gpu_kernels
 
     return projection(profile=profile, hardware_names=(hardware_name,), kernels=gpu_kernels.available(), model=model,
-                      loads=[Workload("your workload", batch, prompt, output)], runner_list=workload_runners(profile))
+                      loads=[Workload("your workload", batch, prompt, output)], runner_list=workload_runners(profile, systems))
 
 
-def workload_runners(profile: str = "embedded") -> list[Runner]:
+def workload_runners(profile: str = "embedded", systems: list[tuple[str, str, dict]] = ()) -> list[Runner]:
     """`runners` (InfiniGen at its measured share, or a row saying none was measured) and every other runner of
-    `profile`'s systems experiments at its settings there."""
-    from kvlib.projection.policy_step import systems_runners
-
+    `profile`'s systems experiments at its settings there (`systems`: (label, policy, settings) each)."""
     share, source, _ = _measured(profile)
     out = runners(profile=profile)
     if share is None:
         out.insert(3, Runner("infinigen (measured share)", "infinigen", reason=source))
     paper = {r.policy for r in out}
-    for label, policy, settings in systems_runners(profile):
+    for label, policy, settings in systems:
         if policy not in paper:
             out.append(Runner(label, policy, settings=tuple(sorted(settings.items()))))
     return out

@@ -2,7 +2,7 @@
 code rather than a rule written here per name (kvlib.projection.paper_scale keeps its paper rules for full, paged, H2O
 and InfiniGen; `kvlib choose --hardware` adds these beside them).
 
-The policy is built from the profile's settings (kvlib.study.runners.make_runner) and given the published shape in
+The policy is built from the profile's settings (kvlib.policies.make_policy; an outside engine from its backend) and given the published shape in
 place of a loaded model's; what its decode step reads, computes and moves is then read from the methods the policy
 runs with, and counted as kvlib.memory.work counts a run (per row and decode step, at the workload's mean length):
 - a FlexGen placement (`placement`): its KV shares by tier; each layer's host and disk share loaded to the device
@@ -25,7 +25,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-EXPERIMENTS = ("ttft", "batch_scaling", "decode_length")  # the systems experiments whose runners are projected
 SCORE_BYTES = 4  # fp32 probabilities a scorer reads back per attended token (kvlib.memory.work)
 
 
@@ -47,33 +46,18 @@ class Rule:
     note: str = ""  # said beside the row
 
 
-def systems_runners(profile: str = "embedded") -> list[tuple[str, str, dict]]:
-    """(label, policy, settings) of every runner the profile's systems experiments run, each once (its first
-    point's settings), in the experiments' order."""
-    from kvlib.paths import repo_root
-    from kvlib.study.profile import load_profile
-    from kvlib.study.runners import runner_class
-
-    loaded = load_profile(profile, repo_root())
-    out: dict[str, tuple[str, str, dict]] = {}
-    for experiment in EXPERIMENTS:
-        if experiment not in loaded.experiments:
-            continue
-        for point in loaded.points(experiment):
-            if point.runner not in out:
-                out[point.runner] = (runner_class(point.runner).label, point.runner, dict(point.settings))
-    return list(out.values())
-
-
 def policy_at(name: str, settings: dict, shape):
     """The policy `name` with `settings`, given a published shape (kvlib.models.pass_shape.PassShape) as a loaded
     model's spec (what its methods read: head_dim, heads, layers, dtype); nothing is allocated."""
     import torch
 
+    from kvlib.backends.vllm import VLLMBackend
     from kvlib.models.loading import ModelSpec
-    from kvlib.study.runners import make_runner
+    from kvlib.policies import make_policy
+    from kvlib.settings import construct
 
-    policy = make_runner(name, **settings)
+    outside = {VLLMBackend.name: VLLMBackend}  # kvlib.study.runners' outside engines
+    policy = construct(outside[name], settings, "backend") if name in outside else make_policy(name, **settings)
     policy.spec = ModelSpec(name="a published shape", num_layers=shape.num_layers,
                             num_attention_heads=shape.num_attention_heads, num_kv_heads=shape.num_kv_heads,
                             head_dim=shape.head_dim, hidden_size=shape.num_attention_heads * shape.head_dim,

@@ -47,6 +47,7 @@ from kvlib.study.runners import make_runner, runner_class, runners
 from kvlib.study.schema import EXPERIMENT_KEYS, PROFILE_KEYS, check_profile
 
 EXPERIMENTS = ("ttft", "batch_scaling", "decode_length", "offload", "serving", "accuracy", "retention")
+SYSTEMS = ("ttft", "batch_scaling", "decode_length")  # the experiments that time runners at fixed shapes
 __all__ = ["EXPERIMENTS", "EXPERIMENT_KEYS", "PROFILE_KEYS", "Point", "Profile", "load_profile", "profile_path",
            "validate_profile"]
 
@@ -94,6 +95,15 @@ class Profile:
     device: str | None = None
     weights: str = "pretrained"
     validity_gate: float = GATE  # the full cache's score a task needs before policies are compared on it
+
+    def systems_runners(self) -> list[tuple[str, str, dict]]:
+        """(label, runner, settings) of every runner the systems experiments run, each once (its first point's
+        settings), in the experiments' order: what `kvlib choose --hardware` projects."""
+        out: dict[str, tuple[str, str, dict]] = {}
+        for experiment in SYSTEMS:
+            for point in self.points(experiment) if experiment in self.experiments else []:
+                out.setdefault(point.runner, (runner_class(point.runner).label, point.runner, dict(point.settings)))
+        return list(out.values())
 
     def repeats(self, experiment: str) -> int:
         return self.experiments[experiment].get("repeats", 1)

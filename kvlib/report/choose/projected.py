@@ -22,9 +22,11 @@ class ProjectedChoice:
 
 
 def choose_projected(model: str, hardware: str, prompt: int, batch: int, output: int, profile: str = "embedded",
-                     device_limit_gb: float | None = None, measured=None) -> ProjectedChoice:
+                     device_limit_gb: float | None = None, measured=None,
+                     systems: list[tuple[str, str, dict]] = ()) -> ProjectedChoice:
     """measured: the answer on the measured rows (a Choice), whose accuracy rulings stand beside each projection:
-    a bound on speed says nothing of what a policy loses."""
+    a bound on speed says nothing of what a policy loses. systems: the profile's systems runners beside the paper's
+    (kvlib.study.profile.Profile.systems_runners)."""
     from kvlib.projection.paper_scale import for_workload
 
     rulings = {}
@@ -32,7 +34,7 @@ def choose_projected(model: str, hardware: str, prompt: int, batch: int, output:
         rulings = {**{p: "not asked" for p in measured.not_asked}, **{p: "not measured" for p in measured.unmeasured},
                    **{p: "cannot tell (see below)" for p in measured.undecided},
                    **{p: "ruled out (see below)" for p in measured.excluded}}
-    table = for_workload(model, hardware, prompt, batch, output, profile)
+    table = for_workload(model, hardware, prompt, batch, output, profile, systems)
     # a figure a row has not (a runner not projected, an estimate without kernel tables) is None, valid in --json
     rows = [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()}
             for row in table.to_dict("records")]
