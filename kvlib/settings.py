@@ -1,5 +1,7 @@
 """Settings of anything a params file or the command line names (policies, outside engines): dataclass fields,
-checked in one place with one error; and the one conversion of a capacity in GiB to bytes."""
+checked in one place with one error; the one conversion of a capacity in GiB to bytes; and the names of the scoring
+protocols, one place for the evaluation that runs them and the report and schema that read their rows without
+loading lm-eval."""
 
 from __future__ import annotations
 
@@ -8,6 +10,14 @@ import dataclasses
 from kvlib.errors import UserError
 
 GIB = 2**30
+
+# How an answer is scored. deployed: the prompt prefilled, the policy's cache built from it, the answer decoded (how a
+# server runs it); strict: the prompt's last token fed by a decode step, so the first answer token already reads the
+# policy's cache (kvlib.evaluation.generation); one_pass: the official accuracy harnesses' way, one masked pass over
+# context and continuation, each query row attending what the policy's accuracy rule keeps (kvlib.evaluation.one_pass).
+DEPLOYED, STRICT, ONE_PASS = "deployed", "strict", "one_pass"
+DECODED = (DEPLOYED, STRICT)  # the protocols that decode an answer
+PROTOCOLS = (*DECODED, ONE_PASS)
 
 
 def construct(cls, settings: dict, what: str):

@@ -24,3 +24,9 @@ def test_a_unit_is_counted_once_and_minutes_add_up_by_runner():
 def test_rows_written_before_the_column_are_left_out():
     old = pd.DataFrame({"experiment": ["ttft"], "runner": ["full"], "point_hash": ["a"], "repeat": [0]})
     assert unit_times(old).empty and minutes_by(old, ["experiment"]).empty
+
+
+def test_a_unit_computed_beside_others_counts_its_share_of_the_wall_time():
+    rows = pd.DataFrame({"experiment": ["accuracy"] * 3, "runner": ["full", "h2o", "h2o"], "point_hash": ["a", "b", "c"],
+                         "repeat": [0, 0, 0], "unit_compute_s": [120.0, 60.0, 60.0], "unit_workers": [2, 2, None]})
+    assert unit_times(rows)["unit_compute_s"].tolist() == [60.0, 30.0, 60.0]  # serial units: their own time

@@ -79,3 +79,12 @@ def test_study_says_its_estimate_before_it_computes(monkeypatch, capsys):
 
 def test_a_profile_without_a_reference_book_gets_no_estimate_and_no_probe():
     assert estimate.announce("smoke", {"ttft": [(point("a"), 0)]}, lambda: pytest.fail("probed")) is None
+
+
+@pytest.mark.skipif(reference.about(PUBLISHED) is None, reason="no published reference")
+def test_workers_weigh_a_unit_by_its_reference_time_where_there_is_one():
+    assert estimate.unit_weight("smoke", "accuracy") is None  # no reference book: every unit alike
+    weight = estimate.unit_weight(PUBLISHED, "accuracy")
+    units = units_to_compute(run.load_profile(PUBLISHED), "accuracy", force=True)
+    times = [weight(p, r) for p, r in units]
+    assert all(t > 0 for t in times) and max(times) > 5 * min(times)  # units differ: a count would not balance them

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from kvlib.commands.policy_settings import add_placement_arguments, settings_from_args
+from kvlib.settings import DEPLOYED, PROTOCOLS
 
 
 def add_parser(sub) -> None:
@@ -20,7 +21,7 @@ def add_parser(sub) -> None:
     ev.add_argument("--limit", type=int, default=None, help="items per task")
     ev.add_argument("--batch-size", type=int, default=8)
     ev.add_argument("--device", default=None)
-    ev.add_argument("--protocol", default="deployed", choices=["deployed", "strict", "one_pass"],
+    ev.add_argument("--protocol", default=DEPLOYED, choices=PROTOCOLS,
                     help="one_pass: each scored request one masked pass, as the official H2O and InfiniGen harnesses "
                          "run lm-eval (kvlib.evaluation.one_pass); deployed/strict: the context prefilled, the "
                          "continuation scored by decode steps through the policy's cache")

@@ -23,6 +23,9 @@ def add_parser(sub) -> None:
                        help="store the results only, no notebooks (a GPU machine without the book's packages)")
     study.add_argument("--executor", choices=["serial", "ray"], default="serial",
                        help="serial: every point in this process; ray: on a Ray cluster (the `distributed` extra)")
+    study.add_argument("--workers", type=int, default=None,
+                       help="processes of one thread that share an untimed experiment's units (accuracy, "
+                            "retention; timed ones always run alone); default: a core each, as memory allows")
     study.add_argument("--address", default=None,
                        help="with --executor ray: the cluster to join (`ray start --head` prints it); default: start "
                             "Ray on this machine")
@@ -38,6 +41,7 @@ def add_parser(sub) -> None:
 
 def handle(args) -> int:
     from kvlib.study import run_study
+    from kvlib.study.executor import untimed_workers
 
     executor = None
     if args.executor == "ray":
@@ -48,5 +52,5 @@ def handle(args) -> int:
         raise UserError("--address, --gpus-per-point and --cpus-per-point need --executor ray")
     run_study(args.profile, args.experiments, force=args.force, build=args.build, policies=args.policies,
               notebooks=not args.compute_only, executor=executor, device=args.device, toy=args.toy,
-              publish=args.publish)
+              publish=args.publish, workers=args.workers or untimed_workers())
     return 0

@@ -14,19 +14,18 @@ the batch), the engine's static schedule; a row's answer does not depend on the 
 from __future__ import annotations
 
 from kvlib.errors import UserError
-
-PROTOCOLS = ("deployed", "strict")
+from kvlib.settings import DECODED, STRICT
 
 
 def check_protocol(protocol: str) -> str:
-    if protocol not in PROTOCOLS:
-        raise UserError(f"unknown protocol {protocol!r}; choose from {list(PROTOCOLS)}")
+    if protocol not in DECODED:
+        raise UserError(f"unknown protocol {protocol!r}; choose from {list(DECODED)}")
     return protocol
 
 
 def split_prompt(prompt: list[int], protocol: str) -> tuple[list[int], list[int]]:
     """(tokens to prefill, the token a decode step feeds first): strict keeps the last token for a decode step."""
-    if check_protocol(protocol) == "strict" and len(prompt) >= 2:
+    if check_protocol(protocol) == STRICT and len(prompt) >= 2:
         return prompt[:-1], prompt[-1:]
     return prompt, []
 

@@ -30,6 +30,7 @@ from kvlib.evaluation.generation import answer_rows, check_protocol
 from kvlib.models import load_model
 from kvlib.policies import make_policy
 from kvlib.policies.infinigen_coverage import means as coverage_means
+from kvlib.settings import ONE_PASS
 
 
 @register_model("kvlib")
@@ -44,9 +45,9 @@ class KVLibLM(TemplateLM):
         with other models (above). prefill: the prefill mode of every prompt (the policy's preferred one by
         default)."""
         super().__init__()
-        self.protocol = protocol if protocol == one_pass.PROTOCOL else check_protocol(protocol)
+        self.protocol = protocol if protocol == ONE_PASS else check_protocol(protocol)
         kv_policy = make_policy(policy, **policy_settings)  # bad settings fail here, before the model is loaded
-        if protocol == one_pass.PROTOCOL:
+        if protocol == ONE_PASS:
             one_pass.check(kv_policy)
         self.prefill_mode = prefill or kv_policy.preferred_prefill
         kv_policy.check_prefill(self.prefill_mode)
@@ -90,7 +91,7 @@ class KVLibLM(TemplateLM):
         """The share of the KV cache decode steps attended, over every request scored so far (what the policy
         actually used, whatever its budget setting); under one_pass, what the scored rows' masks kept of the entries
         before each (kvlib.evaluation.one_pass.Counter)."""
-        if self.protocol == one_pass.PROTOCOL:
+        if self.protocol == ONE_PASS:
             return self.one_pass.share
         return self.tokens_attended / self.tokens_seen if self.tokens_seen else None
 
@@ -121,7 +122,7 @@ class KVLibLM(TemplateLM):
         return self.tokenizer.encode(string, add_special_tokens=add_special_tokens)
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
-        if self.protocol == one_pass.PROTOCOL:
+        if self.protocol == ONE_PASS:
             pairs = [(context, continuation) for _, context, continuation in requests]
             return one_pass.score(self.loaded, self.engine.policy, pairs, self.one_pass)
         scored = [self._split(context, continuation) for _, context, continuation in requests]
@@ -166,7 +167,7 @@ class KVLibLM(TemplateLM):
         """Greedy answers, batch_size requests at a time through one Session (kvlib.evaluation.generation, under this
         model's protocol): requests with the same generation settings together, longest prompts first; each answer
         as the request alone would get it (tested)."""
-        if self.protocol == one_pass.PROTOCOL:
+        if self.protocol == ONE_PASS:
             raise UserError("the one-pass protocol scores log-likelihood tasks (the official harnesses' accuracy "
                             "path); a generated answer runs under deployed or strict")
         asked = [self._request(req) for req in requests]

@@ -21,8 +21,6 @@ import torch
 from kvlib.errors import UserError
 from kvlib.policies.base import one_pass_policies
 
-PROTOCOL = "one_pass"
-
 
 class Counter:
     """Entries attended and entries causally visible, over the scored rows of every pass so far."""
@@ -72,4 +70,4 @@ def score(loaded, policy, requests: list[tuple[list[int], list[int]]], counter: 
     return results
 
 
-__all__ = ["PROTOCOL", "Counter", "one_pass_policies", "score"]
+__all__ = ["Counter", "one_pass_policies", "score"]

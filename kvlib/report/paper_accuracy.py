@@ -44,9 +44,10 @@ from kvlib.report.gate import accuracy_gate, beyond_model, passing
 from kvlib.report.provenance import model_name
 from kvlib.report.stats import CONFIRMED, INCONCLUSIVE, REFUTED
 from kvlib.report.tables import budgeted
+from kvlib.settings import ONE_PASS
 
 PAPER_TASKS = ("piqa", "copa", "winogrande", "hellaswag", "openbookqa", "boolq")  # in Fig. 7's panel order
-PROTOCOL = "one_pass"  # the official harnesses' protocol, the paper's numbers' own
+PROTOCOL = ONE_PASS  # the official harnesses' protocol, the paper's numbers' own
 RULE, OTHER_RULE = "flexgen", "seen"  # H2O's budget rules: the official code's (the verdict's), the paper's words
 ALPHA = 5.0  # InfiniGen's official alpha (the verdict's); alpha inf attends exactly its budget's share
 SMALLEST, MODERATE, WITHIN = 0.04, 0.3, 0.10  # "2-4 % budgets"; "budget >= 0.3 within 10 pp"

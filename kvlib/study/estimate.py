@@ -69,20 +69,32 @@ def unit_seconds(rows: pd.DataFrame) -> dict:
     return {"units": seconds, "runner": by_runner, "all": float(units.unit_compute_s.median())}
 
 
+def seconds_of(known: dict, point, repeat: int) -> float | None:
+    """A unit's reference time (unit_seconds' `known`): its own, its other repeats' mean, its runner's median, the
+    experiment's; None where the reference has no unit of the experiment."""
+    here = known["units"].get((point.key, repeat))
+    if here is None:
+        same = [s for (p, _), s in known["units"].items() if p == point.key]
+        here = sum(same) / len(same) if same else known["runner"].get(point.runner, known["all"])
+    return here
+
+
 def experiment_estimate(experiment: str, todo: list, rows: pd.DataFrame) -> Estimate:
     """todo: (point, repeat) of the units to compute."""
     known = unit_seconds(rows)
-    total, unknown = 0.0, 0
-    for point, repeat in todo:
-        here = known["units"].get((point.key, repeat))
-        if here is None:
-            same = [s for (p, _), s in known["units"].items() if p == point.key]
-            here = (sum(same) / len(same) if same else known["runner"].get(point.runner, known["all"]))
-        if here is None:
-            unknown += 1
-        else:
-            total += here
-    return Estimate(experiment, len(todo), total, unknown)
+    times = [seconds_of(known, point, repeat) for point, repeat in todo]
+    return Estimate(experiment, len(todo), sum(t for t in times if t is not None), times.count(None))
+
+
+def unit_weight(profile: str, experiment: str):
+    """A unit's expected time, for dealing units out to workers (kvlib.study.executor.Processes): its reference time
+    where the profile has a reference book, else None (every unit alike)."""
+    if reference.about(profile) is None:
+        return None
+    known = unit_seconds(reference.load(profile, experiment))
+    if known["all"] is None:
+        return None
+    return lambda point, repeat: seconds_of(known, point, repeat)
 
 
 def announce(profile: str, todo: dict[str, list], machine_figures) -> str | None:

@@ -20,7 +20,6 @@ import hashlib
 import importlib
 import multiprocessing
 import platform
-import subprocess
 import sys
 import traceback
 from collections.abc import Callable, Iterable
@@ -137,6 +136,81 @@ class Serial:
             raise UnitsFailed(failures, len(units))
 
 
+class Processes:
+    """Units in `workers` spawned processes of `threads` torch threads each, kept for the experiment (a worker loads a
+    model once, as this process does): an untimed experiment's passes at batch 1 leave a 2-core machine's second
+    core half idle in one process, and two one-thread workers compute more units an hour than one two-thread
+    process (benchmarks/README.md). Never a timed experiment: its units would share the cores they are timed on.
+    A unit's rows are the same bits at one thread as at two (tests/test_executor_processes.py).
+
+    affinity: units with the same key go to the same worker, in their order (an accuracy task's points share the
+    prefills its worker recorded, as they do in one process). weight: a unit's expected time (the reference book's,
+    kvlib.study.estimate.unit_weight; else every unit alike): the keys are dealt out heaviest first, each to the
+    worker with the least time so far."""
+
+    def __init__(self, workers: int, threads: int = 1, affinity: Callable[[Point], object] | None = None,
+                 weight: Callable[[Point, int], float] | None = None):
+        self.workers, self.threads, self.affinity, self.weight = workers, threads, affinity, weight
+
+    def lanes(self, units: list[Unit]) -> list[list[Unit]]:
+        groups: dict[object, list[Unit]] = {}
+        for i, (point, repeat) in enumerate(units):
+            groups.setdefault(self.affinity(point) if self.affinity else i, []).append((point, repeat))
+
+        def load(group: list[Unit]) -> float:
+            return sum(self.weight(p, r) for p, r in group) if self.weight else len(group)
+
+        lanes: list[list[Unit]] = [[] for _ in range(self.workers)]
+        for group in sorted(groups.values(), key=load, reverse=True):
+            min(lanes, key=load).extend(group)
+        return [lane for lane in lanes if lane]
+
+    def run(self, units, meta, done):
+        from concurrent.futures import as_completed
+
+        beside = {**meta, "unit_workers": self.workers}  # a unit's time is shared with the others'
+        failures, futures, pools = [], {}, []
+        try:
+            for lane in self.lanes(units):
+                pools.append(ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                                                 initializer=_use_threads, initargs=(self.threads,)))
+                futures |= {pools[-1].submit(_worker_unit, point, repeat, beside): (point, repeat)
+                            for point, repeat in lane}
+            for future in as_completed(futures):
+                point, repeat = futures[future]
+                try:
+                    rows = future.result()
+                except Exception as exc:  # noqa: BLE001 -- any exception of a unit is that unit's recorded error
+                    failures.append((point, repeat, error_text(exc)))
+                    report_failure(*failures[-1])
+                    continue
+                done(point, repeat, rows)
+        finally:
+            for pool in pools:
+                pool.shutdown(cancel_futures=True)
+        if failures:
+            raise UnitsFailed(failures, len(units))
+
+
+def _use_threads(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def _worker_unit(point: Point, repeat: int, meta: dict) -> pd.DataFrame:
+    return compute_unit(point, repeat, {**meta, **machine_metadata()})  # the worker's own threads in its rows
+
+
+def untimed_workers(memory_per_worker_gib: float = 8.0) -> int:
+    """How many one-thread workers an untimed experiment gets here: a core each, as many as the memory holds (an
+    accuracy worker holds a model and its recorded prefills, a few GiB)."""
+    import os
+
+    pages, size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+    return max(1, min(os.cpu_count() or 1, int(pages * size / 2**30 // memory_per_worker_gib)))
+
+
 def machine_metadata() -> dict:
     """What the machine that computes a unit brings to its rows (a Ray worker reports its own)."""
     import torch
@@ -148,11 +222,7 @@ def machine_metadata() -> dict:
 
 
 def run_metadata(profile: str) -> dict:
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=results.repo_root(), capture_output=True,
-                             check=False, text=True, timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        sha = None
+    sha = results.commit()
     machine = machine_metadata()
     return {"profile": profile, "kvlib_version": kvlib.__version__, "torch_version": machine["torch_version"],
             "transformers_version": machine["transformers_version"], "git_sha": sha,
@@ -197,9 +267,10 @@ def units_to_compute(profile: Profile, experiment: str, force: bool = False,
 
 
 def run_experiment(profile: Profile, experiment: str, force: bool = False, progress: bool = True,
-                   policies: Iterable[str] | None = None, executor: Executor | None = None) -> None:
+                   policies: Iterable[str] | None = None, executor: Executor | None = None, workers: int = 1) -> None:
     """Store every missing unit of one experiment (of the given policies only, if any), and the manifest of the
-    profile's grid."""
+    profile's grid. workers: processes an untimed experiment's units share (Processes) where no executor is given;
+    a timed experiment's units run one at a time whatever it says."""
     if experiment not in profile.experiments:
         raise UserError(f"profile {profile.name!r} has no experiment {experiment!r}; "
                         f"it has {sorted(profile.experiments)}")
@@ -226,6 +297,11 @@ def run_experiment(profile: Profile, experiment: str, force: bool = False, progr
                            rows.assign(round_slot=slots[(point.key, repeat)]))
         bar.update(1)
 
+    if executor is None and not timed and workers > 1 and len(todo) > 1:
+        from kvlib.study.estimate import unit_weight
+
+        executor = Processes(min(workers, len(todo)), affinity=getattr(module, "order", None),
+                             weight=unit_weight(profile.name, experiment))
     try:
         (executor or Serial()).run(todo, run_metadata(profile.name), done)
     finally:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import importlib
 import inspect
 import io
 import tokenize
@@ -101,11 +102,15 @@ def _defaults(experiment: str) -> dict[str, str]:
     """`values.get("key", default)` in the experiment's module and the shared one: the default of each key it reads."""
     folder = Path(schema.__file__).parent / "experiments"
     found = {}
-    for path in (folder / f"{experiment}.py", folder / "common.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
+    for name in (experiment, "common"):
+        module = importlib.import_module(f"kvlib.study.experiments.{name}")
+        for node in ast.walk(ast.parse((folder / f"{name}.py").read_text())):
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
                     and len(node.args) == 2 and isinstance(node.args[0], ast.Constant)):
-                found.setdefault(node.args[0].value, ast.unparse(node.args[1]))
+                default = node.args[1]  # a named constant by its value, as a reader writes it in a profile
+                shown = repr(getattr(module, default.id)) if isinstance(default, ast.Name) and \
+                    isinstance(getattr(module, default.id, None), str | int | float) else ast.unparse(default)
+                found.setdefault(node.args[0].value, shown)
     return found
 
 

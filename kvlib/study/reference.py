@@ -87,7 +87,6 @@ def save(profile: str, gate: float) -> Path:
     validity gate); its chapters follow once the build has executed them from it (save_chapters), so that its
     findings page knows itself for the reference book it becomes."""
     from kvlib.report.findings import verdict_table
-    from kvlib.study.executor import run_metadata
     from kvlib.study.profile import EXPERIMENTS
 
     out = folder(profile)
@@ -108,7 +107,7 @@ def save(profile: str, gate: float) -> Path:
     machine = json.loads(limits.read_text()) if limits.exists() else {}
     (out / "reference.json").write_text(json.dumps({
         "profile": profile, "published_at": datetime.now(UTC).isoformat(timespec="seconds"),
-        "published_from": run_metadata(profile)["git_sha"],
+        "published_from": results.commit(),
         "computed_between": [computed.finished_at.min(), computed.finished_at.max()],
         "computed_at_commits": sorted(computed.git_sha.dropna().unique().tolist()),
         "machine": {"cpu": machine.get("machine_cpu"), "host": machine.get("machine_host"),

@@ -9,11 +9,21 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 from pathlib import Path
 
 import pandas as pd
 
 from kvlib.paths import MANIFEST, repo_root
+
+
+def commit() -> str | None:
+    """The checkout's commit, short (None outside a git checkout): what rows and a published book say they came from."""
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo_root(), capture_output=True,
+                              check=False, text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 def results_dir(profile: str, experiment: str) -> Path:

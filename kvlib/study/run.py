@@ -26,11 +26,12 @@ def load_profile(name_or_path: str, device: str | None = None, toy: bool = False
 
 def run_study(profile: str, experiments: list[str] | None = None, force: bool = False, build: bool = False,
               policies: list[str] | None = None, notebooks: bool = True, executor: Executor | None = None,
-              device: str | None = None, toy: bool = False, publish: bool = False) -> None:
+              device: str | None = None, toy: bool = False, publish: bool = False, workers: int = 1) -> None:
     """device, toy: the profile on another device or at its toy size, its results in a folder of their own
     (kvlib.study.overrides); results only, since the book's notebooks read a profile by its file's name.
     publish: then publish the results and the executed chapters as the profile's reference book, and README's verdict
-    section from it (kvlib.study.reference)."""
+    section from it (kvlib.study.reference). workers: processes an untimed experiment's units share
+    (kvlib.study.executor.Processes)."""
     prof = load_profile(profile, device, toy)
     if prof.name != load_profile(profile).name and (notebooks or build):
         raise UserError("--device and --toy store results only: add --compute-only (the book's notebooks read a "
@@ -45,7 +46,7 @@ def run_study(profile: str, experiments: list[str] | None = None, force: bool = 
     failed = []
     for name in names:  # a unit that fails stops nothing: the other experiments are computed before the run fails
         try:
-            run_experiment(prof, name, force=force, policies=policies, executor=executor)
+            run_experiment(prof, name, force=force, policies=policies, executor=executor, workers=workers)
         except UnitsFailed as exc:
             failed.append(exc)
     if failed:

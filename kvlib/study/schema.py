@@ -16,12 +16,12 @@ from collections.abc import Callable
 
 from kvlib.models import WEIGHTS
 from kvlib.models.random_weights import check_experiment
+from kvlib.settings import DECODED, PROTOCOLS
 from kvlib.study.overrides import toy_problems, with_toy
 from kvlib.study.runners import make_runner, runner_class, runners
 
 Check = Callable[[object], str | None]  # a value's problem, or None
 PREFILL = ("full", "fused", "chunked")
-PROTOCOLS = ("deployed", "strict")
 
 
 def described(words: str):
@@ -140,13 +140,13 @@ WORKLOAD: dict[str, dict[str, Check]] = {
                 "rate_multiple": positive_number,
                 "burstiness": positive_number, "slo_ttft_s": optional(positive_number),
                 "slo_tpot_s": optional(positive_number)},
-    "accuracy": {"task": text, "batch_size": positive_int, "protocol": one_of(*PROTOCOLS, "one_pass"),
+    "accuracy": {"task": text, "batch_size": positive_int, "protocol": one_of(*PROTOCOLS),
                  "limit": optional(positive_int), "ruler": optional(RULER), "offline_tasks": optional(OFFLINE_TASKS),
                  "prefill_store_gb": optional(positive_number)},
     "offload": {"batch_size": positive_int, "prompt_tokens": positive_int, "max_new_tokens": positive_int},
     "retention": {"query_turns": list_of(positive_int), "buckets": list_of(bucket), "per_bucket": positive_int,
                   "conversations": optional(source), "lockstep": positive_int, "answer_tokens": optional(positive_int),
-                  "protocol": one_or_list(one_of(*PROTOCOLS))},
+                  "protocol": one_or_list(one_of(*DECODED))},
 }
 REQUIRED = {"ttft": ("prompt_tokens",), "batch_scaling": ("batch_size", "min_prompt_tokens", "max_prompt_tokens",
                                                           "max_new_tokens"),

@@ -13,8 +13,8 @@ import pandas as pd
 
 from kvlib.report import stats
 from kvlib.report.gate import GATE, accuracy_gate, passing
-from kvlib.report.paper_accuracy import PROTOCOL as ONE_PASS
 from kvlib.report.tables import accuracy_item, accuracy_table, scored_rows
+from kvlib.settings import ONE_PASS
 
 WITHIN, RULED_OUT, CANNOT_TELL = "within the tolerance", "ruled out", "cannot tell"
 

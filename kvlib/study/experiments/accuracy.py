@@ -18,11 +18,11 @@ import weakref
 
 from kvlib.engine.prefill_record import PrefillStore
 from kvlib.evaluation import KVLibLM
-from kvlib.evaluation.one_pass import PROTOCOL as ONE_PASS
 from kvlib.evaluation.ruler import RULER_TASKS, evaluate_ruler
 from kvlib.evaluation.tasks import evaluate, write_offline_tasks
 from kvlib.models.workloads import calibration_prompt
 from kvlib.policies.duo_heads import stability
+from kvlib.settings import DEPLOYED, ONE_PASS, STRICT
 from kvlib.study.experiments.common import model_of
 from kvlib.study.runners import runner_class
 
@@ -53,7 +53,7 @@ def order(point) -> tuple:
 def run_point(point) -> list[dict]:
     v = point.values
     loaded = model_of(point)
-    protocol = v.get("protocol", "deployed")
+    protocol = v.get("protocol", DEPLOYED)
     lm = KVLibLM(policy=point.runner, loaded=loaded, batch_size=v.get("batch_size", 8), protocol=protocol,
                  prefill=v.get("prefill"),
                  calibration=calibration_prompt(loaded, v.get("calibration_source")),
@@ -67,7 +67,7 @@ def run_point(point) -> list[dict]:
         rows = evaluate(lm, [v["task"]], include_path=folder, limit=v.get("limit"))
         # a scored continuation comes from decode steps (kvlib.evaluation.lm), strict whatever the point says, or
         # from the official harnesses' one masked pass (kvlib.evaluation.one_pass)
-        scored_by = protocol if protocol == ONE_PASS else "strict"
+        scored_by = protocol if protocol == ONE_PASS else STRICT
         rows = [{**row, "kv_share_attended": lm.kv_share_attended, "protocol": scored_by} for row in rows]
     held = held_columns(lm, loaded.spec.kv_bytes_per_token)
     return [{**row, **held} for row in rows]

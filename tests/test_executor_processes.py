@@ -1,0 +1,70 @@
+"""An untimed experiment's units shared among one-thread worker processes (kvlib.study.executor.Processes): the same
+rows, bit for bit, as one process computes; a timed experiment never shares its cores."""
+
+import pandas as pd
+import pytest
+import yaml
+
+from kvlib import study
+from kvlib.study import executor, results
+
+# what depends on where and when a unit ran, not on what it computed
+RUN_COLUMNS = {"unit_compute_s", "load_avg_1m", "others_cpu_s", "others_cpu_share", "steal_s", "steal_share",
+               "disturbed", "finished_at", "cpu_threads", "unit_workers", "attempts", "machine_host", "machine_ray_node"}
+
+
+@pytest.fixture
+def root(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVLIB_ROOT", str(tmp_path))
+    (tmp_path / "params").mkdir()
+    profile = {"model": "smollm2-135m", "device_capacity_gb": None, "experiments": {
+        "accuracy": {"policies": ["full", "h2o", "streaming"],
+                     "grid": {"task": ["kvlib_recall"], "budget": [0.3]},
+                     "fixed": {"offline_tasks": {"recall_lengths": [48], "recall_items": 2, "recall_choices": 3,
+                                                 "perplexity_docs_n": 2, "perplexity_tokens": 24, "seed": 0}},
+                     "arms": [{"policies": ["full", "h2o"], "grid": {"task": ["copa"], "budget": [0.5]},
+                               "fixed": {"protocol": "one_pass", "budget_rule": "flexgen", "limit": 2}}]},
+        "ttft": {"policies": ["full"], "grid": {"prompt_tokens": [64]}, "fixed": {"max_new_tokens": 1},
+                 "repeats": 1}}}
+    (tmp_path / "params" / "p.yaml").write_text(yaml.safe_dump(profile))
+    return tmp_path
+
+
+def rows(experiment: str, **kwargs) -> pd.DataFrame:
+    executor.run_experiment(study.load_profile("p"), experiment, progress=False, **kwargs)
+    frame = results.load("p", experiment)
+    keep = [c for c in frame.columns if c not in RUN_COLUMNS]
+    return frame[keep].sort_values([c for c in ("point_hash", "doc_id") if c in keep]).reset_index(drop=True)
+
+
+def test_workers_compute_the_rows_one_process_computes(root):
+    alone = rows("accuracy")
+    for folder in (root / "results").glob("p/accuracy/*.parquet"):
+        folder.unlink()
+    shared = rows("accuracy", workers=2)
+    assert len(alone) == len(shared) > 0
+    pd.testing.assert_frame_equal(alone, shared)
+    assert set(results.load("p", "accuracy")["unit_workers"]) == {2}  # each unit says it shared the machine
+
+
+def test_a_timed_experiment_runs_alone_whatever_workers_says(root, monkeypatch):
+    monkeypatch.setattr(executor, "Processes", lambda *a, **k: pytest.fail("a timed experiment shared its cores"))
+    assert len(rows("ttft", workers=2)) == 1
+
+
+def test_units_that_share_a_key_share_a_worker_and_the_workers_are_balanced():
+    points = [study.profile.Point("accuracy", "full", {}, {"task": t, "i": i}, "m")
+              for t, n in (("a", 3), ("b", 2), ("c", 2), ("d", 1)) for i in range(n)]
+    lanes = executor.Processes(2, affinity=lambda p: p.values["task"]).lanes([(p, 0) for p in points])
+    tasks = [{p.values["task"] for p, _ in lane} for lane in lanes]
+    assert sorted(map(sorted, tasks)) == [["a", "d"], ["b", "c"]]  # 3 + 1 and 2 + 2 units
+    assert [len(lane) for lane in executor.Processes(3).lanes([(p, 0) for p in points])] == [3, 3, 2]
+
+
+def test_workers_are_balanced_by_the_units_expected_time_where_it_is_known():
+    points = [study.profile.Point("accuracy", "full", {}, {"task": t, "i": i}, "m")
+              for t, n in (("recall", 2), ("a", 3), ("b", 3)) for i in range(n)]
+    seconds = {"recall": 10.0, "a": 1.0, "b": 1.0}
+    lanes = executor.Processes(2, affinity=lambda p: p.values["task"],
+                               weight=lambda p, r: seconds[p.values["task"]]).lanes([(p, 0) for p in points])
+    assert sorted(sorted({p.values["task"] for p, _ in lane}) for lane in lanes) == [["a", "b"], ["recall"]]
