@@ -12,9 +12,9 @@ import argparse
 import pandas as pd
 
 from kvlib.paths import repo_root
-from kvlib.study import results
 from kvlib.study.compute_time import minutes_by
 from kvlib.study.profile import load_profile
+from kvlib.study.run import stored
 
 
 def main() -> None:
@@ -22,7 +22,8 @@ def main() -> None:
     parser.add_argument("--profile", default="embedded")
     args = parser.parse_args()
     profile = load_profile(args.profile, repo_root())
-    frame = pd.concat([results.load(profile.name, e) for e in profile.experiments], ignore_index=True)
+    # this checkout's rows, or the reference book's where none were computed here (kvlib.study.run.stored)
+    frame = pd.concat([stored(profile.name, e) for e in profile.experiments], ignore_index=True)
     experiments = minutes_by(frame, ["experiment"])
     print(experiments.to_string(index=False, float_format="%.1f"))
     print(f"in all: {experiments['minutes'].sum():.1f} min of compute")
