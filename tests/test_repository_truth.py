@@ -13,7 +13,7 @@ from kvlib.study import banner, reference
 
 ROOT = Path(__file__).parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
-VERDICT_ROW = re.compile(r"^\|\s*(\d)\s*\|.*\|\s*\*\*([^*|]+)\*\*\s*\|\s*$")
+VERDICT_ROW = re.compile(r"^\|\s*(\d)\s*\|.*\|\s*\*\*([^*|]+)\*\*\s*\|(?:[^|*]*\|)?\s*$")  # a "measured with" column may follow
 
 
 def verdicts(markdown: str) -> dict[int, str]:
