@@ -24,6 +24,8 @@ def root(tmp_path, monkeypatch):
                                                  "perplexity_docs_n": 2, "perplexity_tokens": 24, "seed": 0}},
                      "arms": [{"policies": ["full", "h2o"], "grid": {"task": ["copa"], "budget": [0.5]},
                                "fixed": {"protocol": "one_pass", "budget_rule": "flexgen", "limit": 2}}]},
+        "retention": {"policies": ["full", "h2o"], "grid": {"budget": [0.3]},
+                      "fixed": {"buckets": [[200, 400]], "per_bucket": 1, "query_turns": [2, 4], "seed": 0}},
         "ttft": {"policies": ["full"], "grid": {"prompt_tokens": [64]}, "fixed": {"max_new_tokens": 1},
                  "repeats": 1}}}
     (tmp_path / "params" / "p.yaml").write_text(yaml.safe_dump(profile))
@@ -37,14 +39,15 @@ def rows(experiment: str, **kwargs) -> pd.DataFrame:
     return frame[keep].sort_values([c for c in ("point_hash", "doc_id") if c in keep]).reset_index(drop=True)
 
 
-def test_workers_compute_the_rows_one_process_computes(root):
-    alone = rows("accuracy")
-    for folder in (root / "results").glob("p/accuracy/*.parquet"):
-        folder.unlink()
-    shared = rows("accuracy", workers=2)
+@pytest.mark.parametrize("experiment", ["accuracy", "retention"])
+def test_workers_compute_the_rows_one_process_computes(root, experiment):
+    alone = rows(experiment)
+    for unit in (root / "results").glob(f"p/{experiment}/*.parquet"):
+        unit.unlink()
+    shared = rows(experiment, workers=2)
     assert len(alone) == len(shared) > 0
     pd.testing.assert_frame_equal(alone, shared)
-    assert set(results.load("p", "accuracy")["unit_workers"]) == {2}  # each unit says it shared the machine
+    assert set(results.load("p", experiment)["unit_workers"]) == {2}  # each unit says it shared the machine
 
 
 def test_a_timed_experiment_runs_alone_whatever_workers_says(root, monkeypatch):
