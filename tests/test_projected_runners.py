@@ -8,6 +8,7 @@ import pytest
 from kvlib.paths import repo_root
 from kvlib.projection import paper_scale as scale
 from kvlib.projection import policy_step
+from kvlib.projection import your_workload as yours
 from kvlib.study.profile import load_profile
 
 LONG = scale.Workload("your workload", 4, 8192, 256)
@@ -42,23 +43,23 @@ def test_every_systems_runner_of_the_embedded_profile_has_a_projected_row_or_a_r
     assert {"full", "paged", "h2o", "infinigen", "streaming", "snapkv", "quest", "kivi", "flexgen", "flexgen_h2o",
             "vllm"} <= wanted
     table = scale.projection(hardware_names=("h100_sxm",), kernels=False, loads=[LONG],
-                             runner_list=scale.workload_runners("embedded", SYSTEMS))
+                             runner_list=yours.workload_runners("embedded", SYSTEMS))
     assert wanted <= set(table.policy)
     for _, row in table.iterrows():
         projected = row.decode_tokens_per_s_bound_projected
         assert (isinstance(projected, float) and projected > 0) or isinstance(row.get("not_projected"), str), row.runner
-    text = scale.workload_text(table)
+    text = yours.workload_text(table)
     assert text.count("\n- ") == len(table)  # one line a runner, none dropped
 
 
 def test_a_runner_whose_step_has_no_rule_says_so_instead_of_vanishing(monkeypatch):
     monkeypatch.setattr(scale, "_POLICIES", {})
     monkeypatch.setattr(policy_step, "policy_at", lambda *a: SimpleNamespace(name="odd", lossless=False))
-    monkeypatch.setattr(scale, "_measured", lambda profile: (None, "no measured InfiniGen rows in nowhere", None))
+    monkeypatch.setattr(scale, "measured", lambda profile: (None, "no measured InfiniGen rows in nowhere", None))
     runners = scale.runners(profile="x") + [scale.Runner("odd", "odd", settings=())]
     runners.insert(3, scale.Runner("infinigen (measured share)", "infinigen", reason="no measured InfiniGen rows"))
     table = scale.projection(hardware_names=("h100_sxm",), kernels=False, loads=[LONG], runner_list=runners)
-    lines = {line.split(":")[0][2:]: line for line in scale.workload_text(table).splitlines() if line.startswith("- ")}
+    lines = {line.split(":")[0][2:]: line for line in yours.workload_text(table).splitlines() if line.startswith("- ")}
     assert lines["odd"].startswith("- odd: not projected: kvlib.projection.policy_step reads no rule for odd's")
     assert lines["infinigen (measured share)"] == "- infinigen (measured share): not projected: no measured InfiniGen rows"
     assert "(bound)" in lines["full"]
@@ -122,9 +123,9 @@ def test_the_users_limit_says_over_where_a_runner_needs_more_and_the_lines_fit_1
     from kvlib.commands.choose import WIDTH, _wrapped
 
     table = scale.projection(hardware_names=("h100_sxm",), kernels=False, loads=[LONG],
-                             runner_list=scale.workload_runners("embedded", SYSTEMS))
+                             runner_list=yours.workload_runners("embedded", SYSTEMS))
     limit = 18.0  # the 8B model's weights are 16 GB: some runners' KV fits beside them, full's does not
-    lines = {line.split(":")[0][2:]: line for line in scale.workload_text(table, limit).splitlines()
+    lines = {line.split(":")[0][2:]: line for line in yours.workload_text(table, limit).splitlines()
              if line.startswith("- ")}
     over = fits = 0
     for _, row in table.iterrows():
@@ -134,7 +135,7 @@ def test_the_users_limit_says_over_where_a_runner_needs_more_and_the_lines_fit_1
         assert said == (row.device_gb_projected > limit), row.runner
         over, fits = over + said, fits + (not said)
     assert over and fits
-    assert all(len(line) <= WIDTH for line in _wrapped(scale.workload_text(table, limit)).splitlines())
+    assert all(len(line) <= WIDTH for line in _wrapped(yours.workload_text(table, limit)).splitlines())
 
 
 def test_the_projected_answer_is_valid_json_where_a_row_lacks_a_figure():

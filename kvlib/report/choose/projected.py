@@ -1,5 +1,5 @@
 """The chooser's answer on hardware the book did not measure (`kvlib choose --hardware NAME --model NAME`): the
-workload projected onto it (kvlib.projection.paper_scale.for_workload), every figure labelled projected."""
+workload projected onto it (kvlib.projection.your_workload.for_workload), every figure labelled projected."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ class ProjectedChoice:
     def text(self) -> str:
         import pandas as pd
 
-        from kvlib.projection.paper_scale import workload_text
+        from kvlib.projection.your_workload import workload_text
 
         return workload_text(pd.DataFrame(self.rows), self.device_limit_gb, self.rulings)
 
@@ -27,7 +27,7 @@ def choose_projected(model: str, hardware: str, prompt: int, batch: int, output:
     """measured: the answer on the measured rows (a Choice), whose accuracy rulings stand beside each projection:
     a bound on speed says nothing of what a policy loses. systems: the profile's systems runners beside the paper's
     (kvlib.study.profile.Profile.systems_runners)."""
-    from kvlib.projection.paper_scale import for_workload
+    from kvlib.projection.your_workload import for_workload
 
     rulings = {}
     if measured is not None:
