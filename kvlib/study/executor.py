@@ -125,15 +125,21 @@ class Serial:
     def run(self, units, meta, done):
         failures = []
         for point, repeat in units:
-            try:
-                rows = compute_unit(point, repeat, meta)
-            except Exception as exc:  # noqa: BLE001 -- any exception of a unit is that unit's recorded error
-                failures.append((point, repeat, error_text(exc)))
-                report_failure(*failures[-1])
-                continue
-            done(point, repeat, rows)
+            settle(point, repeat, lambda p=point, r=repeat: compute_unit(p, r, meta), done, failures)
         if failures:
             raise UnitsFailed(failures, len(units))
+
+
+def settle(point: Point, repeat: int, rows: Callable[[], pd.DataFrame], done, failures: list) -> None:
+    """A unit's outcome: its rows handed to done, or its exception reported and kept in failures (the others go
+    on)."""
+    try:
+        computed = rows()
+    except Exception as exc:  # noqa: BLE001 -- any exception of a unit is that unit's recorded error
+        failures.append((point, repeat, error_text(exc)))
+        report_failure(*failures[-1])
+        return
+    done(point, repeat, computed)
 
 
 class Processes:
@@ -177,14 +183,7 @@ class Processes:
                 futures |= {pools[-1].submit(_worker_unit, point, repeat, beside): (point, repeat)
                             for point, repeat in lane}
             for future in as_completed(futures):
-                point, repeat = futures[future]
-                try:
-                    rows = future.result()
-                except Exception as exc:  # noqa: BLE001 -- any exception of a unit is that unit's recorded error
-                    failures.append((point, repeat, error_text(exc)))
-                    report_failure(*failures[-1])
-                    continue
-                done(point, repeat, rows)
+                settle(*futures[future], future.result, done, failures)
         finally:
             for pool in pools:
                 pool.shutdown(cancel_futures=True)
