@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import multiprocessing
+import os
 import platform
 import sys
 import traceback
@@ -62,6 +63,8 @@ def compute_unit(point: Point, repeat: int, meta: dict) -> pd.DataFrame:
 
 
 _outside_pool: ProcessPoolExecutor | None = None
+# in a worker of Processes: the study's process, whose other workers share the cores on purpose (not a disturbance)
+_study_process: int | None = None
 
 
 def in_outside_process(fn, *args):
@@ -84,7 +87,7 @@ def _compute_unit(point: Point, repeat: int, meta: dict) -> pd.DataFrame:
     # a disturbed run is worth measuring again only where time is what it measures: a score is the same under load
     compute_s = 0.0  # what the unit cost the build, every attempt (benchmarks/book_times.py adds them up)
     for attempt in range(1, (ATTEMPTS if experiment.TIMED else 1) + 1):
-        with measured_load() as load:
+        with measured_load(_study_process) as load:
             rows = experiment.run_point(point)
         compute_s += load.wall_s
         if not load.disturbed:
@@ -179,7 +182,7 @@ class Processes:
         try:
             for lane in self.lanes(units):
                 pools.append(ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
-                                                 initializer=_use_threads, initargs=(self.threads,)))
+                                                 initializer=_start_worker, initargs=(self.threads, os.getpid())))
                 futures |= {pools[-1].submit(_worker_unit, point, repeat, beside): (point, repeat)
                             for point, repeat in lane}
             for future in as_completed(futures):
@@ -191,10 +194,12 @@ class Processes:
             raise UnitsFailed(failures, len(units))
 
 
-def _use_threads(threads: int) -> None:
+def _start_worker(threads: int, study_process: int) -> None:
+    global _study_process
     import torch
 
     torch.set_num_threads(threads)
+    _study_process = study_process
 
 
 def _worker_unit(point: Point, repeat: int, meta: dict) -> pd.DataFrame:
@@ -204,8 +209,6 @@ def _worker_unit(point: Point, repeat: int, meta: dict) -> pd.DataFrame:
 def untimed_workers(memory_per_worker_gib: float = 8.0) -> int:
     """How many one-thread workers an untimed experiment gets here: a core each, as many as the memory holds (an
     accuracy worker holds a model and its recorded prefills, a few GiB)."""
-    import os
-
     pages, size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
     return max(1, min(os.cpu_count() or 1, int(pages * size / 2**30 // memory_per_worker_gib)))
 

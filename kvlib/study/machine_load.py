@@ -66,17 +66,40 @@ def _cpu_ticks() -> tuple[int, int] | None:
     return user + nice + system + irq + softirq, steal
 
 
+def _family_cpu_s(root: int) -> dict[int, float]:
+    """CPU time (user + system) of `root` and every process below it, by pid; empty where /proc cannot tell."""
+    seen, todo = {}, [root]
+    while todo:
+        pid = todo.pop()
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after the name, which may hold spaces
+            seen[pid] = (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{task}/children") as f:
+                    todo.extend(int(c) for c in f.read().split())
+        except (OSError, ValueError, IndexError):
+            continue
+    return seen
+
+
+def _own_cpu_s(family: int | None) -> dict[int, float]:
+    return _family_cpu_s(family) if family is not None else {0: time.process_time()}
+
+
 @contextmanager
-def measured_load():
-    """Context manager yielding a Load filled in on exit."""
+def measured_load(family: int | None = None):
+    """Context manager yielding a Load filled in on exit. family: a process whose whole tree counts as this one (a
+    study's workers, which share the cores on purpose: kvlib.study.executor.Processes); else this process alone."""
     load = Load(load_avg_1m=os.getloadavg()[0] if hasattr(os, "getloadavg") else None)
-    before, own_before, t0 = _cpu_ticks(), time.process_time(), time.perf_counter()
+    before, own_before, t0 = _cpu_ticks(), _own_cpu_s(family), time.perf_counter()
     yield load
-    after, own_after = _cpu_ticks(), time.process_time()
+    after, own_after = _cpu_ticks(), _own_cpu_s(family)
     load.wall_s = time.perf_counter() - t0
     if before is not None and after is not None and load.wall_s > 0:
         busy_s = (after[0] - before[0]) / CLOCK_TICKS
-        load.others_cpu_s = max(busy_s - (own_after - own_before), 0.0)
+        own_s = sum(s - own_before.get(pid, 0.0) for pid, s in own_after.items())
+        load.others_cpu_s = max(busy_s - own_s, 0.0)
         capacity_s = load.wall_s * (os.cpu_count() or 1)
         load.others_cpu_share = load.others_cpu_s / capacity_s
         load.steal_s = (after[1] - before[1]) / CLOCK_TICKS
