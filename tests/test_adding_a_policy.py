@@ -19,7 +19,7 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 @pytest.fixture
-def recent_window(tmp_path, monkeypatch):
+def recent_window(tmp_path):
     """The README's policy, imported from a file as a module of the user's would be; unregistered afterwards."""
     section = README.read_text().split("## Adding a policy", 1)[1].split("\n## ", 1)[0]
     code = re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1)
@@ -32,9 +32,6 @@ def recent_window(tmp_path, monkeypatch):
         added = set(REGISTRY) - before
         assert len(added) == 1, f"the README's code registered {sorted(added)}"
         name = added.pop()
-        monkeypatch.setitem(test_booking.CASES, name, {"budget": 0.5})
-        monkeypatch.setitem(test_serving_policies.BUDGETED, name, {"budget": 0.3, "block_size": 4})
-        monkeypatch.setitem(test_serving_policies.KEEPS_ALL, name, {"budget": 1.0, "block_size": 4})
         yield name
     finally:
         for name in set(REGISTRY) - before:

@@ -131,10 +131,9 @@ def test_heads_keep_their_own_counts_and_the_row_is_booked_at_its_widest_head(ti
 @pytest.mark.parametrize("allocation", ["adaptive", "pyramid"])
 @pytest.mark.parametrize("name", sorted(SETTINGS))
 def test_the_ledger_books_what_an_allocation_holds(tiny, name, allocation, monkeypatch):
-    monkeypatch.setitem(test_booking.CASES, name, {"budget": 0.3, "allocation": allocation, **SETTINGS[name]})
     if allocation == "adaptive":
         monkeypatch.setattr(type(make_policy(name)), "heavy_counts", uneven_counts)
-    test_booking.check_census(tiny, name)
+    test_booking.check_census(tiny, name, {"budget": 0.3, "allocation": allocation, **SETTINGS[name]})
 
 
 @pytest.mark.parametrize("name", sorted(SETTINGS))

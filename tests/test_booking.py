@@ -11,32 +11,10 @@ import dataclasses
 
 import pytest
 import torch
+from policy_examples import example
 
 from kvlib.engine import Engine
 from kvlib.policies import available, make_policy
-
-# One case per registered policy: a policy added to the registry without one fails test_every_policy_has_a_case.
-CASES = {
-    "full": {},
-    "paged": {"block_size": 8},
-    "h2o": {"budget": 0.3},
-    "infinigen": {"budget": 0.3},
-    "streaming": {"budget": 0.3, "sink": 4},
-    "snapkv": {"budget": 0.3, "window": 8},
-    "kivi": {"bits": 2, "group_size": 8, "residual": 16},
-    "quest": {"budget": 0.3, "block_size": 8},
-    # split between device and host, so the census sees both tiers (the disk tier is files: tests/test_flexgen.py)
-    "flexgen": {"percent": "100 0 40 60 100 0"},
-    "flexgen_h2o": {"budget": 0.3, "percent": "100 0 40 60 100 0"},
-    "duo": {"budget": 0.5, "sink": 4, "window": 16},
-    "adakv": {"budget": 0.3, "window": 8},
-    "pyramidkv": {"budget": 0.3, "window": 8},
-    "compress_h2o": {},  # every entry until a serving pool runs low (tests/test_compress_h2o.py)
-}
-
-
-def test_every_policy_has_a_case():
-    assert set(CASES) == set(available()), "add the new policy to CASES (and to its other registry-wide tests)"
 
 
 def storage_of(tensor: torch.Tensor) -> tuple[int, int]:
@@ -99,10 +77,10 @@ def record_census(engine) -> list[tuple[dict, dict]]:
     return records
 
 
-def check_census(model, name):
+def check_census(model, name, settings=None):
     torch.manual_seed(1)
     prompts = [torch.randint(100, 5000, (n,)).tolist() for n in (70, 120, 40)]
-    policy = make_policy(name, **CASES[name])
+    policy = make_policy(name, **(example(name, block_size=8) if settings is None else settings))
     engine = Engine(model, policy)
     records = record_census(engine)
     mode = "chunked" if "chunked" in policy.supported_prefill else policy.preferred_prefill

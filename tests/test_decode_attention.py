@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+from policy_examples import example
 
 from kvlib.engine import Engine
 from kvlib.kernels import cpu_kernel
@@ -229,36 +230,12 @@ def test_the_kernel_refuses_coded_counts_past_the_codes(field, value):
         decode_attention("c", query, reads, 1.0)
 
 
-# Each policy at a setting where it keeps and attends everything, its selection (or quantization) path still running:
-# a policy added to the registry without one fails test_every_policy_has_a_full_budget_setting.
-FULL_BUDGET = {
-    "full": {},
-    "paged": {"block_size": 8},
-    "h2o": {"budget": 1.0},  # scores from the kernel's probability output, every step
-    "streaming": {"budget": 1.0, "sink": 4},
-    "snapkv": {"budget": 1.0, "window": 8},
-    "quest": {"budget": 1.0, "block_size": 8},  # every block chosen, read through per-head block lists
-    "infinigen": {"budget": 1.0, "alpha": 1e9},  # every token a candidate: speculation and fetch of all of them
-    "kivi": {"quantize": False, "group_size": 8, "residual": 16},  # the packed layout, holding raw bytes
-    "flexgen": {"percent": "100 0 50 50 100 0"},  # half the cache staged from the host each layer
-    "flexgen_h2o": {"budget": 1.0, "percent": "100 0 50 50 100 0"},
-    "duo": {"budget": 1.0},  # every head a retrieval head
-    "adakv": {"budget": 1.0, "window": 8},  # per-head counts that hold every older entry
-    "pyramidkv": {"budget": 1.0, "window": 8},
-    "compress_h2o": {},  # budget 1.0 is its default: it compresses only under the compress schedule's full pool
-}
-
-
-def test_every_policy_has_a_full_budget_setting():
-    assert set(FULL_BUDGET) == set(available())
-
-
 def test_every_policy_decodes_through_the_one_kernel_and_at_full_budget_as_full(tiny, kernel):
     torch.manual_seed(3)
     prompts = [torch.randint(100, 5000, (n,)).tolist() for n in (70, 23, 41)]
     ran, outputs = {}, {}
     for name in available():
-        policy = make_policy(name, **FULL_BUDGET[name])
+        policy = make_policy(name, **example(name, "keeps_all", block_size=8))
         mode = "chunked" if "chunked" in policy.supported_prefill else policy.preferred_prefill
         result = Engine(tiny, policy).generate(prompts, 10, prefill_mode=mode, chunk_size=32, stop_at_eos=False)
         ran[name] = result.stats["decode_attention"]

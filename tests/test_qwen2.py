@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import hf_greedy
-from test_decode_attention import FULL_BUDGET
+from policy_examples import example
 from test_llama_forward import decode
 
 from kvlib.engine import Engine
@@ -110,14 +110,14 @@ def test_kvlib_forward_equals_transformers_own_forward_over_the_whole_sequence(q
 
 def test_every_policy_runs_qwen2_and_at_full_budget_equals_full(qwens, monkeypatch, tmp_path):
     """Through the engine over kvlib's forward; each policy at the setting where it keeps everything
-    (tests/test_decode_attention.py's FULL_BUDGET): the same tokens as `full`."""
+    (its keeps_all_example: tests/policy_examples.py): the same tokens as `full`."""
     monkeypatch.setenv("KVLIB_CACHE", str(tmp_path))  # InfiniGen's skew for this random model stays out of the cache
     _, fast = qwens
     torch.manual_seed(3)
     prompts = [torch.randint(100, 5000, (n,)).tolist() for n in (70, 23, 41)]
     outputs = {}
     for name in available():
-        policy = make_policy(name, **FULL_BUDGET[name])
+        policy = make_policy(name, **example(name, "keeps_all", block_size=8))
         mode = "chunked" if "chunked" in policy.supported_prefill else policy.preferred_prefill
         result = Engine(fast, policy).generate(prompts, 10, prefill_mode=mode, chunk_size=32, stop_at_eos=False)
         outputs[name] = [o["token_ids"] for o in result.outputs]

@@ -4,60 +4,26 @@ the device capacity by vLLM's rule."""
 
 import pytest
 import torch
+from policy_examples import example, reserves_rows, whole_prompt
 
 from kvlib.engine import Engine
 from kvlib.engine.scheduler import BATCHING, Sequence, run
 from kvlib.memory.paged_kv import serving_pool_bytes
 from kvlib.policies import available, make_policy
+from kvlib.policies.flexgen import ALL_ON_DEVICE
 
-# each policy at the budget the book runs it at (budgeted ones at 0.3) and at a setting where it keeps everything
-BUDGETED = {
-    "full": {},
-    "paged": {"block_size": 4},
-    "quest": {"budget": 0.3, "block_size": 4},
-    "h2o": {"budget": 0.3, "block_size": 4},
-    "streaming": {"budget": 0.3, "sink": 4, "block_size": 4},
-    "snapkv": {"budget": 0.3, "window": 8, "block_size": 4},
-    "kivi": {"bits": 2, "group_size": 8, "residual": 16},
-    "infinigen": {"budget": 0.3},
-    "flexgen": {"percent": "100 0 50 50 100 0"},
-    "flexgen_h2o": {"budget": 0.3, "percent": "100 0 50 50 100 0"},
-    "duo": {"budget": 0.5, "sink": 4, "window": 8},
-    "adakv": {"budget": 0.3, "window": 8, "block_size": 4},
-    "pyramidkv": {"budget": 0.3, "window": 8, "block_size": 4},
-    "compress_h2o": {"block_size": 4},  # as the book runs it: every entry until the pool runs low
-}
-KEEPS_ALL = {
-    "full": {},
-    "paged": {"block_size": 4},
-    "quest": {"budget": 1.0, "block_size": 4},
-    "h2o": {"budget": 1.0, "block_size": 4},
-    "streaming": {"budget": 1.0, "sink": 4, "block_size": 4},
-    "snapkv": {"budget": 1.0, "window": 8, "block_size": 4},
-    "kivi": {"quantize": False, "group_size": 8, "residual": 16},
-    "infinigen": {"budget": 1.0, "alpha": 1e9},
-    "flexgen": {},  # on the device alone: a split cache holds more rows in the same capacity (its device share)
-    "flexgen_h2o": {"budget": 1.0, "percent": "100 0 50 50 100 0"},
-    "duo": {"budget": 1.0},
-    "adakv": {"budget": 1.0, "window": 8, "block_size": 4},
-    "pyramidkv": {"budget": 1.0, "window": 8, "block_size": 4},
-    "compress_h2o": {"block_size": 4},  # under the continuous schedule it preempts as paged does
-}
-# the policies that reserve each row's whole length up front: they serve as many rows as the capacity holds
-RESERVE_ROWS = {"full", "kivi", "infinigen", "flexgen", "flexgen_h2o", "duo"}
-# the policies that score a prompt in one pass (H2O in FlexGen: the prompt's attention matrix, its kept set stored):
-# continuous batching prefills in chunks, so they serve statically only
-WHOLE_PROMPT = {"flexgen_h2o"}
+
+# each policy at its own examples (tests/policy_examples.py): its small case, and a setting where it keeps everything
+def keeping_all(name):
+    """Its keeps-all example with blocks of 4, on the device alone (a cache split across tiers holds more rows in the
+    same capacity: its device share)."""
+    return example(name, "keeps_all", block_size=4, percent=ALL_ON_DEVICE)
 
 
 def prefill_of(name):
     """How the schedules prefill a policy's prompts: whole at admission for one that prefills a prompt in one pass (as
     vLLM without chunked prefill), in chunks otherwise."""
-    return "full" if name in WHOLE_PROMPT else "chunked"
-
-
-def test_every_policy_is_named_here():
-    assert set(BUDGETED) == set(KEEPS_ALL) == set(available())
+    return "full" if whole_prompt(name) else "chunked"
 
 
 def tokens(result):
@@ -69,13 +35,13 @@ def prompts_of(*lengths, seed=0):
     return [torch.randint(100, 5000, (n,)).tolist() for n in lengths]
 
 
-@pytest.mark.parametrize("name", sorted(BUDGETED))
+@pytest.mark.parametrize("name", available())
 def test_continuous_with_every_request_at_the_start_gives_the_static_schedules_tokens(tiny, name):
     mode = prefill_of(name)
     prompts = prompts_of(40, 25, 33)
-    static = Engine(tiny, make_policy(name, **BUDGETED[name])).generate(prompts, 12, prefill_mode=mode,
+    static = Engine(tiny, make_policy(name, **example(name, block_size=4))).generate(prompts, 12, prefill_mode=mode,
                                                                         chunk_size=16, stop_at_eos=False)
-    served = run(Engine(tiny, make_policy(name, **BUDGETED[name])), [Sequence(p, 12) for p in prompts],
+    served = run(Engine(tiny, make_policy(name, **example(name, block_size=4))), [Sequence(p, 12) for p in prompts],
                  "continuous", mode, chunk_size=16, stop_at_eos=False)
     assert tokens(served) == tokens(static)
     assert served.metrics["preemptions"] == 0
@@ -88,20 +54,20 @@ def capacity_for(tiny, kv_tokens: int) -> int:
     return int((weights + kv_tokens * tiny.spec.kv_bytes_per_token) / 0.9) + 1
 
 
-@pytest.mark.parametrize("name", sorted(KEEPS_ALL))
+@pytest.mark.parametrize("name", available())
 def test_a_capacity_too_small_for_every_request_gives_the_same_tokens(tiny, name):
     """A pool sized from a small device capacity (about 110 tokens) holds the prompts but not their growing outputs:
     requests are preempted, recomputed from their tokens, and end as they would have with room to spare. A policy
     that reserves whole rows holds fewer rows instead, and requests wait for one."""
     mode = prefill_of(name)
     prompts = prompts_of(40, 40, 36)
-    roomy = run(Engine(tiny, make_policy(name, **KEEPS_ALL[name])), [Sequence(p, 30) for p in prompts],
+    roomy = run(Engine(tiny, make_policy(name, **keeping_all(name))), [Sequence(p, 30) for p in prompts],
                 "continuous", mode, chunk_size=16, stop_at_eos=False)
-    tight = run(Engine(tiny, make_policy(name, **KEEPS_ALL[name]), device_capacity_bytes=capacity_for(tiny, 110)),
+    tight = run(Engine(tiny, make_policy(name, **keeping_all(name)), device_capacity_bytes=capacity_for(tiny, 110)),
                 [Sequence(p, 30) for p in prompts], "continuous", mode, chunk_size=16, stop_at_eos=False)
     assert tokens(tight) == tokens(roomy)
     assert roomy.metrics["preemptions"] == 0
-    if name in RESERVE_ROWS:  # each row reserved whole: a request waits for a free row and is never preempted
+    if reserves_rows(name):  # each row reserved whole: a request waits for a free row and is never preempted
         assert tight.metrics["max_running"] < 3 and tight.metrics["preemptions"] == 0
     else:
         assert tight.metrics["preemptions"] > 0
@@ -110,7 +76,7 @@ def test_a_capacity_too_small_for_every_request_gives_the_same_tokens(tiny, name
 @pytest.mark.parametrize("name", ["h2o", "streaming", "snapkv"])
 def test_an_evicting_policy_gives_its_prompts_blocks_back(tiny, name):
     """At budget 0.25 a 64-token prompt takes 16 blocks of 4 while it is prefilled, and keeps 4 once compacted."""
-    policy = make_policy(name, **{**BUDGETED[name], "budget": 0.25})
+    policy = make_policy(name, **{**example(name, block_size=4), "budget": 0.25})
     engine = Engine(tiny, policy)
     with engine.session([64], 4) as session:
         session.prefill(0, prompts_of(64)[0], "chunked", chunk_size=32)
@@ -123,7 +89,7 @@ def test_an_evicting_policy_gives_its_prompts_blocks_back(tiny, name):
 @pytest.mark.parametrize("name", ["paged", "h2o", "quest"])
 def test_a_serving_pool_is_what_the_capacity_leaves_after_the_weights(tiny, name):
     capacity = capacity_for(tiny, 400)
-    policy = make_policy(name, **BUDGETED[name])
+    policy = make_policy(name, **example(name, block_size=4))
     served = run(Engine(tiny, policy, device_capacity_bytes=capacity), [Sequence(p, 4) for p in prompts_of(20, 30)],
                  "continuous", "chunked", chunk_size=16, stop_at_eos=False)
     room = serving_pool_bytes(capacity, tiny.weights_bytes + tiny.packed_copy_bytes)

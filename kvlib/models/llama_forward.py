@@ -24,6 +24,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from kvlib.errors import UserError
 from kvlib.kernels import cpu_kernel
 
 
@@ -163,6 +164,17 @@ def is_llama_attention(module: torch.nn.Module) -> bool:
 def fuse_qkv(model: torch.nn.Module) -> int:
     """Swap every Llama-family attention module of a model for a FusedAttention. Returns how many were swapped."""
     return replace_modules(model, is_llama_attention, lambda m: FusedAttention(m, model.config))
+
+
+def attention_modules(model, policy: str) -> list:
+    """Each decoder layer's attention module of a Llama-family model (its self_attn with a q_proj, or kvlib's fused
+    attention): what a policy that reads the queries hooks; a clear error for another architecture."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    modules = [getattr(layer, "self_attn", None) for layer in layers or []]
+    if not modules or not all(isinstance(m, FusedAttention) or hasattr(m, "q_proj") for m in modules):
+        raise UserError(f"policy {policy!r} needs a model whose decoder layers have self_attn.q_proj "
+                        f"(Llama-family attention); {type(model).__name__} does not")
+    return modules
 
 
 class QueryProjection(torch.nn.Module):

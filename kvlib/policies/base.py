@@ -79,9 +79,11 @@ class KVPolicy:
     - `start(batch_size, prompt_lens, max_new_tokens)`: allocate, and book, what a batch of rows holds;
     - `attend(layer, query, key, value, step)`: store a pass's keys and values, return attention's output.
     It declares what it is in the class variables below (its name, prefill modes, schedule, the poster's words, its
-    fidelity), and overrides, where it does more, what has a default here:
+    fidelity, the settings the registry-wide tests run it at), and overrides, where it does more, what has a default
+    here:
     - around each pass: `prepare` (reserve before it), `after_pass` (commit, evict after it), `reuse_prefix`;
-    - around a run: `calibrate` (with `calibrates`), `weights_off_device`, `finish`, `stats`, `kv_bits`;
+    - around a run: `calibrate` (with `calibrates`, and `calibration_columns` saying what it chose),
+      `weights_off_device`, `finish`, `stats`, `kv_bits`;
     - the capabilities a schedule or task uses where a policy has them, each raising by default: `fork`; `release`
       (continuous batching, `can_release`); `compress` (the compress schedule, `can_compress`, with `compress_share`
       and `compress_to_admit`); `adopt_pass` (an adopted prefill, with `adopts_prefill`, `prefill_arithmetic` and
@@ -127,6 +129,12 @@ class KVPolicy:
     # row attending what the rule keeps for it; where the rule comes from (repository path), "" where the policy has
     # none (the protocol refuses it)
     one_pass_source: ClassVar[str] = ""
+    # settings the registry-wide tests run it at on a tiny model (tests/policy_examples.py), so that a policy brings
+    # its own: `small_example` puts its mechanism to work (a budget that evicts, a cache across tiers), and
+    # `keeps_all_example` keeps and attends every entry with that path still running (its tokens are the full
+    # cache's); a block size, and a cache on the device alone, are the test's to choose where the policy has them
+    small_example: ClassVar[dict] = {}
+    keeps_all_example: ClassVar[dict] = {}
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -172,6 +180,11 @@ class KVPolicy:
 
     def calibrate(self, prompt: list[int]) -> None:
         """After bind, for a policy that `calibrates`: learn from these token ids (the caller's text)."""
+
+    def calibration_columns(self) -> dict:
+        """After a run, for a policy that calibrates: what its calibration chose and how much that choice depends on
+        the text it learnt from (the accuracy experiment's columns); {} where there is nothing to say."""
+        return {}
 
     def pool_blocks(self, needed: int, block_bytes: int, beside: int = 0) -> int:
         """The blocks a block-holding policy's pool gets: what this batch needs; or, when the engine serves requests
@@ -311,6 +324,8 @@ class BudgetedPolicy(KVPolicy):
 
     budget: float = 0.3
     budget_tokens: int | None = None
+    small_example: ClassVar[dict] = {"budget": 0.3}
+    keeps_all_example: ClassVar[dict] = {"budget": 1.0}
 
     def __post_init__(self):
         if not 0 < self.budget <= 1:

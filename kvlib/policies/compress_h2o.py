@@ -48,6 +48,9 @@ class CompressH2OPolicy(HeavyHitterPolicy):
     instead of preempting them."""
 
     name = "compress_h2o"
+    # budget 1.0 is its default: every entry until a serving pool runs low (tests/test_compress_h2o.py)
+    small_example: ClassVar[dict] = {}
+    keeps_all_example: ClassVar[dict] = {}
     one_pass_source = ""  # a serving schedule's policy: no accuracy harness of its own
     serving_schedule: ClassVar[str] = "compress"
     adopts_prefill = True  # H2O's prefill, unchanged

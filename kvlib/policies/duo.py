@@ -37,6 +37,7 @@ their prompts too); a prompt is prefilled whole (the official LongBench runs fee
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -44,7 +45,7 @@ from kvlib.errors import UserError
 from kvlib.kernels.attention import prefill_attention
 from kvlib.kernels.decode import DecodeReads
 from kvlib.policies.base import BudgetedPolicy, Step
-from kvlib.policies.duo_heads import choose_retrieval, head_scores, retrieval_count
+from kvlib.policies.duo_heads import choose_retrieval, head_scores, retrieval_count, stability
 from kvlib.policies.fidelity import Fidelity, Rule, Source
 from kvlib.policies.registry import register
 
@@ -53,6 +54,7 @@ from kvlib.policies.registry import register
 @dataclass
 class DuoAttentionPolicy(BudgetedPolicy):
     name = "duo"
+    small_example: ClassVar[dict] = {"budget": 0.5, "sink": 4, "window": 8}
     calibrates = True
     adopts_prefill = True  # every head attends the whole prompt densely: a recorded prefill's keys and values, stored
     keeps = "every entry on retrieval heads; sinks and a recent window on streaming heads"
@@ -94,12 +96,9 @@ class DuoAttentionPolicy(BudgetedPolicy):
         if self.budget_tokens is not None:
             raise UserError("policy 'duo' has no budget_tokens: its knob is retrieval_ratio (or budget), its "
                             "streaming heads hold sink + window tokens")
-        if not isinstance(self.sink, int) or self.sink < 0:
-            raise UserError(f"sink must be an integer >= 0, got {self.sink!r}")
-        if not isinstance(self.window, int) or self.window < 1:
-            raise UserError(f"window must be an integer >= 1, got {self.window!r}")
-        if not isinstance(self.calibration_tokens, int) or self.calibration_tokens < 1:
-            raise UserError(f"calibration_tokens must be an integer >= 1, got {self.calibration_tokens!r}")
+        for name, least in (("sink", 0), ("window", 1), ("calibration_tokens", 1)):
+            if not isinstance(value := getattr(self, name), int) or value < least:
+                raise UserError(f"{name} must be an integer >= {least}, got {value!r}")
 
     def ratio_for(self, prompt_lens: list[int]) -> float:
         """The retrieval-head ratio for a batch of these prompts: retrieval_ratio, else the one at which they keep
@@ -123,6 +122,12 @@ class DuoAttentionPolicy(BudgetedPolicy):
         if self.retrieval_ratio in (0.0, 1.0) or (self.retrieval_ratio is None and self.budget == 1.0):
             return
         self.scores = head_scores(self.model, prompt[:self.calibration_tokens], self.sink, self.window)
+
+    def calibration_columns(self) -> dict:
+        """The retrieval ratio its budget came to, and how stable its heads are against another passage
+        (kvlib.policies.duo_heads.stability)."""
+        return {} if self.ratio is None else {"retrieval_ratio_used": self.ratio, **stability(
+            self.model, self.ratio, self.sink, self.window, self.calibration_tokens)}
 
     def choose(self, ratio: float) -> None:
         """Take `ratio` of the heads as retrieval heads: the best scored, model-wide."""

@@ -25,6 +25,7 @@ the attention itself is `full`'s: the same prefill attention and the one decode 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -54,6 +55,8 @@ def default_offload_dir() -> str:
 @dataclass
 class FlexGenPolicy(KVPolicy):
     name = "flexgen"
+    small_example: ClassVar[dict] = {"percent": "100 0 40 60 100 0"}  # the cache on device and host
+    keeps_all_example: ClassVar[dict] = {"percent": "100 0 40 60 100 0"}
     lossless = True  # uncompressed; compress_cache makes it lossy (the setting is recorded with every run)
     # full's three: a later chunk reads what the row's earlier chunks stored (the pass loads each row's first tokens)
     host_tensors = ("host_arrays",)

@@ -50,6 +50,8 @@ PORT = Source("FMInference/H2O", "ac75c2a", "h2o_flexgen/flexgen/flex_opt.py, py
 @dataclass
 class FlexGenH2OPolicy(FlexGenPolicy):
     name = "flexgen_h2o"
+    small_example: ClassVar[dict] = {"budget": 0.3, "percent": "100 0 40 60 100 0"}
+    keeps_all_example: ClassVar[dict] = {"budget": 1.0, "percent": "100 0 40 60 100 0"}
     label = "flexgen+h2o"
     lossless = False
     supported_prefill = ("full",)  # the prompt's attention probabilities score it, in one pass

@@ -35,13 +35,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from kvlib.errors import UserError
 from kvlib.kernels.attention import prefill_attention
 from kvlib.kernels.decode import DecodeReads
-from kvlib.models.llama_forward import FusedAttention, QueryProjection
+from kvlib.models.llama_forward import QueryProjection, attention_modules
 from kvlib.policies import infinigen_coverage, infinigen_one_pass
 from kvlib.policies import infinigen_speculation as speculation
 from kvlib.policies.base import BudgetedPolicy, Step
@@ -56,6 +57,7 @@ from kvlib.policies.registry import register
 @dataclass
 class InfiniGenPolicy(StagedFetch, BudgetedPolicy):
     name = "infinigen"
+    keeps_all_example: ClassVar[dict] = {"budget": 1.0, "alpha": 1e9}  # every token speculated and fetched
     calibrates = True
     adopts_prefill = True
     host_tensors = ("host_k", "host_v")
@@ -117,12 +119,7 @@ class InfiniGenPolicy(StagedFetch, BudgetedPolicy):
 
     def bind(self, model, ledger, timers):
         super().bind(model, ledger, timers)
-        layers = getattr(getattr(model.model, "model", None), "layers", None)
-        self.attn_modules = [getattr(layer, "self_attn", None) for layer in layers or []]
-        if not self.attn_modules or not all(isinstance(m, FusedAttention) or hasattr(m, "q_proj")
-                                            for m in self.attn_modules):
-            raise UserError(f"policy 'infinigen' needs a model whose decoder layers have self_attn.q_proj "
-                            f"(Llama-family attention); {type(model.model).__name__} does not")
+        self.attn_modules = attention_modules(model.model, self.name)
         # speculation for a sparse layer needs its query only: its own projection, not the fused Q/K/V
         self.queries = {layer: QueryProjection(self.attn_modules[layer])
                         for layer in range(min(self.dense_layers, len(self.attn_modules)), len(self.attn_modules))}

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -65,6 +66,9 @@ CACHES = ("key_codes", "key_scale", "key_zero", "value_codes", "value_scale", "v
 @dataclass
 class KIVIPolicy(KVPolicy):
     name = "kivi"
+    small_example: ClassVar[dict] = {"bits": 2, "group_size": 8, "residual": 16}
+    # the packed layout, holding raw bytes
+    keeps_all_example: ClassVar[dict] = {"quantize": False, "group_size": 8, "residual": 16}
     adopts_prefill = True
 
     bits: int = 2

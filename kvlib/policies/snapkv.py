@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +49,8 @@ POOLINGS = ("avgpool", "maxpool")
 @dataclass
 class SnapKVPolicy(ScoredEvictionPolicy):
     name = "snapkv"
+    small_example: ClassVar[dict] = {"budget": 0.3, "window": 8}  # AdaKV's and PyramidKV's as well
+    keeps_all_example: ClassVar[dict] = {"budget": 1.0, "window": 8}
     adopts_prefill = True
     evicts = "at the end of prefill, what the last queries attend least, for good"
 

@@ -34,6 +34,7 @@ evict_for_space before each forward), `pos_shift/modify_llama.py`. Deviations:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -59,6 +60,8 @@ def rotate(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torc
 @dataclass
 class StreamingPolicy(ScoredEvictionPolicy):
     name = "streaming"
+    small_example: ClassVar[dict] = {"budget": 0.3, "sink": 4}
+    keeps_all_example: ClassVar[dict] = {"budget": 1.0, "sink": 4}
     allocations = ("uniform",)  # sinks and a window: no scored choice for an allocation to move between heads
     adopts_prefill = True
     evicts = "all but the first tokens (sinks) and a recent window, for good"
