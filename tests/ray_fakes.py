@@ -1,20 +1,20 @@
 """Fakes for tests/test_ray_executor.py, installed in every Ray worker process by the test cluster's
 worker_process_setup_hook (a monkeypatch in the test process does not reach the workers).
 
-Each experiment's run_point is wrapped: the real one runs unless KVLIB_FAKE=1 is in the worker's environment (the
-executor's runtime_env sets it per test); then a point's rows are made up from its key, the worker process dies on
-KVLIB_FAKE_DIE_ON's point the first time (a marker file KVLIB_FAKE_MARKER says it did), and KVLIB_FAKE_RAISE_ON's
-point raises.
+Each experiment's run_point is wrapped (in the registry): the real one runs unless KVLIB_FAKE=1 is in the worker's
+environment (the executor's runtime_env sets it per test); then a point's rows are made up from its key, the worker
+process dies on KVLIB_FAKE_DIE_ON's point the first time (a marker file KVLIB_FAKE_MARKER says it did), and
+KVLIB_FAKE_RAISE_ON's point raises.
 """
 
+import dataclasses
 import functools
-import importlib
 import os
 from pathlib import Path
 
-from kvlib.study.profile import EXPERIMENTS  # every experiment, faked alike
+from kvlib.study.experiments import REGISTRY
 
-__all__ = ["EXPERIMENTS", "install"]
+__all__ = ["install"]
 
 
 def fake_run_point(point) -> list[dict]:
@@ -33,6 +33,6 @@ def dispatch(real, point):
 
 
 def install() -> None:
-    for name in EXPERIMENTS:
-        module = importlib.import_module(f"kvlib.study.experiments.{name}")
-        module.run_point = functools.partial(dispatch, module.run_point)
+    """Every registered experiment's run_point wrapped, as its declaration holds it (kvlib.study.experiment)."""
+    for name, experiment in list(REGISTRY.items()):
+        REGISTRY[name] = dataclasses.replace(experiment, run_point=functools.partial(dispatch, experiment.run_point))

@@ -6,6 +6,7 @@ import numpy as np
 import pandas as pd
 
 from kvlib.report import answers, plots
+from kvlib.study import experiment
 
 
 def batch_rows():
@@ -31,7 +32,7 @@ def accuracy_rows():
 
 
 def test_batch_scaling_opens_with_the_lead_its_interval_and_where_memory_ran_out():
-    text = answers.answer("batch_scaling", batch_rows())
+    text = experiment("batch_scaling").answer(batch_rows())
     assert text.startswith("**In short.** At batch 8, h2o decodes fastest (")  # told from paged by the rule
     assert "1.29x paged's throughput (interval" in text  # 8 rounds, paired: an interval exists
     assert "Throughput per GiB of device memory (geometric mean over the booked peak, tok/s per GiB): full" in text
@@ -44,15 +45,15 @@ def test_a_lead_is_worded_by_its_verdict():
     paged = rows.loc[rows["policy"] == "paged"]
     rows.loc[rows["policy"] == "h2o", "decode_tokens_per_s"] = (paged["decode_tokens_per_s"]
                                                                 * (1 + 0.02 * (-1) ** paged["repeat"])).to_numpy()
-    text = answers.answer("batch_scaling", rows)
+    text = experiment("batch_scaling").answer(rows)
     assert "decodes fastest" not in text and "paged and h2o are not distinguishable: paged" in text
     two = batch_rows()
     two = two[two["repeat"] < 2]  # 2 rounds: no interval at all
-    assert "are not told apart at 2 repeats" in answers.answer("batch_scaling", two)
+    assert "are not told apart at 2 repeats" in experiment("batch_scaling").answer(two)
 
 
 def test_accuracy_opens_with_the_paired_drops_of_the_papers_two_methods():
-    text = answers.answer("accuracy", accuracy_rows())
+    text = experiment("accuracy").answer(accuracy_rows())
     assert "On the book's recall (the full cache 100.0% over 60 items, kvlib's deployed protocol)" in text
     # the multiple-choice section's 1.67 % of the page (the page's error rate is said under the lead)
     assert "h2o at 0.1 -50.0 pp, interval -66.7 to -33.3: lower" in text and "**One error rate for this page.**" in text
@@ -60,7 +61,7 @@ def test_accuracy_opens_with_the_paired_drops_of_the_papers_two_methods():
 
 
 def test_a_chapter_with_no_results_says_so():
-    assert answers.answer("decode_length", pd.DataFrame()) == f"**In short.** {answers.NOTHING}"
+    assert experiment("decode_length").answer(pd.DataFrame()) == f"**In short.** {answers.NOTHING}"
 
 
 def test_the_overview_draws_every_runner_with_its_accuracy():
@@ -112,11 +113,11 @@ def test_the_paper_tasks_lead_the_accuracy_answer_as_drops_never_as_verdicts():
     from test_paper_accuracy_findings import paper_frame
 
     paper = paper_frame(items=40)
-    text = answers.answer("accuracy", pd.concat([paper, accuracy_rows()], ignore_index=True))
+    text = experiment("accuracy").answer(pd.concat([paper, accuracy_rows()], ignore_index=True))
     lead = text.split("On the book's recall")[0]
     assert lead.startswith("**In short.** On the paper's six tasks (the official harnesses' one-pass protocol")
     assert "infinigen at budget 0.1 loses ~6 pp on the task average" in lead
     assert not any(word in lead for word in (": confirmed", ": refuted", ": inconclusive", ": lower", ": equivalent"))
-    alone = answers.answer("accuracy", accuracy_rows())
+    alone = experiment("accuracy").answer(accuracy_rows())
     assert text.split("On the book's recall")[1].split("(paired).")[0] == \
         alone.split("On the book's recall")[1].split("(paired).")[0]

@@ -17,7 +17,7 @@ from kvlib.models.random_tokens import NoTextTokenizer, random_token_ids
 from kvlib.models.random_weights import build_random_model
 from kvlib.models.workloads import mixed_length_prompts, prompt_of_length
 from kvlib.policies import available, make_policy
-from kvlib.study.profile import Point
+from kvlib.study.point import Point
 
 # D x H_kv x d_h x sizeof(bf16) x 2 for the whole model: 128 KiB and 320 KiB a token
 FULL_MODEL_KV_BYTES_PER_TOKEN = {"llama-3.1-8b": 32 * 8 * 128 * 2 * 2, "llama-3.1-70b": 80 * 8 * 128 * 2 * 2}

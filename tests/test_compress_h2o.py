@@ -17,7 +17,7 @@ from kvlib.errors import UserError
 from kvlib.policies import available, make_policy
 from kvlib.report import serving as report
 from kvlib.study.experiments import common, serving
-from kvlib.study.profile import Point
+from kvlib.study.point import Point
 from kvlib.study.runners import make_runner, runner_class
 
 

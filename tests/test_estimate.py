@@ -10,7 +10,7 @@ import pytest
 
 from kvlib.study import estimate, reference, run
 from kvlib.study.executor import units_to_compute
-from kvlib.study.profile import Point
+from kvlib.study.point import Point
 
 PUBLISHED = reference.README_PROFILE
 

@@ -56,7 +56,7 @@ def test_a_timed_experiment_runs_alone_whatever_workers_says(root, monkeypatch):
 
 
 def test_units_that_share_a_key_share_a_worker_and_the_workers_are_balanced():
-    points = [study.profile.Point("accuracy", "full", {}, {"task": t, "i": i}, "m")
+    points = [study.point.Point("accuracy", "full", {}, {"task": t, "i": i}, "m")
               for t, n in (("a", 3), ("b", 2), ("c", 2), ("d", 1)) for i in range(n)]
     lanes = executor.Processes(2, affinity=lambda p: p.values["task"]).lanes([(p, 0) for p in points])
     tasks = [{p.values["task"] for p, _ in lane} for lane in lanes]
@@ -65,7 +65,7 @@ def test_units_that_share_a_key_share_a_worker_and_the_workers_are_balanced():
 
 
 def test_workers_are_balanced_by_the_units_expected_time_where_it_is_known():
-    points = [study.profile.Point("accuracy", "full", {}, {"task": t, "i": i}, "m")
+    points = [study.point.Point("accuracy", "full", {}, {"task": t, "i": i}, "m")
               for t, n in (("recall", 2), ("a", 3), ("b", 3)) for i in range(n)]
     seconds = {"recall": 10.0, "a": 1.0, "b": 1.0}
     lanes = executor.Processes(2, affinity=lambda p: p.values["task"],

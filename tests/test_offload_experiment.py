@@ -9,8 +9,7 @@ import yaml
 from kvlib import study
 from kvlib.engine.scheduler import BATCHING
 from kvlib.report import offload
-from kvlib.report.answers import answer
-from kvlib.study import executor, results
+from kvlib.study import executor, experiment, results
 
 matplotlib.use("Agg")
 
@@ -52,7 +51,7 @@ def test_full_runs_out_where_the_offloaded_runners_complete_and_disk_reads_are_c
 
 
 def test_the_chapter_says_who_ran_out_and_what_the_others_held_per_tier(frame):
-    text = answer("offload", frame)
+    text = experiment("offload").answer(frame)
     assert "full ran out of memory" in text
     for policy in ("flexgen", "flexgen+h2o"):
         assert f"{policy} completed with its KV off the device" in text
@@ -69,7 +68,7 @@ def test_a_placement_is_read_back_from_flexgens_percentages():
                                                      "placement": "KV 50% host, 50% disk"}
     assert offload.placement("0 0 0 0 100 0")["placement"] == "KV 100% disk; weights disk"
     assert offload.placement(None)["placement"] == "all on the device"
-    assert "Nothing was measured" in answer("offload", pd.DataFrame())
+    assert "Nothing was measured" in experiment("offload").answer(pd.DataFrame())
 
 
 def test_the_posters_table_is_filled_from_the_runs(frame):

@@ -3,15 +3,17 @@ runner's setting one, and the book's page is what the code gives (it fails if ei
 
 from kvlib.paths import repo_root
 from kvlib.study import profile_guide, schema
+from kvlib.study.experiments import REGISTRY
 
 
 def test_every_key_the_schema_checks_has_a_meaning_and_a_type():
     assert set(profile_guide.PROFILE) == schema.PROFILE_KEYS
     assert set(profile_guide.EXPERIMENT) == schema.EXPERIMENT_KEYS
-    for experiment, keys in schema.WORKLOAD.items():
-        for key, check in {**schema.COMMON, **keys}.items():
-            assert key in profile_guide.WORKLOAD, f"{experiment}.{key} has no meaning in kvlib.study.profile_guide"
-            assert check.kind, key  # (kvlib.study.schema.described)
+    for name, experiment in REGISTRY.items():
+        for key, check in {**schema.COMMON, **experiment.workload}.items():
+            assert key in {**profile_guide.WORKLOAD, **experiment.meanings}, \
+                f"{name}.{key} has no meaning in kvlib.study.profile_guide or the experiment's declaration"
+            assert check.kind, key  # (kvlib.study.checks.described)
 
 
 def test_every_runners_setting_has_a_meaning():

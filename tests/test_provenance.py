@@ -18,6 +18,7 @@ from kvlib.report import answers, frontier, offload, plots, tables
 from kvlib.report.fig7 import fig7
 from kvlib.report.provenance import provenance, sentence
 from kvlib.report.serving import latency_vs_rate, memory_vs_rate
+from kvlib.study import experiment
 
 CPU = "Intel(R) Xeon(R) Processor"
 MODEL, SHOWN = "smollm2-135m", "SmolLM2-135M-Instruct"
@@ -100,9 +101,9 @@ def test_the_offload_and_serving_figures_name_model_and_machine():
 
 def test_each_chapters_lead_names_its_rows_model_and_machine_and_keeps_its_words():
     rows = measured(batch_rows())
-    text = answers.answer("batch_scaling", rows)
-    bare = answers.answer("batch_scaling", batch_rows())
+    text = experiment("batch_scaling").answer(rows)
+    bare = experiment("batch_scaling").answer(batch_rows())
     assert f"Measured with {SHOWN} on {CPU} (device cpu).\n\n" in text
     assert text.replace(f" Measured with {SHOWN} on {CPU} (device cpu).", "") == bare  # no verdict word changed
-    assert f"Measured with {SHOWN}" in answers.answer("accuracy", measured(accuracy_rows()))
-    assert answers.answer("decode_length", measured(pd.DataFrame())) == f"**In short.** {answers.NOTHING}"
+    assert f"Measured with {SHOWN}" in experiment("accuracy").answer(measured(accuracy_rows()))
+    assert experiment("decode_length").answer(measured(pd.DataFrame())) == f"**In short.** {answers.NOTHING}"

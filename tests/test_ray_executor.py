@@ -2,7 +2,7 @@
 mid-grid is retried with every unit stored once, an exception in a point is reported with its message, and a rerun
 submits nothing. The workers' run_point is faked by tests/ray_fakes.py (installed in each worker process)."""
 
-import importlib
+import dataclasses
 import shutil
 import sys
 from pathlib import Path
@@ -14,6 +14,7 @@ from kvlib import cli, study
 from kvlib.errors import UserError
 from kvlib.study import executor, results
 from kvlib.study.executor import UnitsFailed
+from kvlib.study.experiments import REGISTRY
 
 REPO = Path(__file__).resolve().parents[1]
 # columns that measure (time, the machine's load) or describe the process that computed the unit (a Ray worker
@@ -54,9 +55,8 @@ def ray_executor(**fake):
 def fake_serially(monkeypatch):
     import ray_fakes
 
-    for name in ray_fakes.EXPERIMENTS:
-        monkeypatch.setattr(importlib.import_module(f"kvlib.study.experiments.{name}"), "run_point",
-                            ray_fakes.fake_run_point)
+    for name, experiment in REGISTRY.items():
+        monkeypatch.setitem(REGISTRY, name, dataclasses.replace(experiment, run_point=ray_fakes.fake_run_point))
 
 
 def run(experiment, ex, profile="smoke") -> pd.DataFrame:

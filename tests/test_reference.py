@@ -9,7 +9,7 @@ import pytest
 
 import kvlib.paths
 from kvlib.study import load_profile, reference
-from kvlib.study.profile import EXPERIMENTS
+from kvlib.study.experiments import names
 
 PUBLISHED = reference.README_PROFILE
 
@@ -42,7 +42,7 @@ def published():
 def test_the_published_verdicts_are_what_the_code_draws_from_the_published_rows(published):
     from kvlib.report.findings import verdict_table
 
-    frames = {name: reference.load(PUBLISHED, name) for name in EXPERIMENTS}
+    frames = {name: reference.load(PUBLISHED, name) for name in names()}
     table = verdict_table(frames, load_profile(PUBLISHED).validity_gate)
     assert table[["finding", "verdict", "numbers", "model"]].to_dict(orient="records") == published["verdicts"]
 
@@ -132,7 +132,7 @@ def test_readme_names_each_model_its_verdicts_were_measured_on_and_what_device_m
     from kvlib.models.embedded import EMBEDDED_MODELS
 
     section = reference.readme_section("verdicts", PUBLISHED)
-    models = {m for name in EXPERIMENTS for m in reference.load(PUBLISHED, name).get("model", [])}
+    models = {m for name in names() for m in reference.load(PUBLISHED, name).get("model", [])}
     assert models and all(EMBEDDED_MODELS[m].described in section for m in models)
     assert "run in fp32" in section and "configured" in section
 

@@ -9,7 +9,7 @@ import pytest
 
 from kvlib.report import serving as report
 from kvlib.study.experiments import common, serving
-from kvlib.study.profile import Point
+from kvlib.study.point import Point
 from kvlib.study.runners import make_runner
 
 VALUES = {"num_requests": 5, "min_prompt_tokens": 20, "max_prompt_tokens": 60, "min_output_tokens": 3,

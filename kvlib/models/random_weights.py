@@ -90,11 +90,3 @@ def build_random_model(config, dtype: torch.dtype, device: torch.device, seed: i
 
 
 CAVEAT = "random weights: systems figures only"
-SYSTEMS_EXPERIMENTS = ("ttft", "batch_scaling", "decode_length", "offload")
-
-
-def check_experiment(experiment: str, weights: str) -> None:
-    """Random weights run the systems experiments only: what a model answers means nothing without training."""
-    if weights == "random" and experiment not in SYSTEMS_EXPERIMENTS:
-        raise UserError(f"experiment {experiment!r} measures what the model answers, which random weights cannot "
-                        f"show ({CAVEAT}: {', '.join(SYSTEMS_EXPERIMENTS)}); run it with trained weights")

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import pandas as pd
 
-from kvlib.report import frontier, offload, stats
+from kvlib.report import frontier, stats
 from kvlib.report.accuracy_findings import deployed_rows, retention_claims
 from kvlib.report.accuracy_lines import change, multiple_choice_drops
 from kvlib.report.gate import GATE
-from kvlib.report.pages import ACCURACY, FINDINGS, TIMING
 from kvlib.report.paper_accuracy import described, own_rows, paper_rows
 from kvlib.report.paper_accuracy_beside import accuracy_claims
 from kvlib.report.provenance import sentence
@@ -190,24 +189,11 @@ def retention(df: pd.DataFrame, gate: float = GATE) -> str:
             "buckets).")
 
 
-ANSWERS = {"ttft": ttft, "batch_scaling": batch_scaling, "decode_length": decode_length, "offload": offload.answer,
-           "serving": serving, "accuracy": accuracy, "retention": retention}
-
-
-def answer(name: str, df: pd.DataFrame, gate: float = GATE) -> str:
-    """A chapter's opening sentences, as Markdown, the last naming the model(s) and machine its rows come from
-    (kvlib.report.provenance, as its figures' titles do)."""
-    read = ANSWERS[name]
-    lead = read(df, gate) if name in ("accuracy", "retention") else read(df)
+def opening(lead: str, df: pd.DataFrame, error_rate: str) -> str:
+    """A chapter's opening sentences, as Markdown: its lead (one of the functions above, each experiment's declared
+    `lead`: kvlib.study.experiment), the sentence naming the model(s) and machine its rows come from
+    (kvlib.report.provenance, as its figures' titles do), then its page's error rate (kvlib.report.pages)."""
     if lead == NOTHING:
         return f"**In short.** {lead}"
     where = sentence(df)
-    return f"**In short.** {lead}" + (f" {where}" if where else "") + f"\n\n{PAGE_ERROR_RATES[name]}"
-
-
-# each chapter's error rate, said once at its top, under its lead (kvlib.report.pages)
-PAGE_ERROR_RATES = {
-    **{name: TIMING.statement() for name in ("ttft", "batch_scaling", "decode_length", "offload", "serving")},
-    "accuracy": ACCURACY.statement(),
-    "retention": FINDINGS.borrowed("finding 5"),
-}
+    return f"**In short.** {lead}" + (f" {where}" if where else "") + f"\n\n{error_rate}"

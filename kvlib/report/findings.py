@@ -1,15 +1,11 @@
-"""The book's sentences, one entry point: each experiment's detailed reading (`lines`), the verdict table, and the
-Markdown a notebook displays. Every sentence is computed from a results frame; nothing here states a number it did not
+"""The book's sentences, one entry point: each experiment's detailed reading, the verdict table, and the Markdown a
+notebook displays. Every sentence is computed from a results frame; nothing here states a number it did not
 read. The readings live by concern: kvlib.report.timing_lines (TTFT, batch scaling, decode length, serving),
 kvlib.report.accuracy_lines (accuracy, RULER, retention), kvlib.report.verdicts (the paper's five findings)."""
 
 from __future__ import annotations
 
-import pandas as pd
-
 from kvlib.report.accuracy_lines import accuracy, retention, ruler  # noqa: F401 -- the book's readings, by name
-from kvlib.report.gate import GATE
-from kvlib.report.paper import PAPER, TITLES  # noqa: F401
 from kvlib.report.timing_lines import batch_scaling, decode_length, describe, serving, ttft  # noqa: F401
 from kvlib.report.verdicts import (  # noqa: F401
     CONFIRMED,
@@ -24,16 +20,7 @@ from kvlib.report.verdicts import (  # noqa: F401
     verdict_table,
 )
 
-READINGS = {"ttft": ttft, "batch_scaling": batch_scaling, "decode_length": decode_length, "serving": serving,
-            "accuracy": accuracy, "retention": retention}
-
 
 def markdown(lines: list[str]) -> str:
     """The sentences as a bulleted list, for a notebook's Markdown display."""
     return "\n".join(f"- {line}" for line in lines)
-
-
-def lines(name: str, df: pd.DataFrame, gate: float = GATE) -> list[str]:
-    """The detailed sentences of one experiment (the gate where it applies)."""
-    read = READINGS[name]
-    return read(df, gate) if name in ("accuracy", "retention") else read(df)

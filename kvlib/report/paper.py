@@ -1,9 +1,4 @@
-"""The paper's findings in its own words, as the book quotes them beside ours, and each experiment's title."""
-
-TITLES = {"ttft": "Time to first token", "batch_scaling": "Batch scaling", "decode_length": "Decode length",
-          "serving": "Serving under a request rate", "accuracy": "Accuracy across KV budgets",
-          "retention": "Retention of an early fact"}
-
+"""The paper's findings in its own words, as the book quotes them beside ours."""
 
 PAPER = {
     "ttft": "full-matrix prefill (needed by H2O's scores) runs out of memory at ~10K tokens on an 80 GB H100; fused "

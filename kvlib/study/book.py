@@ -11,10 +11,11 @@ from pathlib import Path
 
 import nbformat
 
+from kvlib.study.experiments import names
 from kvlib.study.results import repo_root
 
-CHAPTERS = ("ttft", "batch_scaling", "decode_length", "offload", "serving", "accuracy", "retention", "paper_scale", "choose",
-            "findings")
+# a chapter an experiment, then those that read every experiment
+CHAPTERS = (*names(), "paper_scale", "choose", "findings")
 HIDDEN = {"parameters", "injected-parameters"}
 
 
@@ -56,9 +57,8 @@ def write_overview(profile: str, validity_gate: float) -> Path:
 
     from kvlib.report import plots
     from kvlib.study import results
-    from kvlib.study.profile import EXPERIMENTS
 
-    frames = {name: results.load(profile, name) for name in EXPERIMENTS}
+    frames = {name: results.load(profile, name) for name in names()}
     out = repo_root() / "book" / "figures" / f"overview-{profile}.png"
     out.parent.mkdir(parents=True, exist_ok=True)
     fig = plots.overview(frames, validity_gate)

@@ -9,15 +9,15 @@ Repeats run interleaved, in rounds: every point once, then every point again, so
 not land on one policy's repeats. In a timed experiment each round runs its points in a seeded random order (`rounds`),
 recorded in the rows (`round_slot`), so that a drift within a round (the machine warming, memory filling) falls on
 every runner alike and the repeats of two runners are exchangeable, as the timing rule's permutation test assumes
-(kvlib.report.stats; tests/test_stats.py simulates such a drift under a fixed and a random order). Each unit records the machine's load while it ran (kvlib.study.machine_load); one measured while other
-processes took the CPU is measured once more if the experiment is timed (`TIMED` in its module), and flagged
+(kvlib.report.stats; tests/test_stats.py simulates such a drift under a fixed and a random order). Each unit records
+the machine's load while it ran (kvlib.study.machine_load); one measured while other processes took the CPU is
+measured once more if the experiment is timed (`timed` in its declaration, kvlib.study.experiment), and flagged
 `disturbed` if it still was.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib
 import multiprocessing
 import os
 import platform
@@ -37,10 +37,12 @@ import kvlib
 from kvlib.errors import UserError
 from kvlib.paths import machine_limits
 from kvlib.study import results
+from kvlib.study.experiments import experiment as declared
 from kvlib.study.limits import record
 from kvlib.study.machine import machine
 from kvlib.study.machine_load import measured_load
-from kvlib.study.profile import Point, Profile
+from kvlib.study.point import Point
+from kvlib.study.profile import Profile
 from kvlib.study.runners import runner_class, runners
 
 ATTEMPTS = 2  # a timed unit measured while other processes took the CPU is measured once more
@@ -83,10 +85,10 @@ def in_outside_process(fn, *args):
 
 
 def _compute_unit(point: Point, repeat: int, meta: dict) -> pd.DataFrame:
-    experiment = importlib.import_module(f"kvlib.study.experiments.{point.experiment}")
+    experiment = declared(point.experiment)
     # a disturbed run is worth measuring again only where time is what it measures: a score is the same under load
     compute_s = 0.0  # what the unit cost the build, every attempt (benchmarks/book_times.py adds them up)
-    for attempt in range(1, (ATTEMPTS if experiment.TIMED else 1) + 1):
+    for attempt in range(1, (ATTEMPTS if experiment.timed else 1) + 1):
         with measured_load(_study_process) as load:
             rows = experiment.run_point(point)
         compute_s += load.wall_s
@@ -280,10 +282,10 @@ def run_experiment(profile: Profile, experiment: str, force: bool = False, progr
     points = selected_points(grid, policies)
     repeats = profile.repeats(experiment)
     results.write_manifest(profile.name, experiment, [p.key for p in grid], repeats)
-    module = importlib.import_module(f"kvlib.study.experiments.{experiment}")
-    timed = getattr(module, "TIMED", False)
-    if not timed and hasattr(module, "order"):  # an untimed experiment may run its points in the order it reads best
-        points = sorted(points, key=module.order)
+    declaration = declared(experiment)
+    timed = declaration.timed
+    if not timed and declaration.order:  # an untimed experiment may run its points in the order it reads best
+        points = sorted(points, key=declaration.order)
     ordered = rounds(points, repeats, f"{profile.name}/{experiment}", shuffled=timed)
     slots = {(p.key, r): slot for p, r, slot in ordered}
     units = [(p, r) for p, r, _ in ordered]
@@ -302,7 +304,7 @@ def run_experiment(profile: Profile, experiment: str, force: bool = False, progr
     if executor is None and not timed and workers > 1 and len(todo) > 1:
         from kvlib.study.estimate import unit_weight
 
-        executor = Processes(min(workers, len(todo)), affinity=getattr(module, "order", None),
+        executor = Processes(min(workers, len(todo)), affinity=declaration.order,
                              weight=unit_weight(profile.name, experiment))
     try:
         (executor or Serial()).run(todo, run_metadata(profile.name), done)

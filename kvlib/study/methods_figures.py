@@ -14,9 +14,10 @@ from kvlib.report import stats
 from kvlib.report.gate import GATE
 from kvlib.report.pages import ACCURACY, CHOOSER, FINDINGS, SERVING, TIMING
 from kvlib.report.stats.accuracy import TAIL_REPLICATES, draws_for
+from kvlib.study.experiments import names
 from kvlib.study.profile import load_profile
 
-TIMED = ("ttft", "batch_scaling", "decode_length")  # the experiments whose timings the by-round test reads
+TIMED = names(systems=True)  # the experiments whose timings the by-round test reads
 SIZED = ("embedded", "confirmatory")
 BOOKS = ("embedded", "paper", "paper-shapes")  # the profiles whose books read timings: always in the table of rounds  # the offline profiles whose accuracy and retention settle findings 4 and 5
 # sections that settle several tests at their whole share (kvlib.report.pages says which): finding 2's claims by Holm,

@@ -30,59 +30,22 @@ integer, got 'abc'`).
 
 from __future__ import annotations
 
-import hashlib
 import itertools
-import json
-from dataclasses import asdict, dataclass
-from functools import cached_property
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
 from kvlib.errors import UserError
 from kvlib.report.gate import GATE
-from kvlib.settings import capacity_bytes
+from kvlib.study.experiments import names
 from kvlib.study.overrides import overridden
+from kvlib.study.point import Point
 from kvlib.study.runners import make_runner, runner_class, runners
 from kvlib.study.schema import EXPERIMENT_KEYS, PROFILE_KEYS, check_profile
 
-EXPERIMENTS = ("ttft", "batch_scaling", "decode_length", "offload", "serving", "accuracy", "retention")
-SYSTEMS = ("ttft", "batch_scaling", "decode_length")  # the experiments that time runners at fixed shapes
-__all__ = ["EXPERIMENTS", "EXPERIMENT_KEYS", "PROFILE_KEYS", "Point", "Profile", "load_profile", "profile_path",
+__all__ = ["EXPERIMENT_KEYS", "PROFILE_KEYS", "Profile", "load_profile", "profile_path",
            "validate_profile"]
-
-
-@dataclass(frozen=True)
-class Point:
-    """One grid point: which runner with which settings, on which workload. Its key names its results files."""
-
-    experiment: str
-    runner: str
-    settings: dict  # the runner's complete settings
-    values: dict  # the workload: grid and fixed values that are no runner setting
-    model: str
-    weights: str = "pretrained"
-    device: str | None = None
-    device_capacity_gb: float | None = None
-
-    @cached_property
-    def key(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-    @property
-    def capacity_bytes(self) -> int | None:
-        return capacity_bytes(self.device_capacity_gb)
-
-    def columns(self) -> dict:
-        """The point as flat result columns: the runner (its label as `policy`), each setting and workload value in a
-        column of its own (nested values as JSON), and the key."""
-        cls = runner_class(self.runner)
-        flat = {k: json.dumps(v, sort_keys=True) if isinstance(v, (dict, list)) else v
-                for k, v in {**self.settings, **self.values}.items()}
-        return {"experiment": self.experiment, "runner": self.runner, "policy": cls.label, "outside": cls.outside,
-                "lossless": cls.lossless and not self.settings.get("compress_cache"),  # (flexgen's 4-bit cache)
-                "model": self.model, "weights": self.weights, "device": self.device,
-                "device_capacity_gb": self.device_capacity_gb, **flat, "point_hash": self.key}
 
 
 @dataclass
@@ -100,7 +63,7 @@ class Profile:
         """(label, runner, settings) of every runner the systems experiments run, each once (its first point's
         settings), in the experiments' order: what `kvlib choose --hardware` projects."""
         out: dict[str, tuple[str, str, dict]] = {}
-        for experiment in SYSTEMS:
+        for experiment in names(systems=True):
             for point in self.points(experiment) if experiment in self.experiments else []:
                 out.setdefault(point.runner, (runner_class(point.runner).label, point.runner, dict(point.settings)))
         return list(out.values())

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import importlib
 import inspect
 import io
 import tokenize
@@ -18,6 +17,7 @@ from kvlib.report.gate import GATE
 from kvlib.report.stats import ALPHA, repeats_needed
 from kvlib.settings import field_default
 from kvlib.study import schema
+from kvlib.study.experiments import REGISTRY, common
 
 PROFILE = {
     "model": "the model every experiment runs (a name of `kvlib.models`' registry, e.g. smollm2-135m)",
@@ -100,32 +100,31 @@ SETTINGS = {
 
 def _defaults(experiment: str) -> dict[str, str]:
     """`values.get("key", default)` in the experiment's module and the shared one: the default of each key it reads."""
-    folder = Path(schema.__file__).parent / "experiments"
-    found = {}
-    for name in (experiment, "common"):
-        module = importlib.import_module(f"kvlib.study.experiments.{name}")
-        for node in ast.walk(ast.parse((folder / f"{name}.py").read_text())):
+    run_point, found = REGISTRY[experiment].run_point, {}
+    for path, names in ((run_point.__code__.co_filename, run_point.__globals__), (common.__file__, vars(common))):
+        for node in ast.walk(ast.parse(Path(path).read_text())):
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
                     and len(node.args) == 2 and isinstance(node.args[0], ast.Constant)):
                 default = node.args[1]  # a named constant by its value, as a reader writes it in a profile
-                shown = repr(getattr(module, default.id)) if isinstance(default, ast.Name) and \
-                    isinstance(getattr(module, default.id, None), str | int | float) else ast.unparse(default)
+                shown = repr(names[default.id]) if isinstance(default, ast.Name) and \
+                    isinstance(names.get(default.id), str | int | float) else ast.unparse(default)
                 found.setdefault(node.args[0].value, shown)
     return found
 
 
 def _required(experiment: str) -> set[str]:
-    return {k for k in schema.REQUIRED[experiment] if isinstance(k, str)}
+    return {k for k in REGISTRY[experiment].required if isinstance(k, str)}
 
 
 def workload_table(experiment: str) -> str:
-    keys = {**schema.COMMON, **schema.WORKLOAD[experiment]}
+    keys = {**schema.COMMON, **REGISTRY[experiment].workload}
+    meanings = {**WORKLOAD, **REGISTRY[experiment].meanings}
     defaults = _defaults(experiment)
     lines = ["| key | type | default | meaning |", "|---|---|---|---|"]
     for key, check in keys.items():
         default = "required" if key in _required(experiment) else defaults.get(key, "none")
         lines.append(f"| `{key}` | {check.kind} | {default if default == 'required' else f'`{default}`'} "
-                     f"| {WORKLOAD[key]} |")
+                     f"| {meanings[key]} |")
     return "\n".join(lines)
 
 
@@ -191,7 +190,7 @@ def markdown() -> str:
            *[f"| `{k}` | {v} |" for k, v in EXPERIMENT.items()], "",
            ("A key of `grid` or `fixed` is either the experiment's workload value (below) or a runner's setting "
             "(further below), which applies to the runners that have it."), ""]
-    for experiment in schema.WORKLOAD:
+    for experiment in REGISTRY:
         out += [f"### {experiment}", "", workload_table(experiment), ""]
     out += ["## Runners' settings", "",
             ("Per runner in `policy_settings`, or in an experiment's `grid` / `fixed` (as `kvlib run --set key=value`); "

@@ -26,6 +26,7 @@ import pyarrow.parquet as pq
 
 from kvlib.paths import machine_limits, read_from, repo_root
 from kvlib.study import results
+from kvlib.study.experiments import experiment, names
 
 JSON_COLUMNS = b"kvlib_json_columns"  # parquet metadata: the object columns, stored as JSON text
 README_PROFILE = "embedded"  # README shows the reference book of the profile `make book` builds
@@ -87,18 +88,17 @@ def save(profile: str, gate: float) -> Path:
     validity gate); its chapters follow once the build has executed them from it (save_chapters), so that its
     findings page knows itself for the reference book it becomes."""
     from kvlib.report.findings import verdict_table
-    from kvlib.study.profile import EXPERIMENTS
 
     out = folder(profile)
     if out.exists():
         shutil.rmtree(out)
     (out / "results").mkdir(parents=True)
     (out / "chapters").mkdir()
-    for name in EXPERIMENTS:
+    for name in names():
         frame = results.load(profile, name)
         if not frame.empty:
             _write_rows(frame, out / "results" / f"{name}.parquet")
-    frames = {name: load(profile, name) for name in EXPERIMENTS}
+    frames = {name: load(profile, name) for name in names()}
     verdicts = verdict_table(frames, gate)
     limits = machine_limits(profile)
     if limits.exists():
@@ -127,9 +127,8 @@ def save_chapters(profile: str) -> None:
 def is_own_build(profile: str, info: dict) -> bool:
     """Whether this checkout's results of the profile are the reference book's own rows (the build that publishes
     it): computed over the same span of time."""
-    from kvlib.study.profile import EXPERIMENTS
 
-    ends = [pd.read_parquet(f, columns=["finished_at"])["finished_at"] for e in EXPERIMENTS
+    ends = [pd.read_parquet(f, columns=["finished_at"])["finished_at"] for e in names()
             for f in results.results_dir(profile, e).glob("*.parquet")]
     if not ends:
         return False
@@ -178,13 +177,12 @@ def models_sentence(profile: str) -> str:
     there: read from its rows and its profile."""
     from kvlib.models.embedded import EMBEDDED_MODELS
     from kvlib.study import load_profile
-    from kvlib.study.profile import EXPERIMENTS
 
-    frames = [(name, load(profile, name)) for name in EXPERIMENTS]
+    frames = [(name, load(profile, name)) for name in names()]
     by_model: dict[str, list[str]] = {}
     for name, frame in frames:
         for model in frame["model"].dropna().unique() if "model" in frame else ():
-            by_model.setdefault(model, []).append("TTFT" if name == "ttft" else name.replace("_", " "))
+            by_model.setdefault(model, []).append(experiment(name).label)
     models = "; ".join(f"{EMBEDDED_MODELS[m].described if m in EMBEDDED_MODELS else m} for {', '.join(names)}"
                        for m, names in by_model.items())
     devices = sorted({d for _, frame in frames if "device_name" in frame for d in frame["device_name"].dropna()})

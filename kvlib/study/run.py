@@ -13,8 +13,9 @@ import pandas as pd
 from kvlib.errors import UserError
 from kvlib.study import book, estimate, reference, results
 from kvlib.study.executor import Executor, UnitsFailed, run_experiment, units_to_compute
+from kvlib.study.experiments import names as experiment_names
 from kvlib.study.limits import measure
-from kvlib.study.profile import EXPERIMENTS, Profile
+from kvlib.study.profile import Profile
 from kvlib.study.profile import load_profile as _load_profile
 
 
@@ -39,7 +40,7 @@ def run_study(profile: str, experiments: list[str] | None = None, force: bool = 
     if publish and (not notebooks or experiments or policies):
         raise UserError("--publish publishes the whole profile and the chapters the run executes from it: drop "
                         "--compute-only, --experiments and --policies")
-    names = experiments or [e for e in EXPERIMENTS if e in prof.experiments]
+    names = experiments or [e for e in experiment_names() if e in prof.experiments]
     if said := estimate.announce(prof.name, {n: units_to_compute(prof, n, force, policies) for n in names
                                              if n in prof.experiments}, measure):
         print(said, flush=True)
@@ -54,7 +55,7 @@ def run_study(profile: str, experiments: list[str] | None = None, force: bool = 
     if publish:  # before the chapters: the findings page then reads itself as the reference book it becomes
         reference.save(prof.name, prof.validity_gate)
     if notebooks:  # the chapters of the experiments run, and those that read every experiment
-        for chapter in [c for c in book.CHAPTERS if c in names or c not in EXPERIMENTS]:
+        for chapter in [c for c in book.CHAPTERS if c in names or c not in experiment_names()]:
             book.execute(chapter, prof.name)
         book.write_overview(prof.name, prof.validity_gate)
     if build:

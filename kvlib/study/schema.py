@@ -12,149 +12,26 @@ of the experiment that has it (kvlib.study.profile expands the grid the same way
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 from kvlib.models import WEIGHTS
-from kvlib.models.random_weights import check_experiment
-from kvlib.settings import DECODED, PROTOCOLS
+from kvlib.study.checks import (
+    is_int,
+    is_number,
+    non_negative_int,
+    one_of,
+    positive_int,
+    positive_number,
+    share,
+    source,
+    text,
+)
+from kvlib.study.experiments import REGISTRY, check_weights
 from kvlib.study.overrides import toy_problems, with_toy
 from kvlib.study.runners import make_runner, runner_class, runners
 
-Check = Callable[[object], str | None]  # a value's problem, or None
 PREFILL = ("full", "fused", "chunked")
-
-
-def described(words: str):
-    """A check's type in words, for the profile guide (kvlib.study.profile_guide)."""
-    def mark(check: Check) -> Check:
-        check.kind = words
-        return check
-    return mark
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-@described("a positive integer")
-def positive_int(v):
-    return None if _is_int(v) and v >= 1 else f"expected a positive integer, got {v!r}"
-
-
-@described("an integer >= 0")
-def non_negative_int(v):
-    return None if _is_int(v) and v >= 0 else f"expected an integer >= 0, got {v!r}"
-
-
-@described("a positive number")
-def positive_number(v):
-    return None if _is_number(v) and v > 0 else f"expected a positive number, got {v!r}"
-
-
-@described("a share in (0, 1]")
-def share(v):
-    return None if _is_number(v) and 0 < v <= 1 else f"expected a share in (0, 1], got {v!r}"
-
-
-@described("a name")
-def text(v):
-    return None if isinstance(v, str) and v else f"expected a name (a non-empty string), got {v!r}"
-
-
-@described("a source mapping")
-def source(v):
-    """A text or conversation source: a mapping (kvlib.models.workloads)."""
-    if not isinstance(v, dict):
-        return f"expected a source mapping ({{kind: hf, path: ..., field: ...}}), got {v!r}"
-    return None if isinstance(v.get("kind", "hf"), str) else f"expected a source whose kind is a name, got {v!r}"
-
-
-def one_of(*choices) -> Check:
-    return described(f"one of {', '.join(choices)}")(
-        lambda v: None if isinstance(v, str) and v in choices else f"expected one of {list(choices)}, got {v!r}")
-
-
-def optional(check: Check) -> Check:
-    return described(f"{check.kind}, or null")(lambda v: None if v is None else check(v))
-
-
-def list_of(check: Check) -> Check:
-    def checked(v):
-        if not isinstance(v, list) or not v:
-            return f"expected a non-empty list, got {v!r}"
-        bad = [(i, check(x)) for i, x in enumerate(v) if check(x)]
-        return f"[{bad[0][0]}]: {bad[0][1]}" if bad else None
-    return described(f"a list of {check.kind.removeprefix('a ').removeprefix('an ')}s")(checked)
-
-
-def one_or_list(check: Check) -> Check:
-    """A value, or a list of them that one point runs together (retention's protocols share a pass)."""
-    return described(f"{check.kind}, or a list of them")(lambda v: list_of(check)(v) if isinstance(v, list) else check(v))
-
-
-@described("[low, high] token counts")
-def bucket(v):
-    ok = isinstance(v, list) and len(v) == 2 and all(_is_int(x) and x >= 1 for x in v) and v[0] < v[1]
-    return None if ok else f"expected a bucket [low, high] of token counts, low < high, got {v!r}"
-
-
-@described("a depth in [0, 1]")
-def depth(v):
-    return None if _is_number(v) and 0 <= v <= 1 else f"expected a depth in [0, 1], got {v!r}"
-
-
-def mapping_of(keys: dict[str, Check]) -> Check:
-    def checked(v):
-        if not isinstance(v, dict):
-            return f"expected a mapping, got {v!r}"
-        for key, value in v.items():
-            if key not in keys:
-                return f"{key}: unknown key; allowed: {sorted(keys)}"
-            problem = keys[key](value)
-            if problem:
-                return f"{key}: {problem}"
-        return None
-    return described(f"a mapping of {', '.join(keys)}")(checked)
-
-
-RULER = mapping_of({"max_seq_lengths": list_of(positive_int), "items": optional(positive_int),
-                    "max_gen_toks": optional(positive_int)})
-OFFLINE_TASKS = mapping_of({"recall_lengths": list_of(positive_int), "recall_items": positive_int,
-                            "recall_choices": positive_int, "perplexity_docs_n": positive_int,
-                            "perplexity_tokens": positive_int, "seed": non_negative_int,
-                            "recall_depths": optional(list_of(depth))})
 COMMON = {"text_source": source, "calibration_source": source, "chunk_size": positive_int, "prefill": one_of(*PREFILL),
           "seed": non_negative_int}
-# each experiment's workload values (kvlib.study.experiments), with the ones it cannot run without
-WORKLOAD: dict[str, dict[str, Check]] = {
-    "ttft": {"prompt_tokens": positive_int, "max_new_tokens": positive_int},
-    "batch_scaling": {"batch_size": positive_int, "min_prompt_tokens": positive_int, "max_prompt_tokens": positive_int,
-                      "max_new_tokens": positive_int},
-    "decode_length": {"output_tokens": positive_int, "prompt_tokens": positive_int, "batch_size": positive_int},
-    "serving": {"num_requests": positive_int, "min_prompt_tokens": positive_int, "max_prompt_tokens": positive_int,
-                "min_output_tokens": positive_int, "max_output_tokens": positive_int, "request_rate": positive_number,
-                "rate_multiple": positive_number,
-                "burstiness": positive_number, "slo_ttft_s": optional(positive_number),
-                "slo_tpot_s": optional(positive_number)},
-    "accuracy": {"task": text, "batch_size": positive_int, "protocol": one_of(*PROTOCOLS),
-                 "limit": optional(positive_int), "ruler": optional(RULER), "offline_tasks": optional(OFFLINE_TASKS),
-                 "prefill_store_gb": optional(positive_number)},
-    "offload": {"batch_size": positive_int, "prompt_tokens": positive_int, "max_new_tokens": positive_int},
-    "retention": {"query_turns": list_of(positive_int), "buckets": list_of(bucket), "per_bucket": positive_int,
-                  "conversations": optional(source), "lockstep": positive_int, "answer_tokens": optional(positive_int),
-                  "protocol": one_or_list(one_of(*DECODED))},
-}
-REQUIRED = {"ttft": ("prompt_tokens",), "batch_scaling": ("batch_size", "min_prompt_tokens", "max_prompt_tokens",
-                                                          "max_new_tokens"),
-            "decode_length": ("output_tokens", "prompt_tokens"),
-            "serving": ("num_requests", "min_prompt_tokens", "max_prompt_tokens", "min_output_tokens",
-                        "max_output_tokens", ("request_rate", "rate_multiple")),
-            "accuracy": ("task",), "retention": ("query_turns", "buckets", "per_bucket"),
-            "offload": ("batch_size", "prompt_tokens", "max_new_tokens")}
 PROFILE_KEYS = {"model", "device_capacity_gb", "policy_settings", "experiments", "description", "device", "weights",
                 "validity_gate", "toy"}
 EXPERIMENT_KEYS = {"policies", "grid", "fixed", "model", "device_capacity_gb", "repeats", "exploratory", "arms"}
@@ -220,8 +97,8 @@ def _check_toy(problems: Problems, raw: dict) -> None:
 
 def _check_experiment(problems: Problems, exp, spec, settings: dict, weights) -> None:
     here = f"experiments.{exp}"
-    if exp not in WORKLOAD:
-        problems.add(here, f"unknown experiment {exp!r}; experiments: {list(WORKLOAD)}")
+    if exp not in REGISTRY:
+        problems.add(here, f"unknown experiment {exp!r}; experiments: {list(REGISTRY)}")
         return
     if spec is None:
         spec = {}
@@ -229,7 +106,7 @@ def _check_experiment(problems: Problems, exp, spec, settings: dict, weights) ->
         problems.add(here, f"expected a mapping of {sorted(EXPERIMENT_KEYS)}, got {spec!r}")
         return
     try:
-        check_experiment(exp, weights)
+        check_weights(exp, weights)
     except Exception as exc:  # noqa: BLE001 (UserError: its message is the problem)
         problems.add(here, str(exc))
     for key in sorted(set(spec) - EXPERIMENT_KEYS, key=str):
@@ -267,7 +144,7 @@ def _check_experiment(problems: Problems, exp, spec, settings: dict, weights) ->
             for i, v in enumerate(value) if as_axis else [(None, value)]:
                 _check_value(problems, path if i is None else f"{path}[{i}]", exp, key, v, who)
     given = set(grid) | set(fixed) if isinstance(grid, dict) and isinstance(fixed, dict) else set()
-    for key in REQUIRED[exp]:
+    for key in REGISTRY[exp].required:
         either = key if isinstance(key, tuple) else (key,)  # one of them
         if not set(either) & given:
             problems.add(f"{here}", f"needs {' or '.join(map(repr, either))} in its grid or fixed values")
@@ -301,7 +178,7 @@ def _check_value(problems: Problems, path: str, exp: str, key, value, runner_nam
         for problem, names in found.items():
             problems.add(path, f"{problem} ({', '.join(names)})")
         return
-    allowed = {**COMMON, **WORKLOAD[exp]}
+    allowed = {**COMMON, **REGISTRY[exp].workload}
     if key not in allowed:
         problems.add(path, f"unknown key {key!r}: neither a workload value of {exp} ({sorted(allowed)}) nor a policy "
                            f"setting")
@@ -356,7 +233,7 @@ def _types(annotation) -> list[type] | None:
 
 def _instance(value, t: type) -> bool:
     if t is float:
-        return _is_number(value)
+        return is_number(value)
     if t is int:
-        return _is_int(value)
+        return is_int(value)
     return isinstance(value, t)

@@ -21,12 +21,23 @@ from kvlib.evaluation import KVLibLM
 from kvlib.evaluation.ruler import RULER_TASKS, evaluate_ruler
 from kvlib.evaluation.tasks import evaluate, write_offline_tasks
 from kvlib.models.workloads import calibration_prompt
-from kvlib.policies.duo_heads import stability
-from kvlib.settings import DEPLOYED, ONE_PASS, STRICT
+from kvlib.report import answers
+from kvlib.report.pages import ACCURACY
+from kvlib.settings import DEPLOYED, ONE_PASS, PROTOCOLS, STRICT
+from kvlib.study.checks import (
+    depth,
+    list_of,
+    mapping_of,
+    non_negative_int,
+    one_of,
+    optional,
+    positive_int,
+    positive_number,
+    text,
+)
+from kvlib.study.experiment import Experiment, register
 from kvlib.study.experiments.common import model_of
 from kvlib.study.runners import runner_class
-
-TIMED = False  # what it measures is a score, the same under load: never measured again
 
 _store: tuple[weakref.ref, PrefillStore] | None = None  # (the model it serves, its store)
 
@@ -76,14 +87,25 @@ def run_point(point) -> list[dict]:
 def held_columns(lm: KVLibLM, full_bytes_per_token: int) -> dict:
     """What the policy held on the device while it answered (KVUsage): its KV bytes per token seen, and as a share of
     the full cache's at the model's dtype; for InfiniGen with measure_coverage, its speculation's share of the true
-    attention mass against the oracle's (KVLibLM.speculation_columns); for duo, the retrieval ratio its budget came to and how stable its heads
-    are (kvlib.policies.duo_heads.stability)."""
+    attention mass against the oracle's (KVLibLM.speculation_columns); for a policy that calibrates, what its
+    calibration chose (KVPolicy.calibration_columns: duo's retrieval ratio and how stable its heads are)."""
     per_token = lm.kv_device_bytes_per_token
     columns = {"kv_device_bytes_per_token": per_token,
                "kv_share_held": None if per_token is None else per_token / full_bytes_per_token,
                **lm.speculation_columns}
-    policy = lm.engine.policy
-    if policy.name == "duo" and policy.ratio is not None:
-        columns.update(retrieval_ratio_used=policy.ratio,
-                       **stability(lm.loaded, policy.ratio, policy.sink, policy.window, policy.calibration_tokens))
-    return columns
+    return {**columns, **lm.engine.policy.calibration_columns()}
+
+
+RULER = mapping_of({"max_seq_lengths": list_of(positive_int), "items": optional(positive_int),
+                    "max_gen_toks": optional(positive_int)})
+OFFLINE_TASKS = mapping_of({"recall_lengths": list_of(positive_int), "recall_items": positive_int,
+                            "recall_choices": positive_int, "perplexity_docs_n": positive_int,
+                            "perplexity_tokens": positive_int, "seed": non_negative_int,
+                            "recall_depths": optional(list_of(depth))})
+EXPERIMENT = register(Experiment(
+    "accuracy", "Accuracy across KV budgets", run_point, timed=False, trained_only=True, order=order,
+    workload={"task": text, "batch_size": positive_int, "protocol": one_of(*PROTOCOLS),
+              "limit": optional(positive_int), "ruler": optional(RULER), "offline_tasks": optional(OFFLINE_TASKS),
+              "prefill_store_gb": optional(positive_number)},
+    required=("task",),
+    lead=answers.accuracy, reads_gate=True, error_rate=ACCURACY.statement()))

@@ -1,9 +1,11 @@
 """Memory, throughput and latency vs batch size on mixed-length prompts (paper Fig. 3, 4, 5)."""
 
 from kvlib.models.workloads import mixed_length_prompts
+from kvlib.report import answers
+from kvlib.report.pages import TIMING
+from kvlib.study.checks import positive_int
+from kvlib.study.experiment import Experiment, register
 from kvlib.study.experiments.common import model_of, run_timed
-
-TIMED = True  # what it measures is time: a run disturbed by other processes is measured again
 
 
 def run_point(point) -> list[dict]:
@@ -13,3 +15,11 @@ def run_point(point) -> list[dict]:
     row = run_timed(point, prompts, v["max_new_tokens"])
     row["prompt_tokens_total"] = sum(map(len, prompts))
     return [row]
+
+
+EXPERIMENT = register(Experiment(
+    "batch_scaling", "Batch scaling", run_point, timed=True, systems=True,
+    workload={"batch_size": positive_int, "min_prompt_tokens": positive_int,
+              "max_prompt_tokens": positive_int, "max_new_tokens": positive_int},
+    required=("batch_size", "min_prompt_tokens", "max_prompt_tokens", "max_new_tokens"),
+    lead=answers.batch_scaling, error_rate=TIMING.statement()))

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 from kvlib.engine import Engine
 from kvlib.engine.run_result import RunResult
 from kvlib.models import LoadedModel, load_model
-from kvlib.models.random_weights import CAVEAT, check_experiment
+from kvlib.models.random_weights import CAVEAT
 from kvlib.models.workloads import calibration_prompt
 from kvlib.policies import make_policy
-from kvlib.study.profile import Point
+from kvlib.study.experiment import check_weights
+from kvlib.study.point import Point
 from kvlib.study.runners import make_runner
 
 
@@ -20,7 +22,7 @@ def model(name: str, device: str | None = None, weights: str = "pretrained") -> 
 
 
 def model_of(point: Point) -> LoadedModel:
-    check_experiment(point.experiment, point.weights)
+    check_weights(point.experiment, point.weights)
     return model(point.model, point.device, point.weights)
 
 
@@ -56,31 +58,34 @@ def accounting_columns(row: dict) -> dict:
             or k in ("oom", "oom_where", "stat_peak_blocks_used", "setup_s")}
 
 
-def run_timed(point: Point, prompts: list[list[int]], max_new_tokens: int) -> dict:
-    """The point's run as its result row, measured alike for every runner (book/methods.md, "How runs are timed"):
-    the first time a process meets the point, an untimed run on the same prompts (the first call of each matmul
-    shape, vLLM's kernels, a policy's calibration: every runner warm on the shapes it is measured on), which is also
-    the run that reads memory and kvlib's timer sections (vLLM's KV use step by step); then the timed run, in which
-    nothing is read from inside either engine (kvlib's ledger and sections off, vLLM's statistics at its default):
-    its TTFT, inter-token latencies and decode throughput are stamped by the caller as each token is handed over
-    (kvlib.engine.run_result.TokenClock). The row's memory and wall-split columns are the untimed run's. A later
-    repeat of the point in the same process is timed at once: the process is warm on its shapes, and the same
-    prompts hold the same bytes. A point that runs out of memory in the untimed run is not timed (the same prompts
-    would run out again, unbooked)."""
-    warm = _untimed(point, prompts, max_new_tokens)
-    if warm["oom"]:
-        return dict(warm)  # a copy: callers add columns to their row, and this one is kept for the point's repeats
-    timed = result_row(run(point, prompts, max_new_tokens, memory_run=False), point)
-    return {**timed, **accounting_columns(warm)}
+def warm_then_timed(point: Point, measure: Callable[[bool], dict]) -> tuple[dict, dict | None]:
+    """The protocol every timed experiment measures by (book/methods.md, "How runs are timed"): the first time a
+    process meets the point, an untimed run (`measure(True)`: the first call of each matmul shape, vLLM's kernels, a
+    policy's calibration: every runner warm on the shapes it is measured on), which is also the run that reads memory
+    and kvlib's timer sections (vLLM's KV use step by step); then the timed run (`measure(False)`), in which nothing
+    is read from inside either engine (kvlib's ledger and sections off, vLLM's statistics at its default): its TTFT,
+    inter-token latencies and throughputs are stamped by the caller as each token is handed over
+    (kvlib.engine.run_result.TokenClock). A later repeat of the point in the same process is timed at once: the
+    process is warm on its shapes, and the point's key fixes its inputs. Returns (the untimed run's row, the timed
+    run's row); the timed one is None where the untimed run ran out of memory (the same inputs would run out again,
+    unbooked)."""
+    if point.key not in _untimed_rows:
+        _untimed_rows[point.key] = measure(True)
+    warm = _untimed_rows[point.key]
+    return warm, None if warm["oom"] else measure(False)
 
 
 _untimed_rows: dict[str, dict] = {}  # per process: the untimed run's row of each point it has met
 
 
-def _untimed(point: Point, prompts: list[list[int]], max_new_tokens: int) -> dict:
-    if point.key not in _untimed_rows:  # a point's key fixes its prompts and lengths
-        _untimed_rows[point.key] = result_row(run(point, prompts, max_new_tokens, memory_run=True), point)
-    return _untimed_rows[point.key]
+def run_timed(point: Point, prompts: list[list[int]], max_new_tokens: int) -> dict:
+    """The point's generation run as its result row, measured alike for every runner (warm_then_timed): the timed
+    run's figures, with the untimed run's memory and wall-split columns."""
+    warm, timed = warm_then_timed(point, lambda memory_run: result_row(
+        run(point, prompts, max_new_tokens, memory_run=memory_run), point))
+    if timed is None:
+        return dict(warm)  # a copy: callers add columns to their row, and this one is kept for the point's repeats
+    return {**timed, **accounting_columns(warm)}
 
 
 def result_row(result: RunResult, point: Point) -> dict:

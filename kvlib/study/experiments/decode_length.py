@@ -1,9 +1,11 @@
 """Decode throughput and wall-time split vs output length at a fixed long input (paper Fig. 6)."""
 
 from kvlib.models.workloads import prompt_of_length
+from kvlib.report import answers
+from kvlib.report.pages import TIMING
+from kvlib.study.checks import positive_int
+from kvlib.study.experiment import Experiment, register
 from kvlib.study.experiments.common import model_of, run_timed
-
-TIMED = True  # what it measures is time: a run disturbed by other processes is measured again
 
 
 def run_point(point) -> list[dict]:
@@ -11,3 +13,10 @@ def run_point(point) -> list[dict]:
     prompts = [prompt_of_length(model_of(point).tokenizer, v["prompt_tokens"], offset=1000 * i,
                                 source=v.get("text_source")) for i in range(v.get("batch_size", 1))]
     return [run_timed(point, prompts, v["output_tokens"])]
+
+
+EXPERIMENT = register(Experiment(
+    "decode_length", "Decode length", run_point, timed=True, systems=True,
+    workload={"output_tokens": positive_int, "prompt_tokens": positive_int, "batch_size": positive_int},
+    required=("output_tokens", "prompt_tokens"),
+    lead=answers.decode_length, error_rate=TIMING.statement()))

@@ -5,9 +5,12 @@ the full cache runs out of, what an offloaded runner still completes, with its m
 from kvlib.memory.disk import read_bandwidth
 from kvlib.models.workloads import prompt_of_length
 from kvlib.policies.flexgen import default_offload_dir
+from kvlib.report import offload as offload_report
+from kvlib.report.pages import TIMING
+from kvlib.study.checks import positive_int
+from kvlib.study.experiment import Experiment, register
 from kvlib.study.experiments.common import model_of, run_timed
 
-TIMED = True  # what it measures is time: a run disturbed by other processes is measured again
 PROBE_BYTES, PROBE_CHUNK = 128 * 2**20, 8 * 2**20  # the disk's read rate: a file of 128 MiB read in 8 MiB chunks
 
 _read_rates: dict[str, dict] = {}  # per process and offload folder: measured once, beside the first point there
@@ -24,3 +27,10 @@ def run_point(point) -> list[dict]:
     probe = _read_rates[root]
     return [{**row, "disk_read_bytes_per_s": probe["read_bytes_per_s"],
              "disk_probe_page_cache_bytes": probe["read_bytes_page_cache"], "disk_probe_bytes": probe["bytes"]}]
+
+
+EXPERIMENT = register(Experiment(
+    "offload", "Offloading: FlexGen's memory hierarchy", run_point, timed=True,
+    workload={"batch_size": positive_int, "prompt_tokens": positive_int, "max_new_tokens": positive_int},
+    required=("batch_size", "prompt_tokens", "max_new_tokens"),
+    lead=offload_report.answer, error_rate=TIMING.statement()))

@@ -1,9 +1,12 @@
 """Retention of an early fact across context-length buckets and turns (paper Fig. 8): one row per question."""
 
 from kvlib.evaluation.retention import dataset_conversations, offline_conversations, run_conversations
+from kvlib.report import answers
+from kvlib.report.pages import FINDINGS
+from kvlib.settings import DECODED
+from kvlib.study.checks import bucket, list_of, one_of, one_or_list, optional, positive_int, source
+from kvlib.study.experiment import Experiment, register
 from kvlib.study.experiments.common import make_engine
-
-TIMED = False  # what it measures is a score, the same under load: never measured again
 
 
 def run_point(point) -> list[dict]:
@@ -25,3 +28,12 @@ def run_point(point) -> list[dict]:
                                   chunk_size=v.get("chunk_size", 512), answer_tokens=v.get("answer_tokens"),
                                   protocol=v.get("protocol", "deployed"))
     return rows
+
+
+EXPERIMENT = register(Experiment(
+    "retention", "Retention of an early fact", run_point, timed=False, trained_only=True,
+    workload={"query_turns": list_of(positive_int), "buckets": list_of(bucket), "per_bucket": positive_int,
+              "conversations": optional(source), "lockstep": positive_int,
+              "answer_tokens": optional(positive_int), "protocol": one_or_list(one_of(*DECODED))},
+    required=("query_turns", "buckets", "per_bucket"),
+    lead=answers.retention, reads_gate=True, error_rate=FINDINGS.borrowed("finding 5")))

@@ -49,11 +49,13 @@ from kvlib.engine.run_result import PERCENTILES, RunResult
 from kvlib.errors import DeviceOOM, UserError
 from kvlib.memory.block_pool import OutOfBlocks
 from kvlib.models.workloads import prompt_of_length
-from kvlib.study.experiments.common import accounting_columns, make_engine, model_of, result_row
-from kvlib.study.profile import Point
+from kvlib.report import answers
+from kvlib.report.pages import TIMING
+from kvlib.study.checks import optional, positive_int, positive_number
+from kvlib.study.experiment import Experiment, register
+from kvlib.study.experiments.common import accounting_columns, make_engine, model_of, result_row, warm_then_timed
+from kvlib.study.point import Point
 from kvlib.study.runners import make_runner
-
-TIMED = True  # what it measures is time: a run disturbed by other processes is measured again
 
 # the latency metrics of a serving run (kvlib.engine.run_result.latency_metrics), each a column of the row
 LATENCY_COLUMNS = tuple(f"{name}_{stat}" for name in ("ttft_s", "tpot_s", "itl_s", "e2e_s")
@@ -163,9 +165,6 @@ def _oom_row(where: str) -> dict:
             "preemptions": None, "slo_attainment": None}
 
 
-_untimed_rows: dict[str, dict] = {}  # per process: the instrumented replay's row of each point it has met
-
-
 SERVICE_RATE_FILE = "service_rates.json"
 
 
@@ -209,13 +208,10 @@ def run_point(point: Point) -> list[dict]:
     trace = trace_of(model_of(point).tokenizer, point.values)
     row = _does_not_fit(point)
     if row is None:
-        if point.key not in _untimed_rows:
-            _untimed_rows[point.key] = _replay(point, trace, memory_run=True)
-        warm = _untimed_rows[point.key]
-        if warm["oom"]:
+        warm, timed = warm_then_timed(point, lambda memory_run: _replay(point, trace, memory_run=memory_run))
+        if timed is None:
             row = dict(warm)
         else:
-            timed = _replay(point, trace, memory_run=False)
             # preemptions: counted by kvlib's scheduler in either replay; vLLM's are read from its scheduler, only in
             # the instrumented one
             preemptions = timed["preemptions"] if timed.get("preemptions") is not None else warm["preemptions"]
@@ -245,3 +241,14 @@ def _replay(point: Point, trace: Trace, *, memory_run: bool) -> dict:
     if row.get("preemptions") is None:
         row["preemptions"] = result.stats.get("preemptions")
     return row
+
+
+EXPERIMENT = register(Experiment(
+    "serving", "Serving under a request rate", run_point, timed=True, trained_only=True,
+    workload={"num_requests": positive_int, "min_prompt_tokens": positive_int, "max_prompt_tokens": positive_int,
+              "min_output_tokens": positive_int, "max_output_tokens": positive_int,
+              "request_rate": positive_number, "rate_multiple": positive_number, "burstiness": positive_number,
+              "slo_ttft_s": optional(positive_number), "slo_tpot_s": optional(positive_number)},
+    required=("num_requests", "min_prompt_tokens", "max_prompt_tokens", "min_output_tokens", "max_output_tokens",
+              ("request_rate", "rate_multiple")),
+    lead=answers.serving, error_rate=TIMING.statement()))

@@ -1,0 +1,87 @@
+"""What an experiment declares, once, in its own module (kvlib.study.experiments.<name>), and the registry every other
+part of the study queries instead of keeping a list of names: the profile's schema and guide, the executor, the book's
+chapters, random weights' limits, the chooser's runners.
+
+    EXPERIMENT = register(Experiment(name="ttft", title="Time to first token", run_point=run_point, timed=True,
+                                     workload={"prompt_tokens": positive_int}, required=("prompt_tokens",)))
+
+The registry is filled by importing kvlib.study.experiments (its package imports every module, in the book's order);
+it holds declarations only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pandas as pd
+
+from kvlib.errors import UserError
+from kvlib.models.random_weights import CAVEAT
+from kvlib.report.answers import opening
+from kvlib.report.gate import GATE
+from kvlib.study.checks import Check
+
+
+@dataclass(frozen=True)
+class Experiment:
+    name: str  # the profile's key, the results folder's and the chapter's name
+    title: str
+    run_point: Callable  # (Point) -> list[dict]: the point's result rows
+    # what it measures is time: a run disturbed by other processes is measured again, and its units run alone;
+    # else a score, the same under load: never measured again, its units may share the cores (executor.Processes)
+    timed: bool
+    workload: dict[str, Check] = field(default_factory=dict)  # its workload values and their checks (schema)
+    # the values it cannot run without; a tuple among them: one of those
+    required: tuple = ()
+    # it times runners at fixed shapes: what the chooser and the projection read
+    systems: bool = False
+    # it measures what a model answers, which random weights cannot show
+    trained_only: bool = False
+    # an untimed experiment's units run in this order (executor.Processes keeps a key's units on one worker)
+    order: Callable | None = None
+    short: str | None = None  # how a sentence names it; else its name in words
+    # what each workload value means, for the profile guide, where the guide's table of shared keys has no line for it
+    meanings: dict[str, str] = field(default_factory=dict)
+    # its chapter's opening: (rows) -> its lead sentences (kvlib.report.answers), or (rows, gate) where it reads the
+    # validity gate (a task counts only where the full cache passes it); and the page's error rate said under it
+    lead: Callable | None = None
+    reads_gate: bool = False
+    error_rate: str = ""
+
+    def answer(self, rows: pd.DataFrame, gate: float = GATE) -> str:
+        """Its chapter's opening sentences, as Markdown (kvlib.report.answers.opening)."""
+        lead = self.lead(rows, gate) if self.reads_gate else self.lead(rows)
+        return opening(lead, rows, self.error_rate)
+
+    @property
+    def label(self) -> str:
+        return self.short or self.name.replace("_", " ")
+
+
+REGISTRY: dict[str, Experiment] = {}
+
+
+def register(experiment: Experiment) -> Experiment:
+    if experiment.name in REGISTRY:
+        raise ValueError(f"two experiments are named {experiment.name!r}")
+    REGISTRY[experiment.name] = experiment
+    return experiment
+
+
+def experiment(name: str) -> Experiment:
+    if name not in REGISTRY:
+        raise UserError(f"unknown experiment {name!r}; experiments: {list(REGISTRY)}")
+    return REGISTRY[name]
+
+
+def names(**where) -> tuple[str, ...]:
+    """The experiments' names in the book's order, those whose declaration has every given value (systems=True, ...)."""
+    return tuple(n for n, e in REGISTRY.items() if all(getattr(e, k) == v for k, v in where.items()))
+
+
+def check_weights(name: str, weights: str) -> None:
+    """Random weights run only the experiments that time runners: what a model answers means nothing untrained."""
+    if weights == "random" and experiment(name).trained_only:
+        raise UserError(f"experiment {name!r} measures what the model answers, which random weights cannot show "
+                        f"({CAVEAT}: {', '.join(names(trained_only=False))}); run it with trained weights")
