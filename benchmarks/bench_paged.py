@@ -17,7 +17,7 @@ from smoke import results_path, sized
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from kvlib.engine import Engine
-from kvlib.engine.scheduler import Sequence, run
+from kvlib.engine.scheduler import RunSettings, Sequence
 from kvlib.models import load_model, resolve_model_path
 from kvlib.models.workloads import mixed_length_prompts
 from kvlib.policies import make_policy
@@ -51,8 +51,8 @@ def main() -> None:
     for batch in sized((1, 8, 16), (2,)):
         prompts = mixed_length_prompts(kv.tokenizer, batch, *sized((128, 2048), (16, 48)), seed=batch)
         static = Engine(kv, make_policy("paged")).generate(prompts, NEW_TOKENS, stop_at_eos=False)
-        continuous = run(Engine(kv, make_policy("paged")), [Sequence(p, NEW_TOKENS) for p in prompts], "continuous",
-                         "chunked", stop_at_eos=False)
+        continuous = Engine(kv, make_policy("paged")).run([Sequence(p, NEW_TOKENS) for p in prompts],
+                                                          RunSettings("continuous", "chunked", stop_at_eos=False))
         row = {"batch": batch, "prompt_tokens": [len(p) for p in prompts],
                "kvlib_paged_static": static.metrics["decode_tokens_per_s"],
                "kvlib_paged_continuous": continuous.metrics["decode_tokens_per_s"],

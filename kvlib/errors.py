@@ -11,3 +11,8 @@ class DeviceOOM(Exception):
             f"device capacity exceeded at {where}: {requested / 2**20:.1f} MiB requested, "
             f"{in_use / 2**20:.1f} MiB in use, capacity {capacity / 2**20:.1f} MiB"
         )
+
+
+class RequestTooLarge(UserError):
+    """A block pool cannot hold one request even with no other running (kvlib.engine.scheduler): a capacity that
+    this runner cannot serve the trace at (the serving experiment records it as an OOM point)."""

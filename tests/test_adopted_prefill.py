@@ -176,9 +176,9 @@ def test_a_row_that_holds_tokens_runs_its_own_prefill(tiny, prompts):
     for store in (None, PrefillStore()):
         engine = Engine(tiny, make_policy("h2o", budget=0.3))
         with engine.session([len(prompts[0]) + len(prompts[1]) + 4], 4) as session:
-            session.prefill(0, prompts[0], "chunked", CHUNK, shared=store)
+            session.prefill(0, prompts[0], "chunked", CHUNK, prefill_store=store)
             logits = session.decode([0], [5])
-            logits = session.prefill(0, prompts[1], "chunked", CHUNK, shared=store)
+            logits = session.prefill(0, prompts[1], "chunked", CHUNK, prefill_store=store)
             results.append((logits, engine.policy.kept_positions(1, 0)))
         if store is not None:
             assert (store.misses, store.hits, store.own) == (1, 0, 0)
@@ -191,7 +191,7 @@ def test_adoption_reads_the_recorded_statistics(tiny, prompts):
     def kept(store):
         engine = Engine(tiny, make_policy("h2o", budget=0.3))
         with engine.session([len(prompts[0])], 1) as session:
-            session.prefill(0, prompts[0], "full", shared=store)
+            session.prefill(0, prompts[0], "full", prefill_store=store)
             return [engine.policy.kept_positions(layer, 0) for layer in range(tiny.spec.num_layers)]
 
     store = PrefillStore()
@@ -245,11 +245,11 @@ def test_snapkv_with_a_window_wider_than_the_store_keeps_runs_its_own(tiny, prom
 
 
 def test_a_prefill_store_is_for_the_static_schedule(tiny, prompts):
-    from kvlib.engine.scheduler import Sequence, run
+    from kvlib.engine.scheduler import RunSettings, Sequence
 
     with pytest.raises(ValueError, match="static schedule"):
-        run(Engine(tiny, make_policy("paged")), [Sequence(prompts[0], 2)], "continuous", "chunked",
-            prefill_store=PrefillStore())
+        Engine(tiny, make_policy("paged")).run([Sequence(prompts[0], 2)], RunSettings("continuous", "chunked",
+                                               prefill_store=PrefillStore()))
 
 
 def test_the_accuracy_path_with_a_shared_store_scores_each_item_as_without(tiny, tmp_path):

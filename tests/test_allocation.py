@@ -8,7 +8,7 @@ import test_booking
 import torch
 
 from kvlib.engine import Engine
-from kvlib.engine.scheduler import Sequence, run
+from kvlib.engine.scheduler import RunSettings, Sequence
 from kvlib.errors import UserError
 from kvlib.policies import make_policy
 from kvlib.policies.allocation import adaptive_counts, pyramid_counts, select_per_head
@@ -142,8 +142,8 @@ def test_continuous_batching_under_pyramid_gives_the_static_schedules_tokens(tin
     settings = {"budget": 0.3, "block_size": 4, "allocation": "pyramid", **SETTINGS[name]}
     static = Engine(tiny, make_policy(name, **settings)).generate(prompts, 12, prefill_mode="chunked", chunk_size=16,
                                                                   stop_at_eos=False)
-    served = run(Engine(tiny, make_policy(name, **settings)), [Sequence(p, 12) for p in prompts], "continuous",
-                 "chunked", chunk_size=16, stop_at_eos=False, share_prompts=True)
+    continuous = RunSettings("continuous", "chunked", chunk_size=16, stop_at_eos=False, share_prompts=True)
+    served = Engine(tiny, make_policy(name, **settings)).run([Sequence(p, 12) for p in prompts], continuous)
     assert tokens(served) == tokens(static) and served.stats["allocation"] == "pyramid"
 
 

@@ -92,3 +92,21 @@ def test_paged_kv_maps_a_rows_slots_through_its_blocks_and_gives_blocks_back():
     assert kv.tables[0].blocks == [0] and kv.pool.used == 2
     kv.release(0), kv.release(1)
     assert kv.pool.used == 0
+
+
+@pytest.mark.parametrize("writers", [1, 2, 3])
+def test_the_room_a_step_asks_for_is_what_reserving_its_rows_takes(writers):
+    """Three tables share a partly filled last block (a prompt forked twice): each one that writes into it copies it
+    while another still holds it, so k writers of 3 copy min(k, 2) times; with a new block each, the room asked
+    before the step (BlockPool.room) is what reserving them in turn takes, and a pool one block short is short."""
+    pool = BlockPool(16, 4)
+    parent = filled(pool, list(range(6)))  # 6 tokens: one full block and a partial one
+    tables = [parent, pool.fork(parent), pool.fork(parent)]
+    growths = [(table, 9) for table in tables[:writers]]  # 3 more tokens each: into the shared block and a new one
+    room = pool.room(growths)
+    assert room.needed == writers + min(writers, 2) and room.free == pool.num_blocks - pool.used and not room.short
+    free = len(pool.free)
+    for table, total in growths:
+        pool.reserve(table, total)
+    assert free - len(pool.free) == room.needed
+    assert BlockPool(room.needed - 1, 4).room([(BlockTable(), 4 * room.needed)]).short

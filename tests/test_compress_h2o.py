@@ -12,7 +12,7 @@ from test_serving_experiment import VALUES
 from test_serving_policies import capacity_for
 
 from kvlib.engine import Engine
-from kvlib.engine.scheduler import Sequence, run
+from kvlib.engine.scheduler import RunSettings, Sequence
 from kvlib.errors import UserError
 from kvlib.policies import available, make_policy
 from kvlib.report import serving as report
@@ -36,8 +36,8 @@ def test_it_is_registered_and_declares_the_schedule_it_serves_under():
 def serve(tiny, schedule, share=None, **settings):
     policy = make_policy("compress_h2o", block_size=4, **settings)
     engine = Engine(tiny, policy, device_capacity_bytes=capacity_for(tiny, 110))
-    return run(engine, [Sequence(p, 30) for p in prompts_of(40, 40, 36)], schedule, "chunked", chunk_size=16,
-               stop_at_eos=False, compress_share=share)
+    settings = RunSettings(schedule, "chunked", chunk_size=16, stop_at_eos=False, compress_share=share)
+    return engine.run([Sequence(p, 30) for p in prompts_of(40, 40, 36)], settings)
 
 
 def test_the_compress_schedule_keeps_the_policys_share_unless_one_is_passed(tiny):

@@ -6,7 +6,7 @@ import torch
 from test_serving_policies import capacity_for
 
 from kvlib.engine import Engine
-from kvlib.engine.scheduler import BATCHING, Sequence, run
+from kvlib.engine.scheduler import BATCHING, RunSettings, Sequence
 from kvlib.errors import UserError
 from kvlib.policies import make_policy
 
@@ -23,8 +23,8 @@ def tokens(result):
 def serve(tiny, schedule, name="h2o", capacity=None, **settings):
     policy = make_policy(name, budget=1.0, block_size=4, **settings)
     engine = Engine(tiny, policy, device_capacity_bytes=capacity)
-    return run(engine, [Sequence(p, 30) for p in prompts_of(40, 40, 36)], schedule, "chunked", chunk_size=16,
-               stop_at_eos=False)
+    settings = RunSettings(schedule, "chunked", chunk_size=16, stop_at_eos=False)
+    return engine.run([Sequence(p, 30) for p in prompts_of(40, 40, 36)], settings)
 
 
 @pytest.mark.parametrize("name, settings", [("h2o", {}), ("snapkv", {"window": 8})])
@@ -78,7 +78,8 @@ def test_compress_keeps_the_share_with_the_recent_window_and_frees_blocks(tiny):
 def test_a_policy_that_cannot_compress_or_a_bad_share_is_one_clear_error(tiny, name, settings, message):
     policy = make_policy(name, block_size=4)
     with pytest.raises(UserError, match=message):
-        run(Engine(tiny, policy), [Sequence(prompts_of(20)[0], 4)], "compress", "chunked", chunk_size=16, **settings)
+        Engine(tiny, policy).run([Sequence(prompts_of(20)[0], 4)], RunSettings("compress", "chunked", chunk_size=16,
+                                 **settings))
 
 
 def test_the_cli_serves_under_the_compress_schedule_and_lists_the_compressions(tmp_path):

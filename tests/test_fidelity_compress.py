@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kvlib.engine import Engine
-from kvlib.engine.scheduler import Sequence, run
+from kvlib.engine.scheduler import RunSettings, Sequence
 from kvlib.policies import make_policy
 
 BUDGET = 0.3  # compress_h2o's floor by default: 0.3 of the prompt, the budget the serving chapter runs H2O at
@@ -62,7 +62,8 @@ def serve(tiny, requests, num_blocks, chunk_size=16, **settings):
     policy = make_policy("compress_h2o", block_size=4, num_blocks=num_blocks, **settings)
     low: dict[int, int] = {}
     watch_held(policy, requests, low)
-    result = run(Engine(tiny, policy), requests, "compress", "chunked", chunk_size=chunk_size, stop_at_eos=False)
+    result = Engine(tiny, policy).run(requests, RunSettings("compress", "chunked", chunk_size=chunk_size,
+                                      stop_at_eos=False))
     return result, low
 
 
@@ -123,7 +124,7 @@ def test_a_serving_schedule_prefills_whole_prompts_when_asked_to(tiny, schedule)
     prompts = prompts_of(40, 25, 33)
     name, settings = ("flexgen_h2o", {"budget": 0.3}) if schedule == "continuous" else ("compress_h2o", {})
     static = Engine(tiny, make_policy(name, **settings)).generate(prompts, 8, prefill_mode="full", stop_at_eos=False)
-    served = run(Engine(tiny, make_policy(name, **settings)), [Sequence(p, 8) for p in prompts], schedule, "full",
-                 stop_at_eos=False)
+    served = Engine(tiny, make_policy(name, **settings)).run([Sequence(p, 8) for p in prompts],
+                                                             RunSettings(schedule, "full", stop_at_eos=False))
     assert [o["token_ids"] for o in served.outputs] == [o["token_ids"] for o in static.outputs]
     assert served.metrics["preemptions"] == 0

@@ -137,13 +137,13 @@ def test_gpu_batch_size_is_a_flag_of_run_and_eval():
 def test_micro_batches_serve_requests_as_the_batch_whole(fused, tmp_path):
     """Under continuous batching with chunked prompts and outputs of different lengths, a decode pass covers some rows
     of some micro-batches: the requests get the tokens they get with the batch whole."""
-    from kvlib.engine.scheduler import Sequence, run
+    from kvlib.engine.scheduler import RunSettings, Sequence
 
     prompts = prompts_of(*LENGTHS, seed=3)
     served = {}
     for size in (None, 2):
         policy = make_policy("flexgen", percent="100 0 30 30 100 0", offload_dir=str(tmp_path), gpu_batch_size=size)
-        served[size] = run(Engine(fused, policy), [Sequence(p, n) for p, n in zip(prompts, (3, 12, 7, 1, 9))],
-                           "continuous", "chunked", chunk_size=16, stop_at_eos=False)
+        served[size] = Engine(fused, policy).run([Sequence(p, n) for p, n in zip(prompts, (3, 12, 7, 1, 9))],
+                                                 RunSettings("continuous", "chunked", chunk_size=16, stop_at_eos=False))
     assert tokens(served[2]) == tokens(served[None])
     assert [len(t) for t in tokens(served[2])] == [3, 12, 7, 1, 9]

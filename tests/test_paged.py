@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvlib.engine import Engine
-from kvlib.engine.scheduler import Sequence, run
+from kvlib.engine.scheduler import RunSettings, Sequence
 from kvlib.errors import UserError
 from kvlib.models.workloads import mixed_length_prompts, prompt_of_length
 from kvlib.policies import make_policy
@@ -28,8 +28,8 @@ def test_requests_arriving_at_different_steps(smollm):
     prompts = mixed_length_prompts(smollm.tokenizer, 4, 20, 60, seed=3)
     full = Engine(smollm, make_policy("full")).generate(prompts, 10, stop_at_eos=False)
     requests = [Sequence(p, 10, arrival_step=3 * i) for i, p in enumerate(prompts)]
-    served = run(Engine(smollm, make_policy("paged", block_size=4)), requests, "continuous", "chunked", chunk_size=16,
-                 stop_at_eos=False)
+    served = Engine(smollm, make_policy("paged", block_size=4)).run(requests, RunSettings("continuous", "chunked",
+                                                                    chunk_size=16, stop_at_eos=False))
     assert tokens(served) == tokens(full)
     assert served.metrics["preemptions"] == 0
 
@@ -52,8 +52,8 @@ def test_preemption_completes_a_workload_larger_than_the_pool(tiny):
     prompts = [torch.randint(100, 5000, (n,)).tolist() for n in (40, 40, 36)]
     expected = tokens(Engine(tiny, make_policy("full")).generate(prompts, 30, stop_at_eos=False))
     requests = [Sequence(p, 30) for p in prompts]
-    served = run(Engine(tiny, make_policy("paged", block_size=4, num_blocks=30)), requests, "continuous", "chunked",
-                 chunk_size=16, stop_at_eos=False)
+    settings = RunSettings("continuous", "chunked", chunk_size=16, stop_at_eos=False)
+    served = Engine(tiny, make_policy("paged", block_size=4, num_blocks=30)).run(requests, settings)
     assert tokens(served) == expected
     assert served.metrics["preemptions"] > 0
 
@@ -99,4 +99,4 @@ def test_continuous_batching_needs_a_policy_that_releases_rows(tiny):
         release = KVPolicy.release
 
     with pytest.raises(UserError, match="continuous batching needs"):
-        run(Engine(tiny, Unreleasing()), [Sequence(list(range(100, 120)), 2)], "continuous", "chunked")
+        Engine(tiny, Unreleasing()).run([Sequence(list(range(100, 120)), 2)], RunSettings("continuous", "chunked"))

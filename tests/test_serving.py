@@ -13,7 +13,7 @@ import torch
 from kvlib.engine import Engine
 from kvlib.engine.arrivals import arrival_times
 from kvlib.engine.run_result import TokenClock, latency_metrics
-from kvlib.engine.scheduler import Sequence, run
+from kvlib.engine.scheduler import RunSettings, Sequence
 from kvlib.errors import UserError
 from kvlib.policies import make_policy
 
@@ -65,8 +65,8 @@ def test_a_request_is_not_served_before_it_arrives(tiny):
     prompts = [torch.randint(100, 5000, (n,)).tolist() for n in (30, 20, 25)]
     arrivals = [0.0, 0.0, 0.4]
     requests = [Sequence(p, 4, arrival_s=a) for p, a in zip(prompts, arrivals)]
-    served = run(Engine(tiny, make_policy("paged", block_size=4)), requests, "continuous", "chunked", chunk_size=16,
-                 stop_at_eos=False, slo={"ttft_s": 10.0})
+    settings = RunSettings("continuous", "chunked", chunk_size=16, stop_at_eos=False, slo={"ttft_s": 10.0})
+    served = Engine(tiny, make_policy("paged", block_size=4)).run(requests, settings)
     m = served.metrics
     assert m["e2e_s_mean"] >= m["ttft_s_mean"] > 0 and m["goodput"] == m["request_throughput"]
     assert m["request_throughput"] < 3 / 0.4  # the run lasted past the last arrival
@@ -100,8 +100,8 @@ def test_a_forked_request_that_ends_at_its_first_token_gives_its_row_back_as_any
     torch.manual_seed(0)
     a, b = torch.randint(100, 5000, (30,)).tolist(), torch.randint(100, 5000, (20,)).tolist()
     requests = [Sequence(a, 5), Sequence(a, 1), Sequence(b, 3), Sequence(a, 2)]
-    result = run(Engine(tiny, make_policy("paged", block_size=4)), requests, schedule, "chunked", chunk_size=16,
-                 stop_at_eos=False, share_prompts=True)
+    result = Engine(tiny, make_policy("paged", block_size=4)).run(requests, RunSettings(schedule, "chunked",
+                                                                  chunk_size=16, stop_at_eos=False, share_prompts=True))
     assert [len(o["token_ids"]) for o in result.outputs] == [5, 1, 3, 2]
     assert all(seq.status == "finished" for seq in requests)
     assert [seq.row >= 0 for seq in requests] == [schedule == "static"] * 4

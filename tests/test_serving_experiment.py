@@ -74,20 +74,42 @@ def test_a_setup_that_does_not_fit_is_an_oom_row(on_tiny):
     assert row["oom"] and row["oom_where"] and row["ttft_s_p50"] is None
 
 
-def test_vllm_refusing_a_pool_too_small_is_an_oom_row_and_other_errors_are_not(on_tiny, monkeypatch):
-    def refuse(*args, **kwargs):
-        raise ValueError("To serve at least one request ... (0.35 GiB KV cache is needed, which is larger than ...")
+def test_vllm_is_asked_before_it_starts_whether_its_pool_holds_the_longest_request(on_tiny, monkeypatch):
+    """vLLM refuses to start unless its pool holds one request of max_model_len (whole blocks of every layer): the
+    experiment asks that rule first and records the OOM point without starting vLLM or reading its error text."""
+    from kvlib.backends import vllm
 
-    monkeypatch.setattr(serving, "serve", refuse)
+    def started(*args, **kwargs):
+        raise RuntimeError("vLLM started")
+
+    monkeypatch.setattr(vllm, "_spec", lambda model: on_tiny.spec)
+    monkeypatch.setattr(serving, "serve", started)
+    trace = serving.trace_of(on_tiny.tokenizer, point("vllm").values)
+    block = make_runner("vllm").block_size
+    holds_one = on_tiny.spec.kv_bytes(-(-trace.longest // block) * block)
+    monkeypatch.setattr(vllm, "_kv_space", lambda model, capacity: holds_one - 1)
     row, = serving.run_point(point("vllm"))
-    assert row["oom"] and "KV cache is needed" in row["oom_where"]
+    assert row["oom"] and f"one request of {trace.longest} tokens" in row["oom_where"]
+    monkeypatch.setattr(vllm, "_kv_space", lambda model, capacity: holds_one)
+    with pytest.raises(RuntimeError, match="vLLM started"):
+        serving.run_point(point("vllm", request_rate=51.0))
+
+
+def test_a_kvlib_pool_that_cannot_hold_one_request_alone_is_an_oom_row(on_tiny, monkeypatch):
+    """The scheduler finds, before a pass, that the pool cannot hold a request even with none other running
+    (RequestTooLarge): the point is an OOM row; any other error of the replay is the point's error."""
+    trace = serving.trace_of(on_tiny.tokenizer, point("paged").values)
+    weights = on_tiny.weights_bytes + on_tiny.packed_copy_bytes
+    room = (trace.longest // 2) * on_tiny.spec.kv_bytes_per_token  # half the longest request's KV
+    row, = serving.run_point(point("paged", capacity_gb=(weights + room) / 0.9 / 2**30, request_rate=52.0))
+    assert row["oom"] and "even alone" in row["oom_where"] and row["ttft_s_p50"] is None
 
     def broken(*args, **kwargs):
         raise ValueError("something else")
 
     monkeypatch.setattr(serving, "serve", broken)
     with pytest.raises(ValueError, match="something else"):
-        serving.run_point(point("vllm", request_rate=51.0))
+        serving.run_point(point("paged", request_rate=53.0))
 
 
 @pytest.mark.model

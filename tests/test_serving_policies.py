@@ -7,7 +7,7 @@ import torch
 from policy_examples import example, reserves_rows, whole_prompt
 
 from kvlib.engine import Engine
-from kvlib.engine.scheduler import BATCHING, Sequence, run
+from kvlib.engine.scheduler import BATCHING, RunSettings, Sequence
 from kvlib.memory.paged_kv import serving_pool_bytes
 from kvlib.policies import available, make_policy
 from kvlib.policies.flexgen import ALL_ON_DEVICE
@@ -26,6 +26,10 @@ def prefill_of(name):
     return "full" if whole_prompt(name) else "chunked"
 
 
+def continuous(mode: str = "chunked") -> RunSettings:
+    return RunSettings("continuous", mode, chunk_size=16, stop_at_eos=False)
+
+
 def tokens(result):
     return [o["token_ids"] for o in result.outputs]
 
@@ -41,8 +45,8 @@ def test_continuous_with_every_request_at_the_start_gives_the_static_schedules_t
     prompts = prompts_of(40, 25, 33)
     static = Engine(tiny, make_policy(name, **example(name, block_size=4))).generate(prompts, 12, prefill_mode=mode,
                                                                         chunk_size=16, stop_at_eos=False)
-    served = run(Engine(tiny, make_policy(name, **example(name, block_size=4))), [Sequence(p, 12) for p in prompts],
-                 "continuous", mode, chunk_size=16, stop_at_eos=False)
+    served = Engine(tiny, make_policy(name, **example(name, block_size=4))).run([Sequence(p, 12) for p in prompts],
+                                                                                continuous(mode))
     assert tokens(served) == tokens(static)
     assert served.metrics["preemptions"] == 0
     assert (static.stats["batching"], served.stats["batching"]) == (BATCHING["static"], BATCHING["continuous"])
@@ -61,10 +65,10 @@ def test_a_capacity_too_small_for_every_request_gives_the_same_tokens(tiny, name
     that reserves whole rows holds fewer rows instead, and requests wait for one."""
     mode = prefill_of(name)
     prompts = prompts_of(40, 40, 36)
-    roomy = run(Engine(tiny, make_policy(name, **keeping_all(name))), [Sequence(p, 30) for p in prompts],
-                "continuous", mode, chunk_size=16, stop_at_eos=False)
-    tight = run(Engine(tiny, make_policy(name, **keeping_all(name)), device_capacity_bytes=capacity_for(tiny, 110)),
-                [Sequence(p, 30) for p in prompts], "continuous", mode, chunk_size=16, stop_at_eos=False)
+    roomy = Engine(tiny, make_policy(name, **keeping_all(name))).run([Sequence(p, 30) for p in prompts],
+                                                                     continuous(mode))
+    tight = Engine(tiny, make_policy(name, **keeping_all(name)), device_capacity_bytes=capacity_for(tiny, 110))
+    tight = tight.run([Sequence(p, 30) for p in prompts], continuous(mode))
     assert tokens(tight) == tokens(roomy)
     assert roomy.metrics["preemptions"] == 0
     if reserves_rows(name):  # each row reserved whole: a request waits for a free row and is never preempted
@@ -90,8 +94,8 @@ def test_an_evicting_policy_gives_its_prompts_blocks_back(tiny, name):
 def test_a_serving_pool_is_what_the_capacity_leaves_after_the_weights(tiny, name):
     capacity = capacity_for(tiny, 400)
     policy = make_policy(name, **example(name, block_size=4))
-    served = run(Engine(tiny, policy, device_capacity_bytes=capacity), [Sequence(p, 4) for p in prompts_of(20, 30)],
-                 "continuous", "chunked", chunk_size=16, stop_at_eos=False)
+    served = Engine(tiny, policy, device_capacity_bytes=capacity).run([Sequence(p, 4) for p in prompts_of(20, 30)],
+                                                                      continuous())
     room = serving_pool_bytes(capacity, tiny.weights_bytes + tiny.packed_copy_bytes)
     held = served.memory["device"]["components"]
     assert 0.95 * room < held["kv"] + held["kv_reserved"] + held["overhead"] <= room + 1024  # + the block tables
@@ -106,8 +110,8 @@ def test_a_policy_reserving_whole_rows_serves_as_many_rows_as_the_capacity_holds
     capacity = capacity_for(tiny, 200)
     policy = make_policy("full")
     prompts = prompts_of(40, 30, 20, 35, 25, 10)
-    served = run(Engine(tiny, policy, device_capacity_bytes=capacity), [Sequence(p, 10) for p in prompts],
-                 "continuous", "chunked", chunk_size=16, stop_at_eos=False)
+    served = Engine(tiny, policy, device_capacity_bytes=capacity).run([Sequence(p, 10) for p in prompts],
+                                                                      continuous())
     room = serving_pool_bytes(capacity, tiny.weights_bytes + tiny.packed_copy_bytes)
     assert policy.rows == room // tiny.spec.kv_bytes(40 + 10) == 4  # each row: the longest prompt + 10 tokens
     assert served.metrics["max_running"] <= policy.rows

@@ -78,6 +78,21 @@ class VLLMBackend:
     def settings(self) -> dict:
         return asdict(self)
 
+    def refusal(self, model: str, device_capacity_bytes: int | None, max_model_len: int) -> str | None:
+        """Why vLLM would refuse to start (None: it starts): the pool the capacity leaves holds no KV at all, or not
+        one request of max_model_len tokens, in whole blocks (vLLM's check_enough_kv_cache_memory, whose rule is
+        cdiv(max_model_len, block_size) pages of every layer against the KV space). Asked before vLLM is started, so
+        that its error text is never read; a refusal that this rule did not foresee stays an error."""
+        try:
+            space = _kv_space(model, device_capacity_bytes)
+        except UserError as exc:
+            return str(exc)
+        needed = _spec(model).kv_bytes(-(-max_model_len // self.block_size) * self.block_size)
+        if space is not None and needed > space:
+            return (f"vLLM's KV pool of {space / 2**30:.3f} GiB cannot hold one request of {max_model_len} tokens "
+                    f"({needed / 2**30:.3f} GiB in blocks of {self.block_size})")
+        return None
+
     def generate(self, model: str, prompts: list[list[int]], max_new_tokens: int | list[int], stop_at_eos: bool = True,
                  device_capacity_bytes: int | None = None, weights: str = "pretrained", read_memory: bool = True,
                  arrivals: list[float] | None = None, slo: dict | None = None,

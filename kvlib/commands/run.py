@@ -149,13 +149,13 @@ def handle(args) -> int:
     engine = Engine(model, runner, device_capacity_bytes=capacity)
     prompts, arrivals = requests(args, prompts)
     if args.schedule != "static":
-        from kvlib.engine.scheduler import Sequence, run
+        from kvlib.engine.scheduler import RunSettings, Sequence
 
         sequences = [Sequence(p, args.max_new_tokens, arrival_step=i * args.arrival_interval,
                               arrival_s=arrivals[i] if arrivals else None) for i, p in enumerate(prompts)]
-        result = run(engine, sequences, args.schedule, args.prefill or "chunked", args.chunk_size,
-                     stop_at_eos=not args.ignore_eos,
-                     slo=slo(args), compress_share=args.compress_share)
+        result = engine.run(sequences, RunSettings(args.schedule, args.prefill or "chunked", args.chunk_size,
+                                                   stop_at_eos=not args.ignore_eos, slo=slo(args),
+                                                   compress_share=args.compress_share))
     else:
         result = engine.generate(prompts, args.max_new_tokens, prefill_mode=args.prefill or "fused",
                                  chunk_size=args.chunk_size, stop_at_eos=not args.ignore_eos)

@@ -2,6 +2,6 @@
 static batch or continuously, and every run ends in a RunResult with its metrics; capacity predicts where memory
 runs out."""
 
-from kvlib.engine.engine import Engine
+from kvlib.engine.engine import Engine, RunSettings, Sequence
 
-__all__ = ["Engine"]
+__all__ = ["Engine", "RunSettings", "Sequence"]

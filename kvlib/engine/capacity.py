@@ -3,7 +3,7 @@ longest prompt that fits a device of a given size (the OOM boundary of paper Fig
 
 The prediction books exactly what the engine books for the `full` policy with `prefill: full` (a test holds the two
 equal): the weights; the KV cache reserved up front for the prompt plus the new tokens; the working set of one forward
-pass (kvlib.engine.activation_bytes); and, inside it, one layer's attention matrix (kvlib.kernels.attention.matrix_bytes:
+pass (kvlib.engine.session.activation_bytes); and, inside it, one layer's attention matrix (kvlib.kernels.attention.matrix_bytes:
 scores in the model's dtype plus fp32 probabilities, for every query head).
 """
 
@@ -30,7 +30,7 @@ def full_matrix_prefill_bytes(config, dtype: torch.dtype, prompt_tokens: int, ma
 
 
 def _beyond_weights(config, dtype: torch.dtype, prompt_tokens: int, max_new_tokens: int) -> dict:
-    from kvlib.engine.engine import activation_bytes
+    from kvlib.engine.session import activation_bytes
 
     spec = ModelSpec.from_config("", config, dtype)
     # activation_bytes reads only the model's config and spec: a shape stands in for the loaded model

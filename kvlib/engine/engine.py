@@ -1,7 +1,8 @@
-"""One engine for every policy: the forward pass, and the sessions (kvlib.engine.session) through which everything
-drives a policy; `generate` runs the scheduler's loop (kvlib.engine.scheduler), which drives the engine it is given.
+"""One engine for every policy: a model and a policy bound together, the sessions (kvlib.engine.session) that run
+their forward passes, and the one entry point that serves requests (`run`: the scheduler's loop, kvlib.engine.scheduler,
+over a session; `generate` is its static batch of prompts).
 
-A prefill can be shared across policies (kvlib.engine.prefill_record): `Session.prefill(..., shared=store)` and
+A prefill can be shared across policies (kvlib.engine.prefill_record): `Session.prefill(..., prefill_store=store)` and
 `Engine.generate(..., prefill_store=store)` take a PrefillStore, and a policy that adopts a recorded dense prefill gets
 its row's state from the store's record of that prompt (recorded on a miss) instead of computing it; any other policy,
 or a row that already holds tokens, runs its own prefill. Results are bit for bit those of a policy's own prefill.
@@ -9,38 +10,29 @@ or a row that already holds tokens, runs its own prefill. Results are bit for bi
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from contextlib import contextmanager
-from typing import TypeVar
 
 import torch
 
 from kvlib.engine.prefill_record import PrefillStore
-from kvlib.engine.run_result import RunResult
-from kvlib.engine.scheduler import Sequence, run
-from kvlib.engine.session import Session
-from kvlib.errors import UserError
+from kvlib.engine.run_result import RunResult, TokenClock, build_metrics, decoded_outputs, latency_metrics, oom_record
+from kvlib.engine.scheduler import BATCHING, RunSettings, Scheduler, Sequence, resolve
+from kvlib.engine.session import Session, activation_bytes
+from kvlib.errors import DeviceOOM, UserError
 from kvlib.memory.ledger import MemoryLedger, NoLedger
+from kvlib.memory.paged_kv import serving_pool_bytes
 from kvlib.memory.timing import NoTimers, Timers
 from kvlib.models import LoadedModel
-from kvlib.models.passes import Step
 from kvlib.models.workloads import calibration_prompt
 from kvlib.policies.base import PREFILL_MODES, KVPolicy
 
-T = TypeVar("T")
-
-
-def activation_bytes(model: LoadedModel, batch: int, q_len: int) -> int:
-    """Working set of one forward pass outside attention: residual, normed input, Q/K/V, MLP, last-token logits."""
-    c, s = model.model.config, model.spec
-    per_token = (2 * s.hidden_size + (s.num_attention_heads + 2 * s.num_kv_heads) * s.head_dim
-                 + 3 * c.intermediate_size)
-    return batch * q_len * per_token * s.dtype_bytes + batch * c.vocab_size * 4
+__all__ = ["Engine", "RunSettings", "Sequence", "activation_bytes"]
 
 
 class Engine:
-    """A model and a policy bound together: the engine owns the forward pass (forward, run_pass) and opens the
-    sessions that drive it; the scheduler's loop drives a session, never the engine's internals."""
+    """A model and a policy bound together, with the ledger and timers every run of them books in: the engine opens
+    the sessions that run their forward passes (kvlib.engine.session) and serves requests through the scheduler's
+    loop over one (`run`). Nothing it hands out calls it back."""
 
     def __init__(self, model: LoadedModel, policy: KVPolicy, device_capacity_bytes: int | None = None,
                  calibration: list[int] | None = None, instrumented: bool = True):
@@ -56,29 +48,6 @@ class Engine:
         policy.bind(model, self.ledger, self.timers)
         if policy.calibrates:
             policy.calibrate(calibration if calibration is not None else calibration_prompt(model))
-
-    @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, step: Step) -> torch.Tensor | None:
-        """Run the model on [B, T] new tokens of step.rows; return the last position's logits [B, V] (fp32), or None
-        where the step's are not read (step.logits) and the model's forward skips them."""
-        positions = step.start[:, None] + torch.arange(step.q_len)[None, :]
-
-        def layers() -> torch.Tensor:
-            with self.ledger.transient("device", "activations", activation_bytes(self.model, *input_ids.shape),
-                                       f"{step.phase} forward"):
-                return self.model.forward(input_ids, positions, step)
-        logits = self.run_pass(step, "compute", layers)
-        return None if logits is None else logits.float()
-
-    def run_pass(self, step: Step, section: str, layers: Callable[[], T]) -> T:
-        """One pass as every policy goes through it, computed (forward) or adopted from a recorded prefill
-        (Session.adopt): prepare, the layers, after_pass, timed as `section`, and counted as a forward pass."""
-        with self.timers.section(section):
-            self.policy.prepare(step)
-            out = layers()
-            self.policy.after_pass(step)
-        self.policy.work.forward_pass(step.phase, len(step.rows), step.q_len, step.start)
-        return out
 
     def validate(self, prompts, max_new_tokens, prefill_mode, chunk_size):
         """One clear error for a request this engine cannot run."""
@@ -104,7 +73,10 @@ class Engine:
         weights, or the policy's allocation, do not fit the device capacity. serving (continuous batching): a
         policy that holds a block pool sizes it from the device capacity, as vLLM does (serving_pool_bytes), not
         from these requests, so requests queue and are preempted when its blocks run out."""
-        return Session(self, prompt_lens, max_new_tokens, serving)
+        # the engine's capacity, not its ledger's: a bare (uninstrumented) run sizes its pool as the booked run did
+        pool_bytes = (serving_pool_bytes(self.capacity, self.model.weights_bytes + self.model.packed_copy_bytes)
+                      if serving and self.capacity is not None else None)
+        return Session(self.model, self.policy, self.ledger, self.timers, prompt_lens, max_new_tokens, pool_bytes)
 
     @contextmanager
     def session(self, prompt_lens: list[int], max_new_tokens: int):
@@ -130,5 +102,50 @@ class Engine:
             max_new_tokens = max(map(len, forced))
         sequences = [Sequence(p, len(forced[i]) if forced else max_new_tokens, forced=forced[i] if forced else None)
                      for i, p in enumerate(prompts)]
-        return run(self, sequences, "static", prefill_mode, chunk_size, stop_at_eos=stop_at_eos,
-                   share_prompts=share_prompts, prefill_store=prefill_store)
+        return self.run(sequences, RunSettings("static", prefill_mode, chunk_size, stop_at_eos=stop_at_eos,
+                                               share_prompts=share_prompts, prefill_store=prefill_store))
+
+    def run(self, sequences: list[Sequence], settings: RunSettings | None = None) -> RunResult:
+        """Serve the requests under the settings' schedule (kvlib.engine.scheduler): each request's output, the
+        clock's metrics, what the ledger booked; `oom` where the device ran out (the static schedule)."""
+        settings = settings or RunSettings()
+        schedule = resolve(settings, self.policy, self.model.tokenizer.eos_token_id)
+        for seq in sequences:
+            self.validate([seq.prompt], seq.max_new_tokens, settings.prefill_mode, settings.chunk_size)
+        for index, seq in enumerate(sequences):
+            seq.index, seq.row, seq.compressions = index, -1, 0
+            if seq.forced is not None:
+                seq.max_new_tokens, schedule = len(seq.forced), schedule.without_eos()
+        try:
+            session = self.open([len(s.prompt) for s in sequences], max(s.max_new_tokens for s in sequences),
+                                serving=schedule.serving)
+        except (DeviceOOM, torch.OutOfMemoryError) as exc:
+            return self._result(sequences, TokenClock(len(sequences)), 0, settings.slo, oom_record(exc, "setup"))
+        setup_s = self.timers.seconds.get("setup.allocate")
+        try:
+            scheduler = Scheduler(session, sequences, schedule)
+            oom = scheduler.serve()
+            p = self.policy
+            memory, stats = self.ledger.snapshot(), {**p.stats(), **p.traits(), "batching": BATCHING[schedule.name],
+                                                     **p.usage.summary(), **p.work.summary(),
+                                                     "decode_attention": p.decode_kernel}
+            if schedule.compress_share is not None:
+                stats.update(compress_share=schedule.compress_share, compressions=scheduler.compressions)
+        finally:
+            session.close()
+        return self._result(sequences, scheduler.clock, scheduler.preemptions, settings.slo, oom, memory, stats,
+                            setup_s)
+
+    def _result(self, sequences: list[Sequence], clock: TokenClock, preemptions: int, slo: dict | None,
+                oom: dict | None, memory: dict | None = None, stats: dict | None = None,
+                setup_s: float | None = None) -> RunResult:
+        outputs = decoded_outputs(self.model.tokenizer, [s.generated for s in sequences], [s.prompt for s in sequences])
+        if any(s.forced is not None for s in sequences):
+            for out, seq in zip(outputs, sequences):
+                out.update(logprobs=seq.logprobs, greedy=seq.greedy)
+        slo = slo or {}
+        metrics = build_metrics(
+            **clock.metrics(), sections=dict(self.timers.seconds), setup_s=setup_s, completed=oom is None,
+            preemptions=preemptions, **latency_metrics(clock, slo.get("ttft_s"), slo.get("tpot_s")))
+        return RunResult(outputs=outputs, metrics=metrics, memory=memory or self.ledger.snapshot(),
+                         policy={"name": self.policy.name, **self.policy.settings()}, oom=oom, stats=stats or {})

@@ -29,7 +29,7 @@ probabilities), and by its passes. An adopted prefill is then bit for bit the po
 test_adopted_prefill.py). A policy whose prefill is not one dense pass runs its own (KVPolicy.prefill_arithmetic:
 KIVI's chunked prefill attends the dequantized earlier chunks; a policy without `adopts_prefill`, the default for a
 new one); so does a row that already holds tokens (a later turn, a prefix-cache hit). Session.prefill and
-Engine.generate take a store (`shared=` / `prefill_store=`) and decide this themselves: a caller never needs to know.
+Engine.generate take a store (`prefill_store=`) and decide this themselves: a caller never needs to know.
 
 A record is the store's memory, not a policy's: it is not booked in the run's ledger; the store's byte cap bounds it
 (least recently used records go first). An adopted prefill books what the policy holds exactly as its own prefill
@@ -91,16 +91,16 @@ class _Recorder:
 
 
 @torch.inference_mode()
-def record_prefill(engine, tokens: list[int], arithmetic: str, passes: tuple[tuple[int, int], ...],
+def record_prefill(session, tokens: list[int], arithmetic: str, passes: tuple[tuple[int, int], ...],
                    query_window: int) -> PrefillRecord:
-    """The dense prefill of `tokens` in `passes`, run on the engine's model (timed as `prefill.record`)."""
+    """The dense prefill of `tokens` in `passes`, run on the session's model (timed as `prefill.record`)."""
     if arithmetic not in ARITHMETICS:
         raise ValueError(f"unknown prefill arithmetic {arithmetic!r}; choose from {list(ARITHMETICS)}")
-    model = engine.model
+    model = session.model
     recorder = _Recorder(model.spec, model.device, len(tokens), len(passes), arithmetic, query_window)
     end = torch.tensor([len(tokens)])
     logits = None
-    with engine.timers.section("record"):
+    with session.timers.section("record"):
         for index, (begin, length) in enumerate(passes):
             recorder.pass_index = index
             step = Step(recorder, torch.tensor([0]), torch.tensor([begin]), length, "prefill",
@@ -146,16 +146,16 @@ class PrefillStore:
             self._models[id(module)] = known
         return known[1]
 
-    def get(self, engine, tokens: list[int], arithmetic: str, passes: tuple[tuple[int, int], ...]) -> PrefillRecord:
-        """The record of this prompt on the engine's model: the stored one (a hit), or a recording pass's (a miss)."""
-        key = (self._model_key(engine.model.model), tuple(tokens), arithmetic, tuple(passes))
+    def get(self, session, tokens: list[int], arithmetic: str, passes: tuple[tuple[int, int], ...]) -> PrefillRecord:
+        """The record of this prompt on the session's model: the stored one (a hit), or a recording pass's (a miss)."""
+        key = (self._model_key(session.model.model), tuple(tokens), arithmetic, tuple(passes))
         record = self._records.get(key)
         if record is not None:
             self.hits += 1
             self._records.move_to_end(key)
             return record
         self.misses += 1
-        record = record_prefill(engine, tokens, arithmetic, passes, self.query_window)
+        record = record_prefill(session, tokens, arithmetic, passes, self.query_window)
         self._records[key] = record
         self.bytes += record.nbytes
         while self.bytes > self.max_bytes and self._records:

@@ -14,8 +14,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvlib.engine.sequence import Sequence
-from kvlib.engine.session import EngineCore
 from kvlib.errors import DeviceOOM
 
 # The timer sections that are cache operations (book/methods.md): work a policy does to manage its cache, as opposed
@@ -199,20 +197,3 @@ def oom_record(exc: Exception, phase: str) -> dict:
         return {"phase": phase, "where": exc.where, "requested_bytes": exc.requested,
                 "in_use_bytes": exc.in_use, "capacity_bytes": exc.capacity, "kind": "capacity"}
     return {"phase": phase, "where": str(exc).splitlines()[0], "kind": "cuda"}
-
-
-def served_result(engine: EngineCore, sequences: list[Sequence], clock: TokenClock, preemptions: int, slo: dict | None,
-                  oom: dict | None, memory: dict | None = None, stats: dict | None = None,
-                  setup_s: float | None = None) -> RunResult:
-    """A run of the scheduler's loop (kvlib.engine.scheduler) as its RunResult: each request's output, the clock's
-    metrics, what the engine booked; `oom` where the device ran out."""
-    outputs = decoded_outputs(engine.model.tokenizer, [s.generated for s in sequences], [s.prompt for s in sequences])
-    if any(s.forced is not None for s in sequences):
-        for out, seq in zip(outputs, sequences):
-            out.update(logprobs=seq.logprobs, greedy=seq.greedy)
-    slo = slo or {}
-    metrics = build_metrics(
-        **clock.metrics(), sections=dict(engine.timers.seconds), setup_s=setup_s, completed=oom is None,
-        preemptions=preemptions, **latency_metrics(clock, slo.get("ttft_s"), slo.get("tpot_s")))
-    return RunResult(outputs=outputs, metrics=metrics, memory=memory or engine.ledger.snapshot(),
-                     policy={"name": engine.policy.name, **engine.policy.settings()}, oom=oom, stats=stats or {})

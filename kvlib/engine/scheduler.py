@@ -30,14 +30,18 @@ serves under (`serving_schedule`: `compress` for compress_h2o, kvlib.policies.co
 is the share used unless one is passed; `continuous` for every other), which the serving experiment replays it under.
 
 All go through the same Session (kvlib.engine.session), so they are timed and booked alike; only the order of work
-differs. The three are settings of one loop (Schedule), in nano-vllm's shape (Scheduler): each request a Sequence with
-a status (kvlib.engine.sequence); `schedule` returns a step's work (a prefill pass, then a decode step), the session
-runs it, `postprocess` hands the tokens over and retires the finished; a pass that finds the pool full goes to
-`pool_ran_out`, whose answer, preempt or compress first, is the one method (`make_room`) the schedule chose.
+differs. The three are settings of one loop (a run's RunSettings, resolved into a Schedule; Engine.run is the entry
+point), in nano-vllm's shape (Scheduler): each request a Sequence with a status (kvlib.engine.sequence); `schedule`
+returns a step's work (a prefill pass, then a decode step); before the session runs a pass, the policy says what it
+would take from its block pool (KVPolicy.pool_room), and where the pool is short the pass does not run: the
+schedule's answer (`pool_ran_out`: preempt, or compress first, the one method `make_room` the schedule chose) comes
+first, as nano-vllm's scheduler asks its block manager before the step; `postprocess` hands the tokens over and
+retires the finished.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -46,14 +50,15 @@ from dataclasses import dataclass
 import torch
 
 from kvlib.engine.prefill_record import PrefillStore
-from kvlib.engine.run_result import RunResult, TokenClock, oom_record, served_result
+from kvlib.engine.run_result import TokenClock, oom_record
 from kvlib.engine.sequence import Sequence
-from kvlib.engine.session import EngineCore, Session
-from kvlib.errors import DeviceOOM, UserError
-from kvlib.memory.block_pool import OutOfBlocks
+from kvlib.engine.session import Session
+from kvlib.errors import DeviceOOM, RequestTooLarge, UserError
+from kvlib.memory.block_pool import PoolRoom
+from kvlib.models.passes import Step
 from kvlib.policies.base import KVPolicy
 
-__all__ = ["BATCHING", "SCHEDULES", "Schedule", "Scheduler", "Sequence", "run"]
+__all__ = ["BATCHING", "SCHEDULES", "RunSettings", "Schedule", "Scheduler", "Sequence"]
 
 SCHEDULES = ("static", "continuous", "compress")
 # each schedule in the poster's words (its "batching" row), recorded with every run (kvlib.report.systems); short,
@@ -63,8 +68,26 @@ BATCHING = {"static": "static", "continuous": "continuous, preempts when full",
 
 
 @dataclass(frozen=True)
+class RunSettings:
+    """How a run serves its requests (Engine.run): the schedule, how prompts are prefilled, and when a request stops.
+    slo: {"ttft_s": ..., "tpot_s": ...}, the limits goodput counts against (kvlib.engine.run_result.latency_metrics).
+    compress_share: under the `compress` schedule, the share of its entries a compressed request keeps; None: the
+    policy's own (KVPolicy.compress_share). prefill_store (static schedule): a PrefillStore whose records the policy
+    adopts (Session.adopt)."""
+
+    schedule: str = "static"
+    prefill_mode: str = "fused"
+    chunk_size: int = 512
+    stop_at_eos: bool = True
+    share_prompts: bool = False  # a fresh request whose prompt an earlier row holds forks that row
+    slo: dict | None = None
+    compress_share: float | None = None
+    prefill_store: PrefillStore | None = None
+
+
+@dataclass(frozen=True)
 class Schedule:
-    """A schedule as the settings of the one loop, with how the run prefills and stops: resolved once, by `run`."""
+    """A run's settings resolved against its policy, as the one loop reads them."""
 
     name: str
     # requests come and go: decode steps interleave with prefills, a finished request gives its row back at once,
@@ -75,8 +98,12 @@ class Schedule:
     prefill_mode: str
     chunk_size: int
     eos: int | None
-    share_prompts: bool  # a fresh request whose prompt an earlier row holds forks that row
+    share_prompts: bool
     prefill_store: PrefillStore | None  # static schedule: prefills adopted from its records (Session.prefill_next)
+
+    def without_eos(self) -> Schedule:
+        """Teacher forcing: a forced request runs its whole continuation, whatever tokens it holds."""
+        return dataclasses.replace(self, eos=None)
 
 
 @dataclass
@@ -87,68 +114,34 @@ class Work:
     seqs: list[Sequence]
 
 
-def run(engine: EngineCore, sequences: list[Sequence], schedule: str = "static", prefill_mode: str = "fused",
-        chunk_size: int = 512, stop_at_eos: bool = True, share_prompts: bool = False,
-        slo: dict | None = None, compress_share: float | None = None, prefill_store=None) -> RunResult:
-    """slo: {"ttft_s": ..., "tpot_s": ...}, the limits goodput counts against (kvlib.engine.run_result.latency_metrics).
-    compress_share: under the `compress` schedule, the share of its entries a compressed request keeps; None: the
-    policy's own (KVPolicy.compress_share).
-    prefill_store (static schedule): a PrefillStore whose records the policy adopts (Session.adopt)."""
-    policy = engine.policy
-    share = check_schedule(policy, schedule, compress_share, prefill_store)
-    for seq in sequences:
-        engine.validate([seq.prompt], seq.max_new_tokens, prefill_mode, chunk_size)
-    eos = engine.model.tokenizer.eos_token_id if stop_at_eos else None
-    for index, seq in enumerate(sequences):
-        seq.index, seq.row, seq.compressions = index, -1, 0
-        if seq.forced is not None:
-            seq.max_new_tokens, eos = len(seq.forced), None
-    settings = Schedule(schedule, schedule != "static", share, policy.compress_to_admit, prefill_mode, chunk_size,
-                        eos, share_prompts, prefill_store)
-    try:
-        session = engine.open([len(s.prompt) for s in sequences], max(s.max_new_tokens for s in sequences),
-                              serving=settings.serving)
-    except (DeviceOOM, torch.OutOfMemoryError) as exc:
-        return served_result(engine, sequences, TokenClock(len(sequences)), 0, slo, oom_record(exc, "setup"))
-    setup_s = engine.timers.seconds.get("setup.allocate")
-    try:
-        scheduler = Scheduler(session, sequences, settings)
-        oom = scheduler.serve()
-        memory, stats = engine.ledger.snapshot(), {**policy.stats(), **policy.traits(), "batching": BATCHING[schedule],
-                                                   **policy.usage.summary(), **policy.work.summary(),
-                                                   "decode_attention": policy.decode_kernel}
-        if share is not None:
-            stats.update(compress_share=share, compressions=scheduler.compressions)
-    finally:
-        session.close()
-    return served_result(engine, sequences, scheduler.clock, scheduler.preemptions, slo, oom, memory, stats, setup_s)
-
-
-def check_schedule(policy: KVPolicy, schedule: str, compress_share: float | None, prefill_store) -> float | None:
-    """One clear error for a schedule this policy cannot serve under; the compress schedule's share (else None)."""
-    if schedule not in SCHEDULES:
-        raise UserError(f"unknown schedule {schedule!r}; choose from {list(SCHEDULES)}")
-    share = policy.compress_share if compress_share is None else compress_share
-    if schedule == "compress":
+def resolve(settings: RunSettings, policy: KVPolicy, eos: int | None) -> Schedule:
+    """The settings as the loop reads them, with one clear error for a schedule this policy cannot serve under."""
+    name, store = settings.schedule, settings.prefill_store
+    if name not in SCHEDULES:
+        raise UserError(f"unknown schedule {name!r}; choose from {list(SCHEDULES)}")
+    share = policy.compress_share if settings.compress_share is None else settings.compress_share
+    if name == "compress":
         if not policy.can_compress:
             raise UserError(f"the compress schedule needs a policy that compacts a running request's cache by its "
                             f"scores (h2o, snapkv); {policy.name!r} cannot")
         if not 0 < share < 1:
             raise UserError(f"compress_share must be in (0, 1), got {share}")
-    if schedule != "static":
+    if name != "static":
         if not policy.can_release:
             raise UserError(f"continuous batching needs a policy that can release single rows; "
                             f"{policy.name!r} cannot")
-        if prefill_store is not None:
+        if store is not None:
             raise ValueError("a prefill store serves the static schedule: continuous batching interleaves a prompt's "
                              "chunks with decode steps, and an adopted prefill would take them all at once")
-    return share if schedule == "compress" else None
+    return Schedule(name, name != "static", share if name == "compress" else None, policy.compress_to_admit,
+                    settings.prefill_mode, settings.chunk_size, eos if settings.stop_at_eos else None,
+                    settings.share_prompts, store)
 
 
 class Scheduler:
     """One run's requests on an open session, each with its status: `schedule` picks a step's work, the session runs
-    it, `postprocess` hands its tokens over and retires the finished. A pass that finds the block pool full goes to
-    `pool_ran_out`, whose answer (`make_room`: preempt, or compress first) the schedule chose."""
+    it, `postprocess` hands its tokens over and retires the finished. A pass the block pool cannot hold (asked before
+    it runs) goes to `pool_ran_out`, whose answer (`make_room`: preempt, or compress first) the schedule chose."""
 
     def __init__(self, session: Session, sequences: list[Sequence], settings: Schedule):
         self.session, self.settings = session, settings
@@ -167,17 +160,22 @@ class Scheduler:
         self.clock = TokenClock(len(sequences))  # serving starts now
 
     def serve(self) -> dict | None:
-        """Run until every request has finished; returns an OOM record if the device ran out (static schedule)."""
+        """Run until every request has finished; returns an OOM record if the device ran out. Before each pass the
+        policy is asked what it would take from its block pool (pool_room): a serving schedule makes room first
+        (pool_ran_out), the static one records the pool's OOM; nothing is learnt from inside the forward pass."""
         while self.pending or self.waiting or self.running or self.prefilling:
             self.arrive()
             for work in self.schedule():
+                room = self.session.room(self.step_of(work))
+                if room is not None and room.short:
+                    if not self.settings.serving:
+                        return oom_record(room.error(), work.phase)
+                    self.pool_ran_out(work, room)
+                    break  # the step again, in the room made (or without the request that found none)
                 try:
                     logits = self.run_pass(work)
                 except (DeviceOOM, torch.OutOfMemoryError) as exc:
-                    if not (self.settings.serving and isinstance(exc, OutOfBlocks)):
-                        return oom_record(exc, work.phase)
-                    self.pool_ran_out(work, exc)
-                    break  # the step again, in the room made (or without the request that found none)
+                    return oom_record(exc, work.phase)
                 self.postprocess(work, logits)
             else:
                 self.session.timers.now()  # on CUDA the step's one synchronization, and its sections read
@@ -220,8 +218,18 @@ class Scheduler:
             self.session.prefix(seq.row, seq.tokens_to_prefill())
             self.prefilling, seq.status = seq, "prefilling"
 
+    def step_of(self, work: Work) -> Step:
+        """The pass the session would run for the work (its own prefill's next pass; a prefill adopted from a store
+        takes the same blocks at its first pass, the static schedule's)."""
+        if work.phase == "decode":
+            return self.session.decode_step([seq.row for seq in work.seqs])
+        seq, s = work.seqs[0], self.settings
+        tokens = seq.tokens_to_prefill()
+        chunk = self.session.next_prefill(seq.row, tokens, s.prefill_mode, s.chunk_size)
+        return self.session.prefill_step(seq.row, len(chunk), s.prefill_mode, len(tokens))
+
     def run_pass(self, work: Work) -> torch.Tensor:
-        """The session runs one pass of the step's work; its logits (may raise DeviceOOM or OutOfBlocks)."""
+        """The session runs one pass of the step's work; its logits (may raise DeviceOOM)."""
         s, session = self.settings, self.session
         if work.phase == "decode":
             return session.decode([seq.row for seq in work.seqs], [seq.generated[-1] for seq in work.seqs])
@@ -267,18 +275,18 @@ class Scheduler:
         if self.settings.serving:
             self._leave(seq)
 
-    def pool_ran_out(self, work: Work, exc: OutOfBlocks) -> None:
-        """A serving schedule's answer to a pass that found no free block. A decode step goes on once the schedule
+    def pool_ran_out(self, work: Work, room: PoolRoom) -> None:
+        """A serving schedule's answer to a pass its block pool cannot hold. A decode step goes on once the schedule
         has made room (make_room); a prefill too where the schedule makes room to admit, else the request waits,
         first in line: running requests are never preempted for a new one. Either way, waiting requests are admitted
         again once a running one has left (blocked): the room made is the running ones'."""
-        seq = work.seqs[0]
+        seq, lack = work.seqs[0], room.error()
         if work.phase == "decode":
             if not self.make_room("decode"):
-                raise UserError(f"the block pool cannot hold request {seq.index} even alone: {exc}") from exc
+                raise RequestTooLarge(f"the block pool cannot hold request {seq.index} even alone: {lack}")
         elif not self.running:
-            raise UserError(f"the block pool cannot hold request {seq.index} ({len(seq.tokens_to_prefill())} "
-                            f"tokens) even alone: {exc}") from exc
+            raise RequestTooLarge(f"the block pool cannot hold request {seq.index} ({len(seq.tokens_to_prefill())} "
+                                  f"tokens) even alone: {lack}")
         elif self.make_room("admission"):
             return  # the same chunk again, in the blocks a running request gave back
         else:

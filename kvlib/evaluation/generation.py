@@ -44,7 +44,7 @@ def answer_rows(session, rows: list[int], prompts: list[list[int]], max_new_toke
     tails: dict[int, int] = {}
     for row, prompt, row_protocol in zip(rows, prompts, protocols):
         head, tail = split_prompt(prompt, row_protocol)
-        logits = session.prefill(row, head, prefill_mode, chunk_size, shared=prefill_store, logits=not tail)
+        logits = session.prefill(row, head, prefill_mode, chunk_size, prefill_store=prefill_store, logits=not tail)
         if tail:
             tails[row] = tail[0]
         else:

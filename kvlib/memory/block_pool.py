@@ -8,7 +8,7 @@ request that comes back later can revive it (vLLM's evictor, in LRU order).
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 from kvlib.errors import DeviceOOM
@@ -20,6 +20,23 @@ class OutOfBlocks(DeviceOOM):
     def __init__(self, needed: int, free: int, block_bytes: int):
         super().__init__(f"paged KV pool ({needed} blocks needed, {free} free)", needed * block_bytes,
                          0, free * block_bytes)
+
+
+@dataclass(frozen=True)
+class PoolRoom:
+    """What a pass would take from a block pool against what it has free: asked by the scheduler before the pass
+    (KVPolicy.pool_room), so that a full pool is met before any compute, not from inside the forward pass."""
+
+    needed: int
+    free: int
+    block_bytes: int
+
+    @property
+    def short(self) -> bool:
+        return self.needed > self.free
+
+    def error(self) -> OutOfBlocks:
+        return OutOfBlocks(self.needed, self.free, self.block_bytes)
 
 
 def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
@@ -100,11 +117,27 @@ class BlockPool:
             table.tokens += bs
         return table
 
-    def reserve(self, table: BlockTable, total_tokens: int) -> None:
-        """Make room for the table to hold total_tokens; copy-on-write its last block if shared and about to change."""
+    def _growth(self, table: BlockTable, total_tokens: int) -> tuple[int, bool]:
+        """(new blocks the table needs to hold total_tokens, whether its last block is shared and about to change)."""
         bs = self.block_size
         needed = max(-(-total_tokens // bs) - len(table.blocks), 0)
-        copy_last = (table.tokens % bs != 0 and total_tokens > table.tokens and self.ref[table.blocks[-1]] > 1)
+        return needed, table.tokens % bs != 0 and total_tokens > table.tokens and self.ref[table.blocks[-1]] > 1
+
+    def room(self, growths: list[tuple[BlockTable, int]]) -> PoolRoom:
+        """The free blocks reserving each (table, total_tokens) in turn takes: new blocks, and copies of shared last
+        blocks (of k tables sharing one being written, the last one writes it in place once the others have copied)."""
+        needed, writers = 0, Counter()
+        for table, total in growths:
+            new, copy_last = self._growth(table, total)
+            needed += new
+            if copy_last:
+                writers[table.blocks[-1]] += 1
+        copies = sum(min(count, self.ref[block] - 1) for block, count in writers.items())
+        return PoolRoom(needed + copies, len(self.free), self.block_bytes)
+
+    def reserve(self, table: BlockTable, total_tokens: int) -> None:
+        """Make room for the table to hold total_tokens; copy-on-write its last block if shared and about to change."""
+        needed, copy_last = self._growth(table, total_tokens)
         if needed + copy_last > len(self.free):
             raise OutOfBlocks(needed + copy_last, len(self.free), self.block_bytes)
         if copy_last:

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from kvlib.errors import UserError
-from kvlib.memory.block_pool import BlockPool, BlockTable
+from kvlib.memory.block_pool import BlockPool, BlockTable, PoolRoom
 
 SERVING_UTILIZATION = 0.9  # vLLM's default gpu_memory_utilization: the share of a capacity its pool and weights take
 
@@ -100,8 +100,8 @@ class PagedKV:
         return self.tables.setdefault(row, BlockTable())
 
     def reserve(self, row: int, tokens: int) -> None:
-        """Room for the row's first `tokens` slots (may raise OutOfBlocks); a shared last block about to be written is
-        copied first."""
+        """Room for the row's first `tokens` slots, a shared last block about to be written copied first; raises
+        OutOfBlocks where the pool is short (a scheduler asks `room` before the pass)."""
         self.pool.reserve(self.table(row), tokens)
         bs = self.block_size
         for src, dst in self.pool.copies:
@@ -110,6 +110,10 @@ class PagedKV:
             for array in self.per_block.values():
                 array[:, dst] = array[:, src]
         self.pool.copies.clear()
+
+    def room(self, growths: list[tuple[int, int]]) -> PoolRoom:
+        """What reserving each (row, tokens) in turn would take from the pool, against what it has free."""
+        return self.pool.room([(self.tables.get(row, BlockTable()), tokens) for row, tokens in growths])
 
     def slots(self, row: int, begin: int, end: int) -> torch.Tensor:
         """The flat slot indices of the row's slots [begin, end) (on the pool's device)."""

@@ -18,6 +18,7 @@ import torch
 
 from kvlib.errors import UserError
 from kvlib.kernels.decode import DecodeReads, decode_attention, kernel_for, workspace_bytes
+from kvlib.memory.block_pool import PoolRoom
 from kvlib.memory.ledger import MemoryLedger
 from kvlib.memory.timing import Timers
 from kvlib.memory.work import Work
@@ -252,6 +253,11 @@ class KVPolicy:
     def reuse_prefix(self, row: int, prompt: list[int]) -> int:
         """Before a row's prefill: how many leading prompt tokens are already cached (prefix sharing)."""
         return 0
+
+    def pool_room(self, step: Step) -> PoolRoom | None:
+        """What `prepare(step)` would take from the policy's block pool, against what it has free: the scheduler asks
+        before the pass and admits, preempts or compresses first. None: it holds no block pool."""
+        return None
 
     def prepare(self, step: Step) -> None:
         """Before a forward pass: reserve what it will write (may raise DeviceOOM before any compute)."""

@@ -21,7 +21,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvlib.memory.block_pool import PoolRoom
 from kvlib.memory.paged_kv import PagedKV, PerSlot
+from kvlib.models.passes import Step
 
 SLOT_ARRAYS = {"scores": PerSlot(torch.float32, 0.0), "positions": PerSlot(torch.long, -1)}
 
@@ -106,13 +108,29 @@ class KeptTokens:
     def open_prompt(self, row: int, new_tokens: int):
         """A row's prefill begins: room for what it keeps (moved to its first slots, in position order) plus the
         whole new prompt, reserved now so that a prompt that does not fit fails before any compute."""
-        kept, used = int(self.kept[row]), int(self.region[row])
-        self.kv.reserve(row, max(used, kept + new_tokens))
+        kept = int(self.kept[row])
+        self.kv.reserve(row, self.prompt_slots(row, new_tokens))
         if kept:
             slots, order = self._by_position(row, kept)
             self.move(slots[order], slots[:kept])
             self.kept[row] = 0  # the entries now count as the prompt's until the row is compacted again
         self.filling[row] = kept
+
+    def room(self, step: Step) -> PoolRoom:
+        """What the pass's prepare reserves (open_prompt, prepare_decode), against the pool's free blocks."""
+        if step.phase == "decode":
+            return self.kv.room([(row, self.decode_slots(row)) for row in step.rows.tolist()])
+        row = int(step.rows[0])  # a prompt's slots are all reserved at its first pass
+        opening = row not in self.filling
+        return self.kv.room([(row, self.prompt_slots(row, int(step.end[0]) - int(step.start[0])))] * opening)
+
+    def prompt_slots(self, row: int, new_tokens: int) -> int:
+        """The slots a row's prefill of new_tokens holds: what it keeps plus the whole prompt, or what it used."""
+        return max(int(self.region[row]), int(self.kept[row]) + new_tokens)
+
+    def decode_slots(self, row: int) -> int:
+        """The slots a decoding row holds once its next token is written."""
+        return max(int(self.region[row]), int(self.write_slot[:, row].max()) + 1)
 
     def store_prompt(self, layer: int, slots: torch.Tensor, key, value, positions, scores):
         """A prefill pass's new entries (key, value [Hkv, T, D]) into the row's slots [T]."""
@@ -163,7 +181,7 @@ class KeptTokens:
         bs = self.block_size
         for row in rows.tolist():
             before = self.capacity(row)
-            self.kv.reserve(row, max(int(self.region[row]), int(self.write_slot[:, row].max()) + 1))
+            self.kv.reserve(row, self.decode_slots(row))
             if self.per_head_counts and self.capacity(row) > before:
                 # a new block holds another row's old entries, which eviction would take for a narrower head's
                 self.positions[:, :, self.kv.slots(row, before, self.capacity(row))] = -1

@@ -55,6 +55,8 @@ class PagedPolicy(KVPolicy):
              differs="kvlib forks rows (answer choices, questions off a conversation) as vLLM V0's block manager did"),
         Rule("preemption", "recompute, the newest running request first",
              kvlib="recompute, the newest running request first"),
+        Rule("a full pool", "met before the step: the scheduler asks for the step's blocks, none run short",
+             kvlib="met before the step: the scheduler asks for the step's blocks, none run short"),
         Rule("pool size", "gpu_memory_utilization (0.9) of the device less weights and activations",
              kvlib="the batch's prompts + max_new_tokens, or what a configured capacity leaves",
              differs="the study sizes the pool to its batch, or to the device capacity a profile configures"),
@@ -116,6 +118,11 @@ class PagedPolicy(KVPolicy):
         if step.phase == "decode":
             self.read = step.start + 1
         self.peak_blocks = max(self.peak_blocks, self.kv.pool.used)
+
+    def pool_room(self, step: Step):
+        with self.timers.section("block_management"):
+            return self.kv.room([(row, start + step.q_len) for row, start in zip(step.rows.tolist(),
+                                                                                 step.start.tolist())])
 
     def release(self, row):
         self.kv.release(row)

@@ -106,6 +106,11 @@ class QuestPolicy(BudgetedPolicy):
     def tables(self):
         return self.kv.tables
 
+    def pool_room(self, step: Step):
+        with self.timers.section("block_management"):
+            return self.kv.room([(row, start + step.q_len) for row, start in zip(step.rows.tolist(),
+                                                                                 step.start.tolist())])
+
     def prepare(self, step: Step):
         with self.timers.section("block_management"):
             bs = self.block_size

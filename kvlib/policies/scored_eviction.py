@@ -6,27 +6,24 @@ allocation's counts and the booking here.
 Storage: a head-major block pool (kvlib.memory.paged_kv, the one `paged` holds its cache in), with each slot's score
 and original position (-1 = empty) beside its key and value. A row's slot i lies in block `table[i // block_size]`
 for every layer and KV head alike. A row's prefill writes the whole new prompt into its blocks, after what it keeps
-from earlier turns (reordered by position); the blocks are reserved when the prefill opens, so a prompt that does not
-fit fails before any compute. When its last chunk is in, `select` picks per (layer, KV head) the `keep - recent`
-best-scored older tokens plus the `recent` newest; they are moved, in position order, to the row's first `keep` slots
-and the blocks past them go back to the pool: the budget is capacity another request can use (kvlib.engine.scheduler,
-continuous batching). At decode the new token takes a free slot; once a row holds more than `limits` allows, each
-(layer, row, KV head) drops its lowest-scored token outside the recent window and its slot is reused by the next one.
-Every byte is booked: the kept entries as `kv`, the rest of the pool as `kv_reserved`, the scores and positions (4 + 8
-bytes a slot) and the per-row counters as `overhead`.
+from earlier turns (reordered by position); the blocks are reserved when the prefill opens (the scheduler asks first,
+pool_room), so a prompt that does not fit fails before any compute. When its last chunk is in, `select` picks per
+(layer, KV head) the `keep - recent` best-scored older tokens plus the `recent` newest; they are moved, in position
+order, to the row's first `keep` slots and the blocks past them go back to the pool: the budget is capacity another
+request can use (continuous batching). At decode the new token takes a free slot; once a row holds more than `limits`
+allows, each (layer, row, KV head) drops its lowest-scored token outside the recent window and its slot is reused by
+the next one. Every byte is booked: the kept entries as `kv`, the rest of the pool as `kv_reserved`, the scores and
+positions (4 + 8 bytes a slot) and the per-row counters as `overhead`.
 
-Decode reads each row's slots in place through its block table, with the decode attention every policy shares
-(kvlib.kernels.decode): the slots a row holds are always its first ones (a new token fills the hole the last eviction
-left, or the next slot), so a row's length is all the kernel needs, the same for each of its KV heads.
+Decode reads a row's slots in place through its block table (kvlib.kernels.decode): a new token fills the hole the
+last eviction left, or the next slot, so a row's slots are its first ones and its length is all the kernel needs.
 
 `allocation` (kvlib.policies.allocation) splits the prompt's budget unevenly across heads (`adaptive`, Ada-KV) or
-layers (`pyramid`, PyramidKV), at about the same total (each rounds its own way). A head then keeps `delta` more (or fewer) entries than the row's
-uniform count, fixed from its compaction on; the row's blocks cover its widest head, every head keeps its entries in
-its own first slots, and decode reads a length per (row, KV head) (the kernel's per-head lengths). Since every head of a
-row is over budget when the row is, decode eviction is unchanged. The blocks are the widest head's, so an uneven
-allocation holds its entries in the slots of its widest (layer, head) for every head: all of them are booked as `kv`,
-padding included, since that is what the device holds for the row (and what the frontier compares). A later turn of a
-conversation under an uneven allocation is refused: its prefill would attend heads of different lengths.
+layers (`pyramid`, PyramidKV), at about the same total. A head then keeps `delta` more (or fewer) entries than the
+row's uniform count, fixed from its compaction on, in its own first slots; decode reads a length per (row, KV head),
+and its eviction is unchanged (every head of a row is over budget when the row is). The row's blocks cover its widest
+(layer, head) for every head: all are booked as `kv`, padding included (what the device holds, and what the frontier
+compares). A later turn of a conversation is refused there: its prefill would attend heads of different lengths.
 
 A subclass gives `limits` (tokens kept and protected-recent for a row) and, where it scores, the hooks: the score a new
 entry starts with (`initial_scores`), the prefill attention (`prefill_attention_of`, which may score what the row holds),
@@ -207,6 +204,10 @@ class ScoredEvictionPolicy(BudgetedPolicy):
             with self.timers.section("block_management"):
                 self.tokens.prepare_decode(step.rows)
         self.peak_blocks = max(self.peak_blocks, self.kv.pool.used)
+
+    def pool_room(self, step: Step):
+        with self.timers.section("block_management"):
+            return self.tokens.room(step)
 
     def _row_part(self, array: torch.Tensor, end: int) -> torch.Tensor:
         """A layer's [Hkv, slots, ...] array over the prefilling row's first `end` slots: a view where its blocks are

@@ -46,8 +46,7 @@ from dataclasses import dataclass, replace
 
 from kvlib.engine.arrivals import arrival_times
 from kvlib.engine.run_result import PERCENTILES, RunResult
-from kvlib.errors import DeviceOOM, UserError
-from kvlib.memory.block_pool import OutOfBlocks
+from kvlib.errors import RequestTooLarge, UserError
 from kvlib.models.workloads import prompt_of_length
 from kvlib.report import answers
 from kvlib.report.pages import TIMING
@@ -109,7 +108,7 @@ def slo_of(values: dict) -> dict:
 def serve(point: Point, trace: Trace, *, memory_run: bool) -> RunResult:
     """One replay of the trace by the point's runner. memory_run: the engine reads what it holds as it goes (kvlib's
     ledger and timer sections, vLLM's KV blocks and preemptions); otherwise nothing is read from inside it."""
-    from kvlib.engine.scheduler import Sequence, run
+    from kvlib.engine.scheduler import RunSettings, Sequence
 
     runner = make_runner(point.runner, **point.settings)
     prompts = [list(p) for p in trace.prompts]
@@ -119,8 +118,9 @@ def serve(point: Point, trace: Trace, *, memory_run: bool) -> RunResult:
                                read_memory=memory_run, arrivals=list(trace.arrivals_s), slo=slo_of(point.values),
                                max_model_len=trace.longest)
     requests = [Sequence(p, n, arrival_s=a) for p, n, a in zip(prompts, trace.output_tokens, trace.arrivals_s)]
-    return run(make_engine(point, instrumented=memory_run), requests, runner.serving_schedule, "chunked",
-               point.values.get("chunk_size", 512), stop_at_eos=False, slo=slo_of(point.values))
+    settings = RunSettings(runner.serving_schedule, "chunked", point.values.get("chunk_size", 512),
+                           stop_at_eos=False, slo=slo_of(point.values))
+    return make_engine(point, instrumented=memory_run).run(requests, settings)
 
 
 def serving_row(result: RunResult, point: Point) -> dict:
@@ -145,18 +145,13 @@ def compression_columns(compressions: list[dict] | None) -> dict:
             "entries_kept_share": sum(shares) / len(shares) if shares else None}
 
 
-def _does_not_fit(point: Point) -> dict | None:
-    """An OOM row for a runner whose setup cannot hold even one request: vLLM left no KV pool by the capacity, or a
-    kvlib pool too small for one request of the trace alone (the scheduler says so as it meets it)."""
+def _does_not_fit(point: Point, trace: Trace) -> dict | None:
+    """An OOM row for vLLM where it would refuse to start at the point's capacity (VLLMBackend.refusal: no KV pool
+    left, or none that holds the trace's longest request). kvlib's own pools are asked as they serve: the scheduler
+    raises RequestTooLarge where one request does not fit even alone."""
     runner = make_runner(point.runner, **point.settings)
-    if runner.outside and point.capacity_bytes is not None:
-        from kvlib.backends.vllm import _kv_space
-
-        try:
-            _kv_space(point.model, point.capacity_bytes)
-        except UserError as exc:
-            return _oom_row(str(exc))
-    return None
+    why = runner.refusal(point.model, point.capacity_bytes, trace.longest) if runner.outside else None
+    return None if why is None else _oom_row(why)
 
 
 def _oom_row(where: str) -> dict:
@@ -206,7 +201,7 @@ def resolved(point: Point) -> tuple[Point, dict]:
 def run_point(point: Point) -> list[dict]:
     point, rate_columns = resolved(point)
     trace = trace_of(model_of(point).tokenizer, point.values)
-    row = _does_not_fit(point)
+    row = _does_not_fit(point, trace)
     if row is None:
         warm, timed = warm_then_timed(point, lambda memory_run: _replay(point, trace, memory_run=memory_run))
         if timed is None:
@@ -225,14 +220,8 @@ def run_point(point: Point) -> list[dict]:
 def _replay(point: Point, trace: Trace, *, memory_run: bool) -> dict:
     try:
         result = serve(point, trace, memory_run=memory_run)
-    except (UserError, ValueError) as exc:
-        kvlib_pool = isinstance(exc, UserError) and isinstance(exc.__cause__, (OutOfBlocks, DeviceOOM))
-        # vLLM refuses to start when its pool cannot hold the longest request (its words: "... KV cache is needed")
-        vllm_pool = isinstance(exc, ValueError) and make_runner(point.runner).outside and "KV cache" in str(exc)
-        if not (kvlib_pool or vllm_pool):
-            raise
-        # the pool cannot hold one of the trace's requests even alone: the capacity does not fit this runner
-        return _oom_row(str(exc).splitlines()[0])
+    except RequestTooLarge as exc:  # the capacity does not fit this runner: one request does not fit even alone
+        return _oom_row(str(exc))
     row = serving_row(result, point)
     good, served = row.get("goodput"), row.get("request_throughput")
     # the share of requests within every SLO limit (goodput and request throughput share one time span; rounded, so
