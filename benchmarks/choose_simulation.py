@@ -1,5 +1,5 @@
 """The chooser's two error rates, simulated through kvlib's own functions (issue 64; the fast checks are
-tests/test_choose_best.py and tests/test_power_rule.py):
+tests/report/test_choose_best.py and tests/projection/test_power_rule.py):
 
 1. equal runners: how often `kvlib choose` (kvlib.report.choose.choose, on batch-scaling rows of 10 rounds, each round
    a machine-wide factor and each run its own noise) names a winner, i.e. calls some rival slower, against the decode

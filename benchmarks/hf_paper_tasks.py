@@ -6,7 +6,7 @@ the row says which.
     python benchmarks/hf_paper_tasks.py --limit 4
     python benchmarks/hf_paper_tasks.py --models qwen2.5-coder-1.5b --limit 4   # after `make install-large-models`
 
-Writes benchmarks/results/hf_paper_tasks.json (tests/test_paper_tasks.py holds SmolLM2's at 2 items in CI).
+Writes benchmarks/results/hf_paper_tasks.json (tests/evaluation/test_paper_tasks.py holds SmolLM2's at 2 items in CI).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Every benchmark runs at toy sizes under KVLIB_BENCH_SMOKE=1 (tests/test_benchmarks.py, in CI), so none can rot
+"""Every benchmark runs at toy sizes under KVLIB_BENCH_SMOKE=1 (tests/house/test_benchmarks.py, in CI), so none can rot
 unnoticed; its figures then go to a temporary folder, never to benchmarks/results/."""
 
 from __future__ import annotations

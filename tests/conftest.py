@@ -1,4 +1,11 @@
 import os
+import sys
+from pathlib import Path
+
+# the tests are folded by kvlib's packages (tests/README.md); a test imports a helper (policy_examples, ray_fakes,
+# kernel_cases) or another test's cases by module name, from whichever folder
+sys.path[:0] = [str(folder) for folder in sorted(Path(__file__).parent.iterdir())
+                if folder.is_dir() and folder.name not in ("data", "__pycache__")]
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

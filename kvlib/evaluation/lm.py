@@ -11,7 +11,7 @@ continuation token straight from the prefill would see the whole context, and a 
 `prefill_store` (a kvlib.engine.prefill_record.PrefillStore): every prefill, scored or generated, is adopted from the
 store's record of its prompt where the policy adopts one, so models of several policies given the same store compute
 each item's dense prefill once between them (the accuracy experiment gives every point of a model one store). Each
-item's result is the one without a store (tests/test_adopted_prefill.py).
+item's result is the one without a store (tests/engine/test_adopted_prefill.py).
 """
 
 from __future__ import annotations

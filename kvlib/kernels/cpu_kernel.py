@@ -11,7 +11,7 @@ table, in jobs of 256 tokens a KV head, and vectorizes the dot products, the exp
 is their cost at decode.
 
 Where it cannot be built (no compiler), or KVLIB_CPU_KERNELS=torch, `available()` is False and callers use PyTorch's
-ops, which give the same result within fp32 rounding (tests/test_cpu_kernel.py).
+ops, which give the same result within fp32 rounding (tests/kernels/test_cpu_kernel.py).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ which one the loaded build runs. `build(target)` builds another path (X86_PATHS)
 
 KVLIB_CPU_KERNELS=torch: never use the C kernels. KVLIB_CPU_KERNELS_SANITIZE=1: load a build under AddressSanitizer
 and UndefinedBehaviorSanitizer (its own cache entry), which needs the ASan runtime preloaded
-(tests/test_kernel_sanitizers.py runs the kernels' tests so).
+(tests/kernels/test_kernel_sanitizers.py runs the kernels' tests so).
 """
 
 from __future__ import annotations

@@ -66,7 +66,7 @@ class GatedMLP(torch.nn.Module):
     """A Llama-family MLP, down(act(gate(x)) * up(x)), with gate and up as one linear layer: one matmul of twice the
     width instead of two. SmolLM2's 30 MLPs, prepacked, 2 threads, best of 9: 11.3-12.6 vs 12.1-13.6 ms at 1 row,
     14.9-15.1 vs 17.0-17.5 at 8 rows, 20.4-20.7 vs 22.5-22.6 at 16 (this host in a slow phase). The same weights
-    and bytes; the wider matmul may sum in another order (tests/test_forward.py)."""
+    and bytes; the wider matmul may sum in another order (tests/models/test_forward.py)."""
 
     def __init__(self, mlp: torch.nn.Module):
         super().__init__()
@@ -214,7 +214,7 @@ class QueryProjection(torch.nn.Module):
 class LlamaForward:
     """One forward pass of a Llama-family model whose layers are [RMSNorm, FusedAttention, RMSNorm, GatedMLP (SiLU)]:
     the same modules and weights transformers' forward runs, without its per-layer argument handling, the residual add
-    folded into the next RMSNorm (tests/test_llama_forward.py)."""
+    folded into the next RMSNorm (tests/models/test_llama_forward.py)."""
 
     def __init__(self, model: torch.nn.Module):
         inner = model.model

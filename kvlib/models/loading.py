@@ -88,7 +88,7 @@ PACK_BATCH_HINT = 16
 class PackedLinear(torch.nn.Module):
     """An nn.Linear whose weight lives in oneDNN's prepacked layout: the same numbers and bytes, in place of the
     original (a tied weight excepted, see prepack_linears). Its summation order differs from sgemm's: one layer's
-    outputs agree within 2e-4, the model's logits within 1e-3, greedy tokens exactly (tests/test_forward.py)."""
+    outputs agree within 2e-4, the model's logits within 1e-3, greedy tokens exactly (tests/models/test_forward.py)."""
 
     def __init__(self, linear: torch.nn.Linear, copies_shared: bool = False):
         super().__init__()

@@ -130,10 +130,10 @@ class KVPolicy:
     # row attending what the rule keeps for it; where the rule comes from (repository path), "" where the policy has
     # none (the protocol refuses it)
     one_pass_source: ClassVar[str] = ""
-    # settings the registry-wide tests run it at on a tiny model (tests/policy_examples.py), so that a policy brings
-    # its own: `small_example` puts its mechanism to work (a budget that evicts, a cache across tiers), and
-    # `keeps_all_example` keeps and attends every entry with that path still running (its tokens are the full
-    # cache's); a block size, and a cache on the device alone, are the test's to choose where the policy has them
+    # settings the registry-wide tests run it at on a tiny model (tests/policies/policy_examples.py), so that a
+    # policy brings its own: `small_example` puts its mechanism to work (a budget that evicts, a cache across
+    # tiers), and `keeps_all_example` keeps and attends every entry with that path still running (its tokens are the
+    # full cache's); a block size, and a cache on the device alone, are the test's to choose where the policy has them
     small_example: ClassVar[dict] = {}
     keeps_all_example: ClassVar[dict] = {}
 

@@ -19,7 +19,7 @@ It serves under the scheduler's `compress` schedule (kvlib.engine.scheduler, `se
 least compressed, then longest-running, request (`compress`) whenever a decode step finds no free block. The run lists
 which requests were compressed, at which step and time, and from how many entries to how many (`compressions` in its
 stats), so that the accuracy lost is attributed to those requests: the others decode as they do under `paged`
-(greedy: the same tokens; tests/test_compress_h2o.py, and the serving report reads it from every run).
+(greedy: the same tokens; tests/policies/test_compress_h2o.py, and the serving report reads it from every run).
 
 Before the pool runs low it holds what `paged` holds but does not run as `paged` does: its prefill is H2O's (chunked,
 each chunk's attention matrix materialized for the scores), every decode step asks the kernel for the attention
@@ -48,7 +48,7 @@ class CompressH2OPolicy(HeavyHitterPolicy):
     instead of preempting them."""
 
     name = "compress_h2o"
-    # budget 1.0 is its default: every entry until a serving pool runs low (tests/test_compress_h2o.py)
+    # budget 1.0 is its default: every entry until a serving pool runs low (tests/policies/test_compress_h2o.py)
     small_example: ClassVar[dict] = {}
     keeps_all_example: ClassVar[dict] = {}
     one_pass_source = ""  # a serving schedule's policy: no accuracy harness of its own

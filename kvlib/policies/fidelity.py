@@ -5,8 +5,8 @@ allocation, slots, eviction, split, placement, quantization group, what is kept)
 value and kvlib's: read from the policy's own setting where the rule is one (so the table follows the code), or
 stated where it is a mechanism. Equal values read `same`; a departure must say why (`differs`), and a rule that
 says why while the values agree is an error too. `python -m kvlib policies --fidelity` prints the table, the methods
-page includes it (book/fidelity.md, written by kvlib.study.book.write_fidelity), and tests/test_fidelity.py fails when a registered
-policy has no entry or a rule is unstated.
+page includes it (book/fidelity.md, written by kvlib.study.book.write_fidelity), and tests/policies/test_fidelity.py
+fails when a registered policy has no entry or a rule is unstated.
 """
 
 from __future__ import annotations

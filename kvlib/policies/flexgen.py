@@ -17,9 +17,10 @@ micro-batch's cache loading while one computes, so the device stages two micro-b
 batch's.
 
 Placement moves bytes, never changes them: uncompressed, every placement decodes exactly the tokens of the cache wholly
-on the device, which is `full`'s cache (tests/test_flexgen.py). This is a policy of its own, not a setting of `full`,
-because FlexGen's cache is a different mechanism (staged per layer, stored back per pass) beside the same attention;
-the attention itself is `full`'s: the same prefill attention and the one decode kernel over each row in place.
+on the device, which is `full`'s cache (tests/policies/test_flexgen.py). This is a policy of its own, not a setting
+of `full`, because FlexGen's cache is a different mechanism (staged per layer, stored back per pass) beside the same
+attention; the attention itself is `full`'s: the same prefill attention and the one decode kernel over each row in
+place.
 """
 
 from __future__ import annotations

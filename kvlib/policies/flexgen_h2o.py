@@ -16,7 +16,7 @@ streams with it. What a row keeps (`eviction`):
   budget, and the recent window counts the new token.
 - `h2o`, kvlib's `h2o` rule: a row keeps 2 hh_k entries after every step (hh_k heavy, the hh_k newest) and reads the
   new token beside them (2 hh_k + 1); the lowest-scored entry older than the window is evicted. Uncompressed it decodes
-  `h2o`'s tokens (budget_rule either, prefill "full"; tests/test_flexgen.py) on any placement.
+  `h2o`'s tokens (budget_rule either, prefill "full"; tests/policies/test_flexgen.py) on any placement.
 
 A row holds at most its kept set plus the new token (the prompt is scored from the pass's own keys and values, then
 only the kept entries are stored), which is what makes the cache small enough to place. Beyond the port, whose disk

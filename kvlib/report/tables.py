@@ -1,6 +1,7 @@
 """Data tables read from results frames: spreads of repeated measurements, accuracy and retention scores with their
-intervals, and the rounded tables the book shows. The findings (kvlib.report.findings), the figures (kvlib.report.plots), the
-chooser and the command line all read these; none of them computes a number of its own.
+intervals, and the rounded tables the book shows. The sentences (kvlib.report.timing_lines, accuracy_lines,
+verdicts), the figures (kvlib.report.plots), the chooser and the command line all read these; none of them computes a
+number of its own.
 """
 
 from __future__ import annotations

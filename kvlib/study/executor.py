@@ -9,8 +9,8 @@ Repeats run interleaved, in rounds: every point once, then every point again, so
 not land on one policy's repeats. In a timed experiment each round runs its points in a seeded random order (`rounds`),
 recorded in the rows (`round_slot`), so that a drift within a round (the machine warming, memory filling) falls on
 every runner alike and the repeats of two runners are exchangeable, as the timing rule's permutation test assumes
-(kvlib.report.stats; tests/test_stats.py simulates such a drift under a fixed and a random order). Each unit records
-the machine's load while it ran (kvlib.study.machine_load); one measured while other processes took the CPU is
+(kvlib.report.stats; tests/report/test_stats.py simulates such a drift under a fixed and a random order). Each unit
+records the machine's load while it ran (kvlib.study.machine_load); one measured while other processes took the CPU is
 measured once more if the experiment is timed (`timed` in its declaration, kvlib.study.experiment), and flagged
 `disturbed` if it still was.
 """
@@ -152,7 +152,7 @@ class Processes:
     model once, as this process does): an untimed experiment's passes at batch 1 leave a 2-core machine's second
     core half idle in one process, and two one-thread workers compute more units an hour than one two-thread
     process (benchmarks/README.md). Never a timed experiment: its units would share the cores they are timed on.
-    A unit's rows are the same bits at one thread as at two (tests/test_executor_processes.py).
+    A unit's rows are the same bits at one thread as at two (tests/study/test_executor_processes.py).
 
     affinity: units with the same key go to the same worker, in their order (an accuracy task's points share the
     prefills its worker recorded, as they do in one process). weight: a unit's expected time (the reference book's,

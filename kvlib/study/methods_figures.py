@@ -2,7 +2,7 @@
 profiles and the statistics' declarations and written between markers in book/methods.md, as README's generated
 sections are: a figure typed by hand drifts from the code that decides it (the page once said 8 rounds where the
 profile ran 10, and a gate of 0.5 where the code's was 0.70). `write` refreshes the sections (the book's build runs
-it); tests/test_methods_figures.py fails when the page is stale."""
+it); tests/study/test_methods_figures.py fails when the page is stale."""
 
 from __future__ import annotations
 

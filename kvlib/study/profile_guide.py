@@ -2,7 +2,7 @@
 schema that checks profiles (kvlib.study.schema: the keys and their types), the experiments' code (a workload value's
 default is what the experiment reads when the profile leaves it out) and the runners' dataclasses (a setting's type,
 default and comment), so that the guide says what the code accepts. The meanings are written here, one line a key:
-a key the schema gains without one fails tests/test_profile_guide.py."""
+a key the schema gains without one fails tests/study/test_profile_guide.py."""
 
 from __future__ import annotations
 

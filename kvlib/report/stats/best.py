@@ -1,5 +1,6 @@
 """The comparison with the best: a runner picked as the fastest from the same timings it is then tested on, against
-every rival, the pick allowed for (kvlib.report.choose's ties; tests/test_choose_best.py simulates its error rate)."""
+every rival, the pick allowed for (kvlib.report.choose's ties; tests/report/test_choose_best.py simulates its error
+rate)."""
 
 from __future__ import annotations
 
@@ -43,10 +44,10 @@ def compare_with_best(timings: pd.DataFrame, best: str, alpha: float = ALPHA, la
     likely). Step-down, the slowest rival first: the set is the best and the rivals not yet shown slower; the first
     rival whose lead is within that set's range under shuffling stops it, it and the rest not distinguishable (so
     that a far slower runner shuffled in does not hide the lead of a near one, and among equal runners any rival is
-    called slower with a chance of at most alpha: tests/test_choose_best.py simulates it). Read round by round on the
-    rounds every runner ran (at least two), else as samples whose pooled timings are shuffled among the runners;
-    exact while the arrangements are at most EXACT_SPLITS, `permutations` random ones beyond. With two runners it is
-    the two-sided by-round test of compare_timings."""
+    called slower with a chance of at most alpha: tests/report/test_choose_best.py simulates it). Read round by
+    round on the rounds every runner ran (at least two), else as samples whose pooled timings are shuffled among the
+    runners; exact while the arrangements are at most EXACT_SPLITS, `permutations` random ones beyond. With two
+    runners it is the two-sided by-round test of compare_timings."""
     values = timings.to_numpy(dtype=float)
     with np.errstate(divide="ignore", invalid="ignore"):
         logs = np.where(values > 0, np.log(values), np.nan) * (1 if larger_is_better else -1)  # larger: better

@@ -1,0 +1,145 @@
+"""The reference book published with the repository: its rows come back exactly as the book reads them, its verdicts
+are what the current code draws from them, README shows them, and a rebuild says which it reproduces."""
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+
+import kvlib.paths
+from kvlib.study import load_profile, reference
+from kvlib.study.experiments import names
+
+PUBLISHED = reference.README_PROFILE
+
+
+def test_rows_come_back_exactly_whatever_their_types(tmp_path, monkeypatch):
+    nested = np.empty(2, dtype=object)
+    nested[:] = [np.array([1, 2]), np.array([3])]
+    frame = pd.DataFrame({
+        "target": [3, "Paris", 4],                                  # a task's int and str targets
+        "skew": [True, np.nan, False],                              # a setting missing from one policy's rows
+        "per_layer": [np.array([0.5, 0.25]), np.nan, np.array([1.0])],
+        "tokens": [nested, nested, nested],
+        "empty": pd.Series([np.nan, np.nan, np.nan], dtype=object),
+        "note": ["a", None, "c"],
+        "tok_s": [1.5, 2.5, np.nan],
+    })
+    (tmp_path / "results").mkdir()
+    reference._write_rows(frame, tmp_path / "results" / "x.parquet")
+    monkeypatch.setattr(reference, "folder", lambda profile: tmp_path)
+    pd.testing.assert_frame_equal(reference.load("any", "x"), frame)
+
+
+@pytest.fixture(scope="module")
+def published():
+    info = reference.about(PUBLISHED)
+    assert info is not None, f"reference/{PUBLISHED}/ is not published: `kvlib study --profile {PUBLISHED} --build --publish`"
+    return info
+
+
+def test_the_published_verdicts_are_what_the_code_draws_from_the_published_rows(published):
+    from kvlib.report.verdicts import verdict_table
+
+    frames = {name: reference.load(PUBLISHED, name) for name in names()}
+    table = verdict_table(frames, load_profile(PUBLISHED).validity_gate)
+    assert table[["finding", "verdict", "numbers", "model"]].to_dict(orient="records") == published["verdicts"]
+
+
+def test_readme_shows_the_published_verdicts(published):
+    readme = (kvlib.paths.repo_root() / "README.md").read_text()
+    for section in reference.SECTIONS:
+        assert reference.readme_section(section, PUBLISHED) in readme, \
+            f"README's {section} section is stale: `kvlib study --build --publish` writes it"
+    for row in published["verdicts"]:
+        assert f"| **{row['verdict']}** |" in readme
+
+
+def test_the_published_pages_and_limits_are_there(published):
+    folder = reference.folder(PUBLISHED)
+    from kvlib.study.book import CHAPTERS
+
+    assert sorted(p.stem for p in (folder / "chapters").glob("*.ipynb")) == sorted(CHAPTERS)
+    assert json.loads((folder / "machine.json").read_text())["threads"] >= 1
+    for chapter in (folder / "chapters").glob("*.ipynb"):  # executed: every code cell ran
+        cells = [c for c in json.loads(chapter.read_text())["cells"] if c["cell_type"] == "code"]
+        assert all(c["execution_count"] for c in cells), chapter.name
+
+
+def test_a_profile_never_run_here_reads_its_reference_and_one_run_here_does_not(tmp_path, monkeypatch):
+    root = tmp_path
+    (root / "reference" / "p").mkdir(parents=True)
+    (root / "reference" / "p" / "reference.json").write_text("{}")
+    monkeypatch.setattr(kvlib.paths, "repo_root", lambda: root)
+    assert kvlib.paths.read_from("p") == root / "reference" / "p"
+    (root / "results" / "p").mkdir(parents=True)
+    (root / "results" / "p" / "machine.json").write_text("{}")  # limits alone: nothing run yet
+    assert kvlib.paths.read_from("p") == root / "reference" / "p"
+    (root / "results" / "p" / "ttft").mkdir()
+    (root / "results" / "p" / "ttft" / kvlib.paths.MANIFEST).write_text("{}")
+    assert kvlib.paths.read_from("p") == root / "results" / "p"  # never a mix of this machine's rows and the reference's
+    assert kvlib.paths.read_from("unpublished") == root / "results" / "unpublished"
+
+
+def test_a_rebuild_says_which_verdicts_agree(published, monkeypatch):
+    monkeypatch.setattr(reference, "stands_in", lambda profile: False)
+    monkeypatch.setattr(reference, "is_own_build", lambda profile, info: False)
+    ours = pd.DataFrame(published["verdicts"])
+    flipped = {"confirmed": "refuted", "refuted": "confirmed"}
+    first = ours.verdict[0].split(":")[0]
+    ours.loc[0, "verdict"] = flipped.get(first, "confirmed")
+    text = reference.reproduction_markdown(PUBLISHED, ours)
+    lines = [line for line in text.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert len(lines) == len(ours)
+    assert lines[0].endswith("| **differs** |")
+    assert all(line.endswith("| agrees |") for line in lines[1:])
+    assert reference.reproduction_markdown("smoke", ours) == ""  # no reference book for smoke
+
+
+def test_the_build_that_publishes_a_book_is_its_reference_not_a_reproduction_of_the_last(published, tmp_path,
+                                                                                          monkeypatch):
+    """Its findings page is executed from the rows it publishes: it says it is the reference book, where comparing
+    with the book published before it would read its own changes as failures to reproduce."""
+    monkeypatch.setattr(reference, "stands_in", lambda profile: False)
+    monkeypatch.setattr(reference.results, "results_dir", lambda profile, e: tmp_path / e)
+    ours = pd.DataFrame(published["verdicts"])
+    start, end = published["computed_between"]
+    (tmp_path / "ttft").mkdir()
+    pd.DataFrame({"finished_at": [start, end]}).to_parquet(tmp_path / "ttft" / "a-r0.parquet")
+    assert reference.reproduction_markdown(PUBLISHED, ours).startswith("*This page is the reference book (")
+    pd.DataFrame({"finished_at": [start, "2099-01-01T00:00:00+00:00"]}).to_parquet(tmp_path / "ttft" / "a-r0.parquet")
+    assert reference.reproduction_markdown(PUBLISHED, ours).startswith("**Reproduction.**")
+
+
+def test_the_published_book_stands_in_only_where_nothing_was_run(published):
+    note = reference.reproduction_markdown(PUBLISHED, pd.DataFrame(published["verdicts"]))
+    results_here = any((kvlib.paths.repo_root() / "results" / PUBLISHED).glob(f"*/{kvlib.paths.MANIFEST}"))
+    assert note.startswith(("**Reproduction.**", "*This page is the reference book")) == results_here
+    assert ("reads the reference book's results" in note) == (not results_here)
+
+
+def test_publishing_needs_the_chapters_the_run_executes():
+    from kvlib.errors import UserError
+    from kvlib.study import run_study
+
+    for partial in ({"notebooks": False}, {"experiments": ["ttft"]}, {"policies": ["h2o"]}):
+        with pytest.raises(UserError, match="--publish publishes the whole profile"):
+            run_study("smoke", publish=True, **partial)
+
+
+def test_readme_names_each_model_its_verdicts_were_measured_on_and_what_device_means(published):
+    from kvlib.models.embedded import EMBEDDED_MODELS
+
+    section = reference.readme_section("verdicts", PUBLISHED)
+    models = {m for name in names() for m in reference.load(PUBLISHED, name).get("model", [])}
+    assert models and all(EMBEDDED_MODELS[m].described in section for m in models)
+    assert "run in fp32" in section and "configured" in section
+
+
+def test_the_published_chapters_name_no_build_machines_folder(published):
+    import re
+
+    for chapter in (reference.folder(PUBLISHED) / "chapters").glob("*.ipynb"):
+        found = re.findall(r"(?<![\w.])/(?:root|home|work|tmp|usr|opt|Users)/[^\s\"']*", chapter.read_text())
+        assert not found, (chapter.name, found[:3])
