@@ -59,6 +59,11 @@ class Step:
         return values if self.index is None else values[self.index]
 
     @functools.cached_property
+    def row_ends(self) -> list[tuple[int, int]]:
+        """(row, its length once this pass is in) for each of the pass's rows: what a block-holding policy reserves."""
+        return [(row, start + self.q_len) for row, start in zip(self.rows.tolist(), self.start.tolist())]
+
+    @functools.cached_property
     def tokens_seen(self) -> int:
         """Tokens the step's rows hold once this pass is in, summed over the rows: what a full cache attends."""
         return int(self.start.sum()) + len(self.rows) * self.q_len

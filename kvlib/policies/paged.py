@@ -108,8 +108,8 @@ class PagedPolicy(KVPolicy):
 
     def _prepare(self, step: Step):
         bs = self.block_size
-        for row, start in zip(step.rows.tolist(), step.start.tolist()):
-            self.kv.reserve(row, start + step.q_len)
+        for row, end in step.row_ends:
+            self.kv.reserve(row, end)
         table = self.kv.table_tensor(step.rows.tolist())  # [B, blocks]
         pos = step.start[:, None] + torch.arange(step.q_len)[None, :]
         # indices live where the cache does: one small copy per step, not one per layer
@@ -121,8 +121,7 @@ class PagedPolicy(KVPolicy):
 
     def pool_room(self, step: Step):
         with self.timers.section("block_management"):
-            return self.kv.room([(row, start + step.q_len) for row, start in zip(step.rows.tolist(),
-                                                                                 step.start.tolist())])
+            return self.kv.room(step.row_ends)
 
     def release(self, row):
         self.kv.release(row)
@@ -166,8 +165,8 @@ class PagedPolicy(KVPolicy):
 
     def after_pass(self, step: Step):
         with self.timers.section("block_management"):
-            for row, start in zip(step.rows.tolist(), step.start.tolist()):
-                self.kv.pool.commit(self.tables[row], self.prompts.get(row, []), start + step.q_len)
+            for row, end in step.row_ends:
+                self.kv.pool.commit(self.tables[row], self.prompts.get(row, []), end)
             self._book()
 
     def _book(self):

@@ -108,15 +108,14 @@ class QuestPolicy(BudgetedPolicy):
 
     def pool_room(self, step: Step):
         with self.timers.section("block_management"):
-            return self.kv.room([(row, start + step.q_len) for row, start in zip(step.rows.tolist(),
-                                                                                 step.start.tolist())])
+            return self.kv.room(step.row_ends)
 
     def prepare(self, step: Step):
         with self.timers.section("block_management"):
             bs = self.block_size
             rows, starts = step.rows.tolist(), step.start.tolist()
-            for row, start in zip(rows, starts):
-                self.kv.reserve(row, start + step.q_len)  # a block shared by a fork is copied, its bounds included
+            for row, end in step.row_ends:
+                self.kv.reserve(row, end)  # a block shared by a fork is copied, its bounds included
             self.peak_blocks = max(self.peak_blocks, self.kv.pool.used)
             table = self.kv.table_tensor(rows)  # [B, blocks]
             counts = [len(self.tables[row].blocks) for row in rows]
@@ -236,8 +235,8 @@ class QuestPolicy(BudgetedPolicy):
 
     def after_pass(self, step: Step):
         with self.timers.section("block_management"):
-            for row, start in zip(step.rows.tolist(), step.start.tolist()):
-                self.kv.pool.commit(self.tables[row], [], start + step.q_len)
+            for row, end in step.row_ends:
+                self.kv.pool.commit(self.tables[row], [], end)
             self._book()
 
     def fork(self, src, dst):
