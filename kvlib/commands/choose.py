@@ -73,26 +73,26 @@ def handle(args) -> int:
     from dataclasses import asdict
 
     from kvlib.report.choose import choose, choose_serving
+    from kvlib.report.study_rows import StudyRows
     from kvlib.study import load_profile, stored
 
     workload = [args.prompt_tokens, args.batch, args.output_tokens]
     _check_flags(args, workload)
     loaded = load_profile(args.profile)
     profile, gate = loaded.name, loaded.validity_gate
-    frames = {e: stored(profile, e) for e in ("ttft", "batch_scaling", "decode_length", "serving", "accuracy")}
-    about = _about(profile, frames)
+    rows = StudyRows(lambda experiment: stored(profile, experiment))
     answers = {}
     if args.request_rate is not None:
-        if frames["serving"].empty:
+        if rows.serving.empty:
             raise UserError(f"no serving results for profile {profile!r} yet: `kvlib study --profile {args.profile} "
                             f"--experiments serving` computes them")
-        answers["serving"] = choose_serving(frames["serving"], frames["accuracy"], args.request_rate, args.slo_ttft,
+        answers["serving"] = choose_serving(rows.serving, rows.accuracy, args.request_rate, args.slo_ttft,
                                             args.slo_tpot, args.max_accuracy_drop, args.device_memory_gb, gate)
     if None not in workload:
-        if frames["batch_scaling"].empty and frames["ttft"].empty:
+        if rows.batch_scaling.empty and rows.ttft.empty:
             raise UserError(f"no results for profile {profile!r} yet: `kvlib study --profile {args.profile}` computes "
                             f"them")
-        answers["workload"] = choose(frames, args.prompt_tokens, args.batch, args.output_tokens,
+        answers["workload"] = choose(rows, args.prompt_tokens, args.batch, args.output_tokens,
                                      args.max_accuracy_drop, args.device_memory_gb, gate,
                                      rank_lossy=args.max_accuracy_drop is not None)
     if args.hardware is not None:
@@ -102,6 +102,7 @@ def handle(args) -> int:
         answers = {"projected": choose_projected(args.model or MODEL, args.hardware, args.prompt_tokens, args.batch,
                                                  args.output_tokens, profile, args.device_memory_gb,
                                                  answers.get("workload"), loaded.systems_runners()), **answers}
+    about = _about(profile, list(rows.read.values()))  # the rows the answers read
     if args.json:
         answer = {k: asdict(v) for k, v in answers.items()}
         print(json.dumps({**about, **(answer["workload"] if list(answer) == ["workload"] else answer)}))
@@ -123,13 +124,13 @@ def _wrapped(text: str) -> str:
                                     break_on_hyphens=False) if line else line for line in text.splitlines())
 
 
-def _about(profile: str, frames: dict) -> dict:
+def _about(profile: str, frames: list) -> dict:
     """Where the answer's rows come from: the profile, its source (the reference book, or this checkout's results),
     the model(s) the rows measured and the machine they ran on."""
     from kvlib.paths import read_from, repo_root
     from kvlib.study import reference
 
-    models = sorted({m for df in frames.values() if "model" in df for m in df["model"].dropna().unique()})
+    models = sorted({m for df in frames if "model" in df for m in df["model"].dropna().unique()})
     if reference.stands_in(profile):
         info = reference.about(profile)
         source = (f"the reference book (computed on {info['computed_between'][1][:10]} at commit(s) "
@@ -138,7 +139,7 @@ def _about(profile: str, frames: dict) -> dict:
     else:
         folder = read_from(profile)
         source = str(folder.relative_to(repo_root()) if folder.is_relative_to(repo_root()) else folder)
-        names = sorted({d for df in frames.values() for column in ("device_name", "device") if column in df
+        names = sorted({d for df in frames for column in ("device_name", "device") if column in df
                         for d in df[column].dropna().astype(str).unique()})
         machine = ", ".join(names) or "a machine the rows do not name"
     return {"profile": profile, "source": source, "model": ", ".join(models) or "none measured", "machine": machine}

@@ -92,7 +92,7 @@ class TokenClock:
         prefill_end = max(firsts, default=0.0)
         end = max((s[-1] for s in self.stamps if s), default=prefill_end)
         handovers = sorted({t for s in self.stamps for t in s if t > prefill_end})
-        return {"ttft": [s[0] - a for s, a in zip(self.stamps, self.arrived) if s],
+        return {"ttfts": [s[0] - a for s, a in zip(self.stamps, self.arrived) if s],
                 "step_latencies": [b - a for a, b in zip([prefill_end, *handovers], handovers)],
                 "prefill_s": prefill_end, "decode_s": end - prefill_end, "total_s": end,
                 "decode_tokens": sum(t > prefill_end for s in self.stamps for t in s)}
@@ -151,14 +151,14 @@ def wall_split(sections: dict[str, float] | None, prefill_s: float, decode_s: fl
     return split
 
 
-def build_metrics(*, ttft: list[float], step_latencies: list[float], prefill_s: float, decode_s: float,
+def build_metrics(*, ttfts: list[float], step_latencies: list[float], prefill_s: float, decode_s: float,
                   total_s: float, decode_tokens: int, sections: dict[str, float] | None, setup_s: float | None = None,
                   completed: bool = True, **extra) -> dict:
     """The metrics every run reports. prefill_s and decode_s are the wall time of the prefill passes and of the decode
     steps; total_s the whole run after setup (allocation), which TTFT does not include either."""
     return {
-        "ttft_s": statistics.fmean(ttft) if ttft else None,
-        "ttft_per_request_s": ttft,
+        "ttft_s": statistics.fmean(ttfts) if ttfts else None,
+        "ttft_per_request_s": ttfts,
         "setup_s": setup_s,
         "prefill_s": prefill_s,
         "decode_s": decode_s,

@@ -188,8 +188,10 @@ def measured_fetch_share(profile: str = "embedded") -> tuple[float | None, str]:
 
 
 def measured(profile: str) -> tuple[float | None, str, str | None]:
-    """InfiniGen's fetched share in its sparse layers, mean over the measured runs of `profile`'s batch-scaling and
-    decode-length experiments (each row's kv_share_attended_per_layer past its dense layers), with where it is from:
+    """InfiniGen's fetched share in its sparse layers, mean over `profile`'s runs that decoded a static batch with it
+    (the paper's setting: batch scaling's and decode length's runs in the book's profiles; a TTFT run decodes no step,
+    a serving run's batch changes as requests come and go), each row's kv_share_attended_per_layer past its dense
+    layers, with where it is from:
     the model and prompt lengths of the rows, since a share measured on a small model's short prompts is not the
     paper's, and a runner's name that says the same; (None, why, None) where there are none."""
     import numpy as np
@@ -206,7 +208,7 @@ def measured(profile: str) -> tuple[float | None, str, str | None]:
             shares.append(share)
             groups.setdefault((experiment, str(row.get("model", "an unnamed model")), _prompts(row)), []).append(share)
     if not shares:
-        return None, f"no measured InfiniGen rows in {profile}'s batch_scaling or decode_length results", None
+        return None, f"no InfiniGen run in {profile}'s results decoded a static batch", None
     parts = [f"{model}, {prompts} prompts ({experiment}, {len(got)} runs, {min(got):.2f}-{max(got):.2f})"
              for (experiment, model, prompts), got in groups.items()]
     models = ", ".join(dict.fromkeys(model for _, model, _ in groups))
@@ -225,17 +227,19 @@ def _prompts(row) -> str:
 
 
 def _infinigen_rows(profile: str):
-    """(experiment, InfiniGen rows) from where the profile's rows are read: a run's folder of parquet files or a
-    published book's one file per experiment."""
+    """(experiment, InfiniGen's runs that decoded a static batch) from where the profile's rows are read: a run's
+    folder of parquet files an experiment, or a published book's one file an experiment."""
     import pandas as pd
 
     from kvlib.paths import read_from
 
     base = read_from(profile)
-    for experiment in ("batch_scaling", "decode_length"):
-        for path in sorted((base / experiment).glob("*.parquet")) + sorted(base.glob(f"results/{experiment}.parquet")):
-            rows = pd.read_parquet(path)
-            yield experiment, (rows[rows["policy"] == "infinigen"] if "policy" in rows else rows.iloc[:0])
+    for path in sorted(base.glob("*/*.parquet")):
+        rows = pd.read_parquet(path)
+        if not {"policy", "experiment", "decode_steps", "stat_batching"} <= set(rows):
+            continue
+        decoded = (rows["policy"] == "infinigen") & (rows["decode_steps"] > 0) & (rows["stat_batching"] == "static")
+        yield from rows[decoded].groupby("experiment", sort=False)
 
 
 def runners(fetch_share: float | None = None, profile: str = "embedded") -> list[Runner]:

@@ -7,12 +7,11 @@ import math
 
 import pandas as pd
 
-from kvlib.report import stats
+from kvlib.report import paper, stats
 from kvlib.report.accuracy_findings import retention_claims
-from kvlib.report.drop_words import change, signed_pp  # noqa: F401 -- the chapters' words, by name
+from kvlib.report.drop_words import change
 from kvlib.report.gate import GATE, accuracy_gate, beyond_model, passing, retention_gate
 from kvlib.report.pages import ACCURACY
-from kvlib.report.paper import PAPER
 from kvlib.report.paper_accuracy import described, own_rows, paper_rows
 from kvlib.report.paper_accuracy_beside import accuracy_claims
 from kvlib.report.tables import (
@@ -103,7 +102,7 @@ def accuracy(df: pd.DataFrame, gate: float = GATE) -> list[str]:
     """The paper's six tasks as finding 4 reads them, then the book's own tasks: each task's full-cache score, and,
     where the full cache passes the validity gate (kvlib.report.gate), each policy's paired change from it; a task the
     full cache fails is said to be beyond the model, with no verdict."""
-    out = [f"Paper: {PAPER['accuracy']}", *paper_tasks(df, gate)]
+    out = [f"Paper: {paper.ACCURACY}", *paper_tasks(df, gate)]
     df = own_rows(df)
     table = accuracy_table(df)
     gated = accuracy_gate(df, gate)
@@ -216,7 +215,7 @@ def retention(df: pd.DataFrame, gate: float = GATE) -> list[str]:
     """Each policy's share of facts retained per protocol, described, over the buckets the full cache passes (the
     validity gate; the others said to be beyond the model); then the page's tested statements, finding 5's claims,
     the same objects the findings page reads (kvlib.report.accuracy_findings.retention_claims)."""
-    out = [f"Paper: {PAPER['retention']}"]
+    out = [f"Paper: {paper.RETENTION}"]
     if df.empty or "full" not in set(df["policy"]):
         return out + ["Ours: no full-cache run to compare with."]
     gated = retention_gate(df, gate)

@@ -10,7 +10,8 @@ import pandas as pd
 
 from kvlib.report import frontier, stats
 from kvlib.report.accuracy_findings import deployed_rows, retention_claims
-from kvlib.report.accuracy_lines import change, multiple_choice_drops
+from kvlib.report.accuracy_lines import multiple_choice_drops
+from kvlib.report.drop_words import change
 from kvlib.report.gate import GATE
 from kvlib.report.paper_accuracy import described, own_rows, paper_rows
 from kvlib.report.paper_accuracy_beside import accuracy_claims

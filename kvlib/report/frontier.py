@@ -24,7 +24,8 @@ import pandas as pd
 
 from kvlib.policies import REGISTRY
 from kvlib.report import stats
-from kvlib.report.accuracy_lines import change, role
+from kvlib.report.accuracy_lines import role
+from kvlib.report.drop_words import change
 from kvlib.report.figure_style import policy_colours, set_style
 from kvlib.report.gate import GATE, passing_units
 from kvlib.report.pages import ACCURACY

@@ -8,15 +8,16 @@ import pandas as pd
 from matplotlib import colormaps
 from matplotlib.colors import Normalize
 
-from kvlib.report.accuracy_lines import signed_pp
 from kvlib.report.choose.evidence import evidence_for
+from kvlib.report.drop_words import signed_pp
 from kvlib.report.figure_style import GB, set_style
 from kvlib.report.gate import GATE
 from kvlib.report.provenance import titled
+from kvlib.report.study_rows import StudyRows
 from kvlib.report.tables import decode_spread
 
 
-def overview(frames: dict[str, pd.DataFrame], gate: float | None = None):
+def overview(rows: StudyRows, gate: float | None = None):
     """The study's trade-off in one picture: every runner at the book's reference workload (batch scaling's largest
     batch) as a point of decode throughput (geometric mean, bars: its repeats' range) against device memory (its
     measured peak), coloured by the accuracy it loses at its budget there: the paired drop against the full cache on
@@ -27,14 +28,14 @@ def overview(frames: dict[str, pd.DataFrame], gate: float | None = None):
     says so. Runners that keep and attend every entry lose nothing by construction; a lossy runner with no accuracy
     measured is drawn hollow."""
     set_style()
-    batch = frames.get("batch_scaling", pd.DataFrame())
+    batch = rows.batch_scaling
     fig, ax = plt.subplots(figsize=(10, 9))
     ok = batch[~batch["oom"].astype(bool)] if not batch.empty else batch
     if ok.empty:
         ax.text(0.5, 0.5, "no batch-scaling results in this profile", ha="center", transform=ax.transAxes)
         return fig
     big = ok[ok["batch_size"] == ok["batch_size"].max()]
-    evidence = evidence_for(frames.get("accuracy", pd.DataFrame()), big, gate=GATE if gate is None else gate)
+    evidence = evidence_for(rows.accuracy, big, gate=GATE if gate is None else gate)
     lossless = set(big.loc[big["lossless"].fillna(False).astype(bool), "policy"]) if "lossless" in big else set()
     norm = Normalize(0, max([5.0] + [max(e.drop.drop * 100 for e in ev) for ev in evidence.values()]))
     cmap = colormaps["viridis_r"]
@@ -61,7 +62,7 @@ def overview(frames: dict[str, pd.DataFrame], gate: float | None = None):
              + (f" on {next(iter(tasks))}" if len(tasks) == 1 else "") + f" and {level} (described, not tested: "
              "unadjusted)")
     ax.set(xlabel="device memory peak (GiB)", ylabel="decode throughput (tokens/s)",
-           title=titled(title, big, frames.get("accuracy", pd.DataFrame())))
+           title=titled(title, big, rows.accuracy))
     # the name beside each point; its drop and interval in the key below, fastest first (one task decides every
     # drop: named once, in the title)
     key = [plt.Line2D([], [], ls="", marker="o", ms=8, mfc=colour, mec="black",

@@ -8,14 +8,9 @@ import matplotlib.pyplot as plt
 import pandas as pd
 import seaborn as sns
 
-from kvlib.report.fig7 import fig7, fig7_points
 from kvlib.report.figure_style import GB, policy_colours, set_style
-from kvlib.report.overview_figure import overview
 from kvlib.report.provenance import suptitle, titled
 from kvlib.report.tables import decode_spread, geometric_mean
-
-__all__ = ["GB", "accuracy", "batch_scaling", "decode_length", "fig7", "fig7_points", "memory_components", "overview",
-           "recall_by_length", "retention", "ruler", "throughput", "ttft", "wall_split"]
 
 COMPONENTS = ["weights", "weights_packed", "activations", "kv", "kv_reserved", "overhead"]
 

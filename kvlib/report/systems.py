@@ -10,20 +10,21 @@ from __future__ import annotations
 
 import pandas as pd
 
+from kvlib.report.study_rows import StudyRows
+
 TRAITS = {"stat_keeps": "keeps", "stat_reads": "attention reads", "stat_evicts": "evicts",
           "stat_granularity": "allocated in", "stat_kv_bits": "bits a stored element", "stat_batching": "batching"}
-EXPERIMENTS = ("batch_scaling", "offload")
 MIB = 2**20
 
 
-def _runs(frames: dict[str, pd.DataFrame]) -> pd.DataFrame:
+def _runs(rows: StudyRows) -> pd.DataFrame:
+    """The completed runs it reads: batch scaling's at its largest batch, and the offload experiment's."""
     parts = []
-    for name in EXPERIMENTS:
-        df = frames.get(name, pd.DataFrame())
+    for df, largest_batch in ((rows.batch_scaling, True), (rows.offload, False)):
         if df.empty:
             continue
         done = df[~df["oom"].astype(bool)]
-        if name == "batch_scaling" and not done.empty:
+        if largest_batch and not done.empty:
             done = done[done["batch_size"] == done["batch_size"].max()]
         parts.append(done)
     return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
@@ -40,8 +41,8 @@ def _held(g: pd.DataFrame) -> str:
     return ", ".join(tiers) or "not recorded"
 
 
-def table(frames: dict[str, pd.DataFrame]) -> pd.DataFrame:
-    runs = _runs(frames)
+def table(rows: StudyRows) -> pd.DataFrame:
+    runs = _runs(rows)
     if runs.empty:
         return pd.DataFrame()
     out = []

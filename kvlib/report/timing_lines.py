@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from kvlib.report import stats
-from kvlib.report.paper import PAPER
+from kvlib.report import paper, stats
 from kvlib.report.tables import (
     decode_kernels,
     decode_spread,
@@ -76,7 +75,7 @@ def disturbed_note(df: pd.DataFrame) -> list[str]:
 
 
 def ttft(df: pd.DataFrame) -> list[str]:
-    return [f"Paper: {PAPER['ttft']}"] + per_machine(_ttft, df) + [timing_rule_line(df)] + disturbed_note(df)
+    return [f"Paper: {paper.TTFT}"] + per_machine(_ttft, df) + [timing_rule_line(df)] + disturbed_note(df)
 
 
 def _ttft(df: pd.DataFrame) -> list[str]:
@@ -135,7 +134,7 @@ def _range_words(g: pd.DataFrame) -> str:
 
 
 def batch_scaling(df: pd.DataFrame) -> list[str]:
-    return [f"Paper: {PAPER['batch_scaling']}"] + per_machine(_batch_scaling, df) + [timing_rule_line(df)] \
+    return [f"Paper: {paper.BATCH_SCALING}"] + per_machine(_batch_scaling, df) + [timing_rule_line(df)] \
         + disturbed_note(df)
 
 
@@ -194,7 +193,7 @@ def _batch_scaling(df: pd.DataFrame) -> list[str]:
 
 
 def decode_length(df: pd.DataFrame) -> list[str]:
-    return [f"Paper: {PAPER['decode_length']}"] + per_machine(_decode_length, df) + [timing_rule_line(df)] \
+    return [f"Paper: {paper.DECODE_LENGTH}"] + per_machine(_decode_length, df) + [timing_rule_line(df)] \
         + disturbed_note(df)
 
 

@@ -17,6 +17,7 @@ from kvlib.report.pages import FINDINGS as FINDINGS_FAMILY
 from kvlib.report.paper_accuracy import paper_rows
 from kvlib.report.paper_accuracy_beside import accuracy_claims
 from kvlib.report.provenance import models
+from kvlib.report.study_rows import StudyRows
 from kvlib.report.tables import outside_label
 from kvlib.report.throughput_claims import one_memory, throughput_claims
 
@@ -79,27 +80,19 @@ def family_sentence() -> str:
             f"most {FINDINGS_FAMILY.alpha:.0%}. " + checks_sentence())
 
 
-def verdict_table(frames: dict[str, pd.DataFrame], gate: float = GATE) -> pd.DataFrame:
+def verdict_table(rows: StudyRows, gate: float = GATE) -> pd.DataFrame:
     """One row per finding of the paper: our verdict (confirmed, refuted, inconclusive, not testable on this machine,
     not run in this profile) and the numbers behind it. 1-3 from the systems experiments (OOM boundaries, the timing
     rule's comparisons, booked host memory), 4 and 5 from the paired drops against the full cache where it passes the
     validity gate."""
-    def frame(name):
-        return frames.get(name, pd.DataFrame())
-
-    rows = [_prefill_finding(frame("ttft")), _throughput_finding(frame("batch_scaling")),
-            _host_memory_finding(frame("batch_scaling")), _accuracy_finding(frame("accuracy"), gate),
-            _retention_finding(frame("retention"), gate)]
-    read = [frame("ttft"), frame("batch_scaling"), frame("batch_scaling"), paper_rows(frame("accuracy")),
-            frame("retention")]  # the rows each verdict reads, whose model(s) it names
+    found = [_prefill_finding(rows.ttft), _throughput_finding(rows.batch_scaling),
+             _host_memory_finding(rows.batch_scaling), _accuracy_finding(rows.accuracy, gate),
+             _retention_finding(rows.retention, gate)]
+    read = [rows.ttft, rows.batch_scaling, rows.batch_scaling, paper_rows(rows.accuracy),
+            rows.retention]  # the rows each verdict reads, whose model(s) it names
     return pd.DataFrame([(n, FINDINGS[n], verdict, numbers, models(rows_read))
-                         for n, ((verdict, numbers), rows_read) in enumerate(zip(rows, read), 1)],
+                         for n, ((verdict, numbers), rows_read) in enumerate(zip(found, read), 1)],
                         columns=["finding", "paper", "verdict", "numbers", "model"])
-
-
-CHAPTERS = {1: ("ttft", "Time to first token"), 2: ("batch_scaling", "Batch scaling"),
-            3: ("batch_scaling", "Batch scaling"), 4: ("accuracy", "Accuracy across KV budgets"),
-            5: ("retention", "Retention of an early fact")}
 
 
 def _paper_claim(paper: str) -> str:
@@ -120,12 +113,13 @@ def verdict_markdown(table: pd.DataFrame, error_rate: bool = True) -> str:
     return "\n".join(lines)
 
 
-def evidence_markdown(table: pd.DataFrame) -> str:
+def evidence_markdown(table: pd.DataFrame, chapters: dict[int, tuple[str, str]]) -> str:
     """Each finding's evidence: how it is tested (or checked), the numbers one to a line, and the chapter they come
-    from."""
+    from (`chapters`: finding -> the chapter's file stem and title, as the experiments declare them:
+    kvlib.study.experiment.finding_chapters)."""
     out = []
     for r in table.itertuples():
-        chapter, title = CHAPTERS[r.finding]
+        chapter, title = chapters[r.finding]
         how = r.paper[len(_paper_claim(r.paper)):].strip(" ()")
         checked = how.startswith("checked")
         label = "Checked, not a tested claim" if checked else "Tested"

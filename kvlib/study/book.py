@@ -55,13 +55,13 @@ def write_overview(profile: str, validity_gate: float) -> Path:
     for the README and anyone who wants the study's answer in one picture; drawn from the stored results alone."""
     import matplotlib.pyplot as plt
 
-    from kvlib.report import plots
+    from kvlib.report.overview_figure import overview
+    from kvlib.report.study_rows import StudyRows
     from kvlib.study import results
 
-    frames = {name: results.load(profile, name) for name in names()}
     out = repo_root() / "book" / "figures" / f"overview-{profile}.png"
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig = plots.overview(frames, validity_gate)
+    fig = overview(StudyRows(lambda experiment: results.load(profile, experiment)), validity_gate)
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out

@@ -48,6 +48,9 @@ class Experiment:
     lead: Callable | None = None
     reads_gate: bool = False
     error_rate: str = ""
+    findings: tuple[int, ...] = ()  # the paper's findings its rows test (the findings page links them to its chapter)
+    # its rows of the methods page's table of sizes: (profile's name, its spec of the experiment) -> table rows
+    sizes: Callable[[str, dict], list[str]] | None = None
 
     def answer(self, rows: pd.DataFrame, gate: float = GATE) -> str:
         """Its chapter's opening sentences, as Markdown (kvlib.report.answers.opening)."""
@@ -78,6 +81,11 @@ def experiment(name: str) -> Experiment:
 def names(**where) -> tuple[str, ...]:
     """The experiments' names in the book's order, those whose declaration has every given value (systems=True, ...)."""
     return tuple(n for n, e in REGISTRY.items() if all(getattr(e, k) == v for k, v in where.items()))
+
+
+def finding_chapters() -> dict[int, tuple[str, str]]:
+    """Each of the paper's findings -> the chapter whose rows test it (its file stem and title), as declared."""
+    return {n: (e.name, e.title) for e in REGISTRY.values() for n in e.findings}
 
 
 def check_weights(name: str, weights: str) -> None:

@@ -14,7 +14,7 @@ from kvlib.report import stats
 from kvlib.report.gate import GATE
 from kvlib.report.pages import ACCURACY, CHOOSER, FINDINGS, SERVING, TIMING
 from kvlib.report.stats.accuracy import TAIL_REPLICATES, draws_for
-from kvlib.study.experiments import names
+from kvlib.study.experiments import REGISTRY, experiment, names
 from kvlib.study.profile import load_profile
 
 TIMED = names(systems=True)  # the experiments whose timings the by-round test reads
@@ -29,20 +29,21 @@ def _profile(name: str):
     return load_profile(name, repo_root())
 
 
-def threshold(experiment: str) -> tuple[float, str]:
-    """The least p-value an experiment's timings must reach for its tested statement: batch scaling carries finding 2
-    (Holm over its declared claims at its share of the findings page), a timing chapter's lead its page's 5 %."""
-    if experiment == "batch_scaling":
-        claims = dict(FINDINGS.weights)["finding 2"]
-        first = FINDINGS.share("finding 2") / claims
-        return first, f"finding 2: Holm's first threshold, {FINDINGS.share('finding 2'):.2%} / {claims} claims"
+def threshold(name: str) -> tuple[float, str]:
+    """The least p-value an experiment's timings must reach for its tested statement: where its rows test a finding
+    of the findings page's family (batch scaling's finding 2), Holm's first threshold over that finding's declared
+    claims at its share of the page; else its chapter's lead at its page's 5 %."""
+    claims = dict(FINDINGS.weights)
+    for finding in (f"finding {n}" for n in experiment(name).findings if f"finding {n}" in claims):
+        first = FINDINGS.share(finding) / claims[finding]
+        return first, f"{finding}: Holm's first threshold, {FINDINGS.share(finding):.2%} / {claims[finding]} claims"
     return TIMING.share("the lead"), "its chapter's lead"
 
 
-def can_settle(rounds: int, experiment: str) -> bool:
+def can_settle(rounds: int, name: str) -> bool:
     """Whether the by-round test at `rounds` can ever reach the experiment's threshold (its smallest p-value, 2 / 2^n,
     at or under it)."""
-    return stats.smallest_p_value(rounds, rounds, paired=True) <= threshold(experiment)[0]
+    return stats.smallest_p_value(rounds, rounds, paired=True) <= threshold(name)[0]
 
 
 def rounds() -> str:
@@ -57,14 +58,14 @@ def rounds() -> str:
         if name not in BOOKS and timed and not any(can_settle(profile.repeats(e), e) for e in timed):
             checks.append(f"`{name}`")
             continue
-        for experiment in (e for e in TIMED if e in profile.experiments):
-            n = profile.repeats(experiment)
-            first, what = threshold(experiment)
+        for timed_name in (e for e in TIMED if e in profile.experiments):
+            n = profile.repeats(timed_name)
+            first, what = threshold(timed_name)
             size = (f"{stats.attained_size(n, n, stats.ALPHA, paired=True):.1%}, "
                     f"{1 - stats.attained_size(n, n, stats.ALPHA, paired=True):.1%}"
                     if n >= stats.repeats_needed(stats.ALPHA, paired=True) else "never rejects; no interval")
-            rows.append(f"| `{name}` | {experiment} | {n} | {stats.smallest_p_value(n, n, paired=True):.4f} | "
-                        f"{what}: {first:.4f} | {'yes' if can_settle(n, experiment) else 'no'} | {size} |")
+            rows.append(f"| `{name}` | {timed_name} | {n} | {stats.smallest_p_value(n, n, paired=True):.4f} | "
+                        f"{what}: {first:.4f} | {'yes' if can_settle(n, timed_name) else 'no'} | {size} |")
     return "\n".join([
         (f"Each profile's rounds (`repeats` in `params/<profile>.yaml`) and what the by-round test can settle at them: "
          f"n rounds give a smallest p-value of 2 / 2^n ({stats.repeats_needed(stats.ALPHA, paired=True)} are the "
@@ -101,63 +102,14 @@ def families() -> str:
          f"draws at {1 - stats.ALPHA:.0%}, {draws_for(level):,} at a findings claim's {level:.2%}.")])
 
 
-def _items(fixed: dict, task: str) -> str:
-    """A task's items per point as a profile's fixed values set them (`limit` takes the first items)."""
-    offline, ruler = fixed.get("offline_tasks") or {}, fixed.get("ruler") or {}
-    if task == "kvlib_recall" and "recall_items" in offline:
-        n = offline["recall_items"] * len(offline.get("recall_lengths", [None]))
-    elif task.startswith(("niah_", "ruler_")) and "items" in ruler:
-        n = ruler["items"] * len(ruler.get("max_seq_lengths", [None]))
-    else:
-        n = None
-    limit = fixed.get("limit")
-    n = min(n, limit) if n and limit else n or limit
-    return f"{task}: {n:,} items" if n else f"{task}: every item"
-
-
-def _arm_row(name: str, accuracy: dict, arm: dict) -> str:
-    """An accuracy arm's row: its policies and what sets them apart (rule, alpha, protocol, model), budgets, items."""
-    fixed = {**accuracy["fixed"], **arm.get("fixed", {})}
-    grid = arm.get("grid", {})
-    apart = [f"{k} {fixed[k]:g}" if isinstance(fixed[k], float) else f"{k} {fixed[k]}"
-             for k in ("protocol", "budget_rule", "alpha") if k in arm.get("fixed", {})]
-    model = f"; {arm['model']}" if arm.get("model") else ""
-    label = f"accuracy ({', '.join(apart)}{model}{', exploratory' if arm.get('role') == 'exploratory' else ''})"
-    budgets = ", ".join(f"{b:g}" for b in grid.get("budget", []))
-    items = fixed.get("limit")
-    tasks = ", ".join(grid.get("task", []))
-    return (f"| `{name}` | {label} | {', '.join(arm['policies'])} | {budgets} | "
-            f"{tasks}: {f'{items:,} items' if items else 'every item'} each, paired |")
-
-
 def sizes() -> str:
+    """Each sized profile's rows of the experiments that declare their sizes (Experiment.sizes)."""
+    sized = [e for e in REGISTRY.values() if e.sizes]
     rows = ["| profile | experiment | policies | budgets | size |", "|---|---|---|---|---|"]
     for name in SIZED:
         spec = _profile(name).experiments
-        if "accuracy" in spec:
-            accuracy, exploratory = spec["accuracy"], spec["accuracy"].get("exploratory") or {}
-            tasks, budgets = accuracy["grid"]["task"], ", ".join(f"{b:g}" for b in accuracy["grid"]["budget"])
-            tested = [p for p in accuracy["policies"] if p not in exploratory.get("policies", [])]
-            rows.append(f"| `{name}` | accuracy | {', '.join(tested)} | {budgets} | "
-                        + "; ".join(_items(accuracy["fixed"], t) for t in tasks) + ", paired |")
-            if exploratory:
-                fixed = {**accuracy["fixed"], **exploratory.get("fixed", {})}
-                rows.append(f"| `{name}` | accuracy (exploratory) | {', '.join(exploratory['policies'])} | {budgets} | "
-                            + "; ".join(_items(fixed, t) for t in tasks) + ", paired |")
-            rows += [_arm_row(name, accuracy, arm) for arm in accuracy.get("arms") or []]
-        if "retention" in spec:
-            retention = spec["retention"]
-            fixed, budgets = retention["fixed"], ", ".join(f"{b:g}" for b in retention["grid"]["budget"])
-            if retention["grid"].get("budget_rule"):
-                budgets += f" (H2O's budget rule: {', '.join(retention['grid']['budget_rule'])})"
-            buckets = fixed["buckets"]
-            protocols = fixed.get("protocol", "deployed")
-            rows.append(f"| `{name}` | retention | {', '.join(retention['policies'])} | {budgets} | "
-                        f"{len(buckets) * fixed['per_bucket']} conversations a policy ({fixed['per_bucket']} in each "
-                        f"of {len(buckets)} buckets: " + ", ".join(f"{lo:,}-{hi:,}" for lo, hi in buckets)
-                        + " tokens), questions after turns " + ", ".join(map(str, fixed["query_turns"]))
-                        + "; " + (", ".join(protocols) if isinstance(protocols, list) else protocols) + " |")
-    return "\n".join(["The accuracy and retention experiments' sizes, from the profiles:", "", *rows])
+        rows += [row for e in sized if e.name in spec for row in e.sizes(name, spec[e.name])]
+    return "\n".join([f"The {' and '.join(e.label for e in sized)} experiments' sizes, from the profiles:", "", *rows])
 
 
 SECTIONS = {"rounds": rounds, "families": families, "sizes": sizes}

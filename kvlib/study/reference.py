@@ -87,6 +87,7 @@ def save(profile: str, gate: float) -> Path:
     """Publish results/<profile>/ and the verdicts the findings page draws from the published rows (at the profile's
     validity gate); its chapters follow once the build has executed them from it (save_chapters), so that its
     findings page knows itself for the reference book it becomes."""
+    from kvlib.report.study_rows import StudyRows
     from kvlib.report.verdicts import verdict_table
 
     out = folder(profile)
@@ -98,12 +99,13 @@ def save(profile: str, gate: float) -> Path:
         frame = results.load(profile, name)
         if not frame.empty:
             _write_rows(frame, out / "results" / f"{name}.parquet")
-    frames = {name: load(profile, name) for name in names()}
-    verdicts = verdict_table(frames, gate)
+    rows = StudyRows(lambda experiment: load(profile, experiment))
+    verdicts = verdict_table(rows, gate)
     limits = machine_limits(profile)
     if limits.exists():
         shutil.copy(limits, out / "machine.json")
-    computed = pd.concat([f[["finished_at", "git_sha", "device_name"]] for f in frames.values() if "git_sha" in f])
+    computed = pd.concat([f[["finished_at", "git_sha", "device_name"]] for f in map(rows.load, names())
+                          if "git_sha" in f])
     machine = json.loads(limits.read_text()) if limits.exists() else {}
     (out / "reference.json").write_text(json.dumps({
         "profile": profile, "published_at": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -217,12 +219,12 @@ CHOOSE_EXAMPLE = {"prompt_tokens": 1024, "batch": 16, "output_tokens": 16, "max_
 def readme_choose(profile: str) -> str:
     """README's `kvlib choose` example: a workload on the book's grid, and the answer the reference book gives."""
     from kvlib.report.choose import choose
+    from kvlib.report.study_rows import StudyRows
     from kvlib.study import load_profile
 
-    frames = {e: load(profile, e) for e in ("ttft", "batch_scaling", "decode_length", "accuracy")}
     w = CHOOSE_EXAMPLE
-    answer = choose(frames, w["prompt_tokens"], w["batch"], w["output_tokens"], w["max_accuracy_drop"],
-                    None, load_profile(profile).validity_gate)
+    answer = choose(StudyRows(lambda experiment: load(profile, experiment)), w["prompt_tokens"], w["batch"],
+                    w["output_tokens"], w["max_accuracy_drop"], None, load_profile(profile).validity_gate)
     lines = answer.text().splitlines()
     shown = [line for line in lines if line.startswith(CHOOSE_SHOWN)]
     return "\n".join([

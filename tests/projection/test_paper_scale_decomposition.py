@@ -87,10 +87,18 @@ def test_the_measured_share_names_its_model_and_prompt_lengths(tmp_path, monkeyp
     monkeypatch.setenv("KVLIB_ROOT", str(tmp_path))
     folder = tmp_path / "results" / "embedded" / "decode_length"
     folder.mkdir(parents=True)
-    pd.DataFrame([{"policy": "infinigen", "model": "smollm2-135m", "prompt_tokens": 2048, "dense_layers": 2,
-                   "stat_kv_share_attended_per_layer": [1.0, 1.0, .1, .1]}]).to_parquet(folder / "a.parquet")
+    run = {"policy": "infinigen", "model": "smollm2-135m", "prompt_tokens": 2048, "dense_layers": 2,
+           "experiment": "decode_length", "decode_steps": 63, "stat_batching": "static",
+           "stat_kv_share_attended_per_layer": [1.0, 1.0, .1, .1]}
+    pd.DataFrame([run]).to_parquet(folder / "a.parquet")
+    # a run that decoded no step (TTFT's) and one whose batch changed as requests came (serving's) are not read
+    for name, other in (("ttft", {"decode_steps": 0}), ("serving", {"stat_batching": "continuous"})):
+        (tmp_path / "results" / "embedded" / name).mkdir()
+        pd.DataFrame([{**run, "experiment": name, **other, "stat_kv_share_attended_per_layer": [1.0, 1.0, .9, .9]}]
+                     ).to_parquet(tmp_path / "results" / "embedded" / name / "a.parquet")
     share, source = scale.measured_fetch_share()
     assert share == pytest.approx(0.1) and "smollm2-135m" in source and "2,048-token" in source
+    assert "decode_length, 1 runs" in source
 
 
 def test_the_share_sensitivity_and_h2o_beside_the_paper():

@@ -184,8 +184,9 @@ def test_the_measured_fetch_share_is_read_past_the_dense_layers(tmp_path, monkey
     assert scale.measured_fetch_share()[0] is None
     folder = tmp_path / "results" / "embedded" / "batch_scaling"
     folder.mkdir(parents=True)
-    pd.DataFrame([{"policy": "infinigen", "dense_layers": 2, "stat_kv_share_attended_per_layer": [1.0, 1.0, .2, .4]},
-                  {"policy": "full", "dense_layers": None, "stat_kv_share_attended_per_layer": [1.0] * 4}]
+    run = {"experiment": "batch_scaling", "decode_steps": 15, "stat_batching": "static"}
+    pd.DataFrame([{**run, "policy": "infinigen", "dense_layers": 2, "stat_kv_share_attended_per_layer": [1.0, 1.0, .2, .4]},
+                  {**run, "policy": "full", "dense_layers": None, "stat_kv_share_attended_per_layer": [1.0] * 4}]
                  ).to_parquet(folder / "a.parquet")
     share, source = scale.measured_fetch_share()
     assert share == pytest.approx(0.3) and "1 InfiniGen runs" in source

@@ -5,7 +5,9 @@ runner from the same frames."""
 import numpy as np
 import pandas as pd
 
-from kvlib.report import answers, plots
+from kvlib.report import answers
+from kvlib.report.overview_figure import overview
+from kvlib.report.study_rows import StudyRows
 from kvlib.study import experiment
 
 
@@ -65,7 +67,7 @@ def test_a_chapter_with_no_results_says_so():
 
 
 def test_the_overview_draws_every_runner_with_its_accuracy():
-    fig = plots.overview({"batch_scaling": batch_rows(), "accuracy": accuracy_rows()})
+    fig = overview(StudyRows(batch_scaling=batch_rows(), accuracy=accuracy_rows()))
     assert sorted(t.get_text() for t in fig.axes[0].texts) == ["full", "h2o", "paged"]  # kivi ran out of memory
     key = sorted(t.get_text() for t in fig.legends[0].get_texts())
     assert key[0] == "full: keeps every entry" and key[2] == "paged: keeps every entry"
@@ -79,7 +81,7 @@ def test_the_overviews_names_cover_neither_each_other_nor_a_point_when_runners_c
     full = rows[rows["policy"] == "full"]
     crowd = [full.assign(policy=f"runner{i}", device_peak_bytes=(1.0 + 0.01 * i) * 2**30,
                          decode_tokens_per_s=full["decode_tokens_per_s"] * (1 + 0.01 * (i % 4))) for i in range(13)]
-    fig = plots.overview({"batch_scaling": pd.concat(crowd)})
+    fig = overview(StudyRows(batch_scaling=pd.concat(crowd)))
     ax = fig.axes[0]
     renderer = fig.canvas.get_renderer()
     boxes = [t.get_window_extent(renderer) for t in ax.texts]
@@ -101,7 +103,7 @@ def test_a_compressed_runners_accuracy_is_no_evidence_for_it_run_uncompressed():
     assert "h2o" in accuracy_evidence(accuracy, {"h2o": 0.3}, compression={"h2o": True})
     assert evidence_for(accuracy, batch) == {}  # the systems rows' own settings: uncompressed
     assert "h2o" in evidence_for(accuracy, batch.assign(compress_cache=batch["policy"] == "h2o"))
-    fig = plots.overview({"batch_scaling": batch, "accuracy": accuracy})
+    fig = overview(StudyRows(batch_scaling=batch, accuracy=accuracy))
     assert "h2o: accuracy not measured as run here" in {t.get_text() for t in fig.legends[0].get_texts()}
     assert compressed_apart(accuracy, batch) == {"h2o"}  # the chooser says why: measured, but compressed otherwise
     assert compressed_apart(accuracy, batch.assign(compress_cache=batch["policy"] == "h2o")) == set()

@@ -9,6 +9,7 @@ from test_choose import frames
 
 from kvlib import cli
 from kvlib.report.choose import choose
+from kvlib.report.study_rows import StudyRows
 
 
 @pytest.fixture
@@ -46,10 +47,10 @@ def test_json_says_the_model_profile_source_and_machine(profile, capsys):
 def test_without_a_tolerance_a_lossy_policy_is_listed_apart_never_ranked_by_speed_alone():
     """At batch 8 `fast` ran out of memory: sparse (lossy) is the fastest left, yet with no accuracy asked it is not
     the answer; the regimes table's "any drop" keeps ranking it (rank_lossy, the library's default)."""
-    apart = choose(frames(), 512, 8, 32, rank_lossy=False)
+    apart = choose(StudyRows(**frames()), 512, 8, 32, rank_lossy=False)
     assert apart.fastest_decode == "full" and apart.not_asked == ["sparse"] and "sparse" not in apart.decode
     assert "Not ranked, accuracy not asked: sparse" in apart.text()
-    assert choose(frames(), 512, 8, 32).fastest_decode == "sparse"
+    assert choose(StudyRows(**frames()), 512, 8, 32).fastest_decode == "sparse"
 
 
 @pytest.mark.parametrize(("flags", "says"), [
@@ -75,10 +76,10 @@ def test_flags_out_of_range_and_unknown_names_are_refused_in_one_line_before_any
 def test_a_prompt_longer_than_every_accuracy_item_is_said_so_with_the_lengths_measured():
     f = frames()
     f["accuracy"] = f["accuracy"].assign(length=512)
-    longer = choose(f, 2048, 4, 32, max_accuracy_drop=20.0)
+    longer = choose(StudyRows(**f), 2048, 4, 32, max_accuracy_drop=20.0)
     assert ("Accuracy: your 2,048-token prompt is longer than every accuracy item read (tokens, at most: recall "
             "512)") in longer.text()
-    assert not any(n.startswith("Accuracy:") for n in choose(f, 512, 4, 32, max_accuracy_drop=20.0).notes)
+    assert not any(n.startswith("Accuracy:") for n in choose(StudyRows(**f), 512, 4, 32, max_accuracy_drop=20.0).notes)
 
 
 def test_the_projection_comes_first_when_another_machine_is_asked(profile, capsys):

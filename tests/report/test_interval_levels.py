@@ -7,7 +7,9 @@ import re
 
 import pandas as pd
 
-from kvlib.report import accuracy_lines, plots, stats
+from kvlib.report import accuracy_lines, stats
+from kvlib.report.overview_figure import overview
+from kvlib.report.study_rows import StudyRows
 
 
 def retention_rows(conversations=40):
@@ -31,5 +33,5 @@ def test_the_overview_names_its_intervals_level():
                           for p, tps in (("full", 100.0), ("h2o", 130.0)) for r in range(4)])
     accuracy = pd.DataFrame([{"task": "recall", "policy": p, "budget": None if p == "full" else 0.3, "doc_id": i,
                               "correct": float(p == "full" or i >= 20)} for p in ("full", "h2o") for i in range(60)])
-    title = plots.overview({"batch_scaling": batch, "accuracy": accuracy}).axes[0].get_title()
+    title = overview(StudyRows(batch_scaling=batch, accuracy=accuracy)).axes[0].get_title()
     assert f"its {(1 - stats.ALPHA) * 100:g} % interval (described, not tested: unadjusted)" in title, title

@@ -16,8 +16,10 @@ from test_serving_experiment import SYNTHETIC
 
 from kvlib.report import answers, frontier, offload, plots, tables
 from kvlib.report.fig7 import fig7
+from kvlib.report.overview_figure import overview
 from kvlib.report.provenance import provenance, sentence
 from kvlib.report.serving import latency_vs_rate, memory_vs_rate
+from kvlib.report.study_rows import StudyRows
 from kvlib.study import experiment
 
 CPU = "Intel(R) Xeon(R) Processor"
@@ -71,7 +73,7 @@ def test_the_timing_figures_name_model_and_machine():
     ttft = rows.assign(prompt_tokens=rows["batch_size"] * 256, prefill="full", ttft_s=rows["batch_size"] * 0.1)
     for fig in (plots.batch_scaling(rows), plots.decode_length(rows.rename(columns={"batch_size": "output_tokens"})),
                 plots.ttft(ttft), plots.memory_components(rows.assign(device_kv_peak_bytes=2**20), by="batch_size"),
-                plots.overview({"batch_scaling": rows, "accuracy": measured(accuracy_rows())})):
+                overview(StudyRows(batch_scaling=rows, accuracy=measured(accuracy_rows())))):
         assert SHOWN in title_text(fig) and CPU in title_text(fig), title_text(fig)
     assert f"{SHOWN} on {CPU}" not in title_text(plots.batch_scaling(batch_rows()))  # the rows record neither
 

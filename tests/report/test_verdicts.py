@@ -6,6 +6,7 @@ from test_paper_accuracy_findings import CHANCE, NAN, POINTS, paper_frame  # tes
 
 from kvlib.report import stats, verdicts
 from kvlib.report.pages import FINDINGS
+from kvlib.report.study_rows import StudyRows
 from kvlib.report.verdicts import (
     CONFIRMED,
     CONFIRMED_WHERE_TESTABLE,
@@ -46,7 +47,7 @@ def retention_rows(h2o_keeps=0.6, conversations=40, seed=1, infinigen_keeps=1.0,
 
 def verdict_text(frames, n):
     """The verdict as the table shows it (its word, the claims' tally, which way a refutation goes) and its numbers."""
-    table = verdicts.verdict_table(frames).set_index("finding")
+    table = verdicts.verdict_table(StudyRows(**frames)).set_index("finding")
     return table.loc[n, "verdict"], table.loc[n, "numbers"]
 
 
@@ -193,7 +194,7 @@ def test_finding_2_is_a_family_of_claims_with_magnitudes_settled_by_holm():
 
 
 def test_the_table_renders_as_markdown_with_five_rows():
-    text = verdicts.verdict_markdown(verdicts.verdict_table({"accuracy": accuracy_rows()}))
+    text = verdicts.verdict_markdown(verdicts.verdict_table(StudyRows(accuracy=accuracy_rows())))
     assert text.count("\n") == 8 and "**confirmed: all 8 claims confirmed**" in text
     assert text.startswith("**One error rate for this page.**")
 
@@ -349,10 +350,11 @@ def test_h2o_retaining_nothing_in_the_shortest_bucket_leaves_no_trend_to_read():
 def test_findings_1_and_3_are_checks_outside_the_family():
     """The page and README say findings 1 and 3 are checks, not tested claims, outside the page's 5 %."""
     from kvlib.report.verdicts import family_sentence
+    from kvlib.study.experiments import finding_chapters
 
-    table = verdicts.verdict_table({})
+    table = verdicts.verdict_table(StudyRows())
     assert "Findings 1 and 3 are checks, not tested claims" in verdicts.verdict_markdown(table)
-    evidence = verdicts.evidence_markdown(table)
+    evidence = verdicts.evidence_markdown(table, finding_chapters())
     assert "*Checked, not a tested claim:* where full-matrix prefill runs out" in evidence
     assert "*Tested:* as one family of claims, Holm" in evidence
     assert family_sentence().startswith("Findings 2, 4 and 5 are one family of tested claims")

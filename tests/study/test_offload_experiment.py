@@ -9,6 +9,7 @@ import yaml
 from kvlib import study
 from kvlib.engine.scheduler import BATCHING
 from kvlib.report import offload
+from kvlib.report.study_rows import StudyRows
 from kvlib.study import executor, experiment, results
 
 matplotlib.use("Agg")
@@ -74,7 +75,7 @@ def test_a_placement_is_read_back_from_flexgens_percentages():
 def test_the_posters_table_is_filled_from_the_runs(frame):
     from kvlib.report import systems
 
-    t = systems.table({"offload": frame})
+    t = systems.table(StudyRows(offload=frame))
     assert set(t.index) == {"flexgen", "flexgen+h2o"}  # full ran out of memory: no completed run to read
     held = t["KV held (peak, over its runs)"]
     assert all("host" in held[p] and "disk" in held[p] for p in t.index)

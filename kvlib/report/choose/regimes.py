@@ -9,24 +9,25 @@ import pandas as pd
 
 from kvlib.report.choose.workload import Choice, choose
 from kvlib.report.pages import CHOOSER
+from kvlib.report.study_rows import StudyRows
 
 
-def regimes(frames: dict[str, pd.DataFrame], tolerances=(None, 5.0, 1.0), memories=None) -> pd.DataFrame:
+def regimes(rows: StudyRows, tolerances=(None, 5.0, 1.0), memories=None) -> pd.DataFrame:
     """The chooser's answer over regimes: device memory x the grid's shortest/longest prompt x smallest/largest batch
     x shortest/longest output x accuracy tolerance; each row computed by `choose`, nothing written per policy.
     memories: device memory limits in GiB (None: what the profile's capacity allowed); by default that and
     `tight_memory_gb`, where some runners no longer fit at the largest batch."""
-    prompts, batches, outputs = _grid(frames)
+    prompts, batches, outputs = _grid(rows)
     if memories is None:
-        memories = tuple(dict.fromkeys([None, tight_memory_gb(frames.get("batch_scaling", pd.DataFrame()))]))
-    rows = []
+        memories = tuple(dict.fromkeys([None, tight_memory_gb(rows.batch_scaling)]))
+    table = []
     for memory in memories:
         for prompt in dict.fromkeys([prompts[0], prompts[-1]]):
             for b in dict.fromkeys([batches[0], batches[-1]]):
                 for out in dict.fromkeys([outputs[0], outputs[-1]]):
                     for tol in tolerances:
-                        c = choose(frames, int(prompt), int(b), int(out), tol, memory)
-                        rows.append({"device memory (GiB)": "profile's" if memory is None else f"{memory:g}",
+                        c = choose(rows, int(prompt), int(b), int(out), tol, memory)
+                        table.append({"device memory (GiB)": "profile's" if memory is None else f"{memory:g}",
                                      "prompt tokens": prompt, "batch": b, "output tokens": out,
                                      "accuracy drop allowed (pp)": "any" if tol is None else f"{tol:g}",
                                      "fastest decode": _named(c.fastest_decode, c.decode, "{:.1f} tok/s"),
@@ -38,7 +39,7 @@ def regimes(frames: dict[str, pd.DataFrame], tolerances=(None, 5.0, 1.0), memori
                                      "accuracy not measured": ", ".join(sorted(c.unmeasured)) or "-",
                                      "not measured at this capacity": ", ".join(sorted(c.unmeasured_capacity))
                                      or "-"})
-    return pd.DataFrame(rows)
+    return pd.DataFrame(table)
 
 
 REGIME = ["device memory (GiB)", "prompt tokens", "batch", "output tokens", "accuracy drop allowed (pp)"]
@@ -66,19 +67,19 @@ def by_question(table: pd.DataFrame) -> dict[str, pd.DataFrame]:
     return {question: table.set_index(REGIME)[columns] for question, columns in QUESTIONS.items()}
 
 
-def largest_workload(frames: dict[str, pd.DataFrame], output_tokens: int = 32, max_accuracy_drop: float = 5.0
+def largest_workload(rows: StudyRows, output_tokens: int = 32, max_accuracy_drop: float = 5.0
                      ) -> Choice:
     """The chooser's answer for the grid's largest batch and longest prompt (what the chooser chapter prints in full);
     a profile that measured neither (accuracy and retention only) gets the answer for batch 1 and no prompt, which
     says what is missing."""
-    prompts, batches, _ = _grid(frames)
-    return choose(frames, int(prompts[-1]), int(batches[-1]), output_tokens, max_accuracy_drop)
+    prompts, batches, _ = _grid(rows)
+    return choose(rows, int(prompts[-1]), int(batches[-1]), output_tokens, max_accuracy_drop)
 
 
-def _grid(frames: dict[str, pd.DataFrame]) -> tuple[list, list, list]:
+def _grid(rows: StudyRows) -> tuple[list, list, list]:
     """The prompt lengths, batch sizes and output lengths the profile measured, in order (0, 1 and 0 where it did
     not)."""
-    batch_df, ttft_df, length_df = (frames.get(k, pd.DataFrame()) for k in ("batch_scaling", "ttft", "decode_length"))
+    batch_df, ttft_df, length_df = rows.batch_scaling, rows.ttft, rows.decode_length
     prompts = sorted(ttft_df["prompt_tokens"].unique()) if not ttft_df.empty else [0]
     batches = sorted(batch_df["batch_size"].unique()) if not batch_df.empty else [1]
     outputs = sorted(length_df["output_tokens"].unique()) if not length_df.empty else [0]

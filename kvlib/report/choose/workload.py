@@ -36,6 +36,7 @@ from kvlib.report.choose.evidence import CANNOT_TELL, RULED_OUT, compressed_apar
 from kvlib.report.gate import GATE
 from kvlib.report.pages import CHOOSER
 from kvlib.report.stats.best import compare_with_best
+from kvlib.report.study_rows import StudyRows
 from kvlib.report.tables import decode_kernels, geometric_mean, kernel_note
 
 
@@ -117,27 +118,25 @@ class Choice:
         return "\n".join(lines + self.notes + ([self.error_rate] if self.error_rate else []))
 
 
-def choose(frames: dict[str, pd.DataFrame], prompt_tokens: int, batch: int, output_tokens: int,
+def choose(rows: StudyRows, prompt_tokens: int, batch: int, output_tokens: int,
            max_accuracy_drop: float | None = None, device_memory_gb: float | None = None, gate: float = GATE,
            rank_lossy: bool = True) -> Choice:
-    """frames: the profile's results by experiment (ttft, batch_scaling, decode_length, accuracy). rank_lossy: with
+    """rows: the profile's results (it reads TTFT, batch scaling, decode length and accuracy). rank_lossy: with
     no tolerance, whether the lossy policies are ranked by speed with the others (the regimes table's "any" drop)
     or listed apart as accuracy not asked (`kvlib choose` without --max-accuracy-drop)."""
     choice = Choice(None, None)
-    batch_df = frames.get("batch_scaling", pd.DataFrame())
-    ttft_df = frames.get("ttft", pd.DataFrame())
-    length_df = frames.get("decode_length", pd.DataFrame())
+    batch_df, ttft_df, length_df = rows.batch_scaling, rows.ttft, rows.decode_length
     # one long prompt at batch 1 with the output length varied: the evidence for a single stream
     decode_df, axis, x = ((length_df, "output_tokens", output_tokens) if batch == 1 and not length_df.empty
                           else (batch_df, "batch_size", batch))
     policies = sorted(set(decode_df.get("policy", [])) | set(ttft_df.get("policy", [])))
     alphas = {question: CHOOSER.share(question) for question in ("decode", "TTFT")}
     if max_accuracy_drop is not None:
-        accuracy = frames.get("accuracy", pd.DataFrame())
+        accuracy = rows.accuracy
         evidence = evidence_for(accuracy, length_df, batch_df, ttft_df, gate=gate, page=CHOOSER)
         _judge_accuracy(choice, _lossy(policies, decode_df, ttft_df), evidence, max_accuracy_drop,
                         compressed_apart(accuracy, length_df, batch_df, ttft_df))
-        choice.notes += _accuracy_length_note(frames.get("accuracy", pd.DataFrame()), evidence, prompt_tokens)
+        choice.notes += _accuracy_length_note(accuracy, evidence, prompt_tokens)
     elif not rank_lossy:
         choice.not_asked = _lossy(policies, decode_df, ttft_df)
     for p in policies:

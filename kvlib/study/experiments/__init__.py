@@ -1,7 +1,7 @@
 """The study's experiments, one module each: its `run_point(point) -> list[dict]` and its declaration
 (kvlib.study.experiment), which importing this package registers, in the book's order."""
 
-from kvlib.study.experiment import REGISTRY, Experiment, check_weights, experiment, names
+from kvlib.study.experiment import REGISTRY, Experiment, check_weights, experiment, finding_chapters, names
 
 # the registry's order is the book's: each module registers itself as it is imported
 # isort: off
@@ -16,4 +16,4 @@ from kvlib.study.experiments import (  # noqa: F401
 )
 # isort: on
 
-__all__ = ["REGISTRY", "Experiment", "check_weights", "experiment", "names"]
+__all__ = ["REGISTRY", "Experiment", "check_weights", "experiment", "finding_chapters", "names"]

@@ -96,6 +96,49 @@ def held_columns(lm: KVLibLM, full_bytes_per_token: int) -> dict:
     return {**columns, **lm.engine.policy.calibration_columns()}
 
 
+def _items(fixed: dict, task: str) -> str:
+    """A task's items per point as a profile's fixed values set them (`limit` takes the first items)."""
+    offline, ruler = fixed.get("offline_tasks") or {}, fixed.get("ruler") or {}
+    if task == "kvlib_recall" and "recall_items" in offline:
+        n = offline["recall_items"] * len(offline.get("recall_lengths", [None]))
+    elif task.startswith(("niah_", "ruler_")) and "items" in ruler:
+        n = ruler["items"] * len(ruler.get("max_seq_lengths", [None]))
+    else:
+        n = None
+    limit = fixed.get("limit")
+    n = min(n, limit) if n and limit else n or limit
+    return f"{task}: {n:,} items" if n else f"{task}: every item"
+
+
+def _arm_row(name: str, accuracy: dict, arm: dict) -> str:
+    """An accuracy arm's row: its policies and what sets them apart (rule, alpha, protocol, model), budgets, items."""
+    fixed = {**accuracy["fixed"], **arm.get("fixed", {})}
+    grid = arm.get("grid", {})
+    apart = [f"{k} {fixed[k]:g}" if isinstance(fixed[k], float) else f"{k} {fixed[k]}"
+             for k in ("protocol", "budget_rule", "alpha") if k in arm.get("fixed", {})]
+    model = f"; {arm['model']}" if arm.get("model") else ""
+    label = f"accuracy ({', '.join(apart)}{model}{', exploratory' if arm.get('role') == 'exploratory' else ''})"
+    budgets = ", ".join(f"{b:g}" for b in grid.get("budget", []))
+    items = fixed.get("limit")
+    tasks = ", ".join(grid.get("task", []))
+    return (f"| `{name}` | {label} | {', '.join(arm['policies'])} | {budgets} | "
+            f"{tasks}: {f'{items:,} items' if items else 'every item'} each, paired |")
+
+
+def sizes(name: str, accuracy: dict) -> list[str]:
+    """The methods page's rows of a profile's accuracy grid (kvlib.study.methods_figures.sizes): the tested
+    policies, the exploratory ones and each arm, with their budgets and items."""
+    exploratory = accuracy.get("exploratory") or {}
+    tasks, budgets = accuracy["grid"]["task"], ", ".join(f"{b:g}" for b in accuracy["grid"]["budget"])
+    tested = [p for p in accuracy["policies"] if p not in exploratory.get("policies", [])]
+    rows = [f"| `{name}` | accuracy | {', '.join(tested)} | {budgets} | "
+            + "; ".join(_items(accuracy["fixed"], t) for t in tasks) + ", paired |"]
+    if exploratory:
+        fixed = {**accuracy["fixed"], **exploratory.get("fixed", {})}
+        rows.append(f"| `{name}` | accuracy (exploratory) | {', '.join(exploratory['policies'])} | {budgets} | "
+                    + "; ".join(_items(fixed, t) for t in tasks) + ", paired |")
+    return rows + [_arm_row(name, accuracy, arm) for arm in accuracy.get("arms") or []]
+
 RULER = mapping_of({"max_seq_lengths": list_of(positive_int), "items": optional(positive_int),
                     "max_gen_toks": optional(positive_int)})
 OFFLINE_TASKS = mapping_of({"recall_lengths": list_of(positive_int), "recall_items": positive_int,
@@ -108,4 +151,4 @@ EXPERIMENT = register(Experiment(
               "limit": optional(positive_int), "ruler": optional(RULER), "offline_tasks": optional(OFFLINE_TASKS),
               "prefill_store_gb": optional(positive_number)},
     required=("task",),
-    lead=answers.accuracy, reads_gate=True, error_rate=ACCURACY.statement()))
+    lead=answers.accuracy, reads_gate=True, findings=(4,), sizes=sizes, error_rate=ACCURACY.statement()))

@@ -22,4 +22,4 @@ EXPERIMENT = register(Experiment(
     workload={"batch_size": positive_int, "min_prompt_tokens": positive_int,
               "max_prompt_tokens": positive_int, "max_new_tokens": positive_int},
     required=("batch_size", "min_prompt_tokens", "max_prompt_tokens", "max_new_tokens"),
-    lead=answers.batch_scaling, error_rate=TIMING.statement()))
+    lead=answers.batch_scaling, findings=(2, 3), error_rate=TIMING.statement()))

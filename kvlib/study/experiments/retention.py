@@ -30,10 +30,23 @@ def run_point(point) -> list[dict]:
     return rows
 
 
+def sizes(name: str, retention: dict) -> list[str]:
+    """The methods page's row of a profile's retention grid (kvlib.study.methods_figures.sizes)."""
+    fixed, budgets = retention["fixed"], ", ".join(f"{b:g}" for b in retention["grid"]["budget"])
+    if retention["grid"].get("budget_rule"):
+        budgets += f" (H2O's budget rule: {', '.join(retention['grid']['budget_rule'])})"
+    buckets = fixed["buckets"]
+    protocols = fixed.get("protocol", "deployed")
+    return [f"| `{name}` | retention | {', '.join(retention['policies'])} | {budgets} | "
+            f"{len(buckets) * fixed['per_bucket']} conversations a policy ({fixed['per_bucket']} in each "
+            f"of {len(buckets)} buckets: " + ", ".join(f"{lo:,}-{hi:,}" for lo, hi in buckets)
+            + " tokens), questions after turns " + ", ".join(map(str, fixed["query_turns"]))
+            + "; " + (", ".join(protocols) if isinstance(protocols, list) else protocols) + " |"]
+
 EXPERIMENT = register(Experiment(
     "retention", "Retention of an early fact", run_point, timed=False, trained_only=True,
     workload={"query_turns": list_of(positive_int), "buckets": list_of(bucket), "per_bucket": positive_int,
               "conversations": optional(source), "lockstep": positive_int,
               "answer_tokens": optional(positive_int), "protocol": one_or_list(one_of(*DECODED))},
     required=("query_turns", "buckets", "per_bucket"),
-    lead=answers.retention, reads_gate=True, error_rate=FINDINGS.borrowed("finding 5")))
+    lead=answers.retention, reads_gate=True, findings=(5,), sizes=sizes, error_rate=FINDINGS.borrowed("finding 5")))
