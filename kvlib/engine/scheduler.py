@@ -166,14 +166,15 @@ class Scheduler:
         while self.pending or self.waiting or self.running or self.prefilling:
             self.arrive()
             for work in self.schedule():
-                room = self.session.room(self.step_of(work))
+                step = self.step_of(work)
+                room = self.session.room(step)
                 if room is not None and room.short:
                     if not self.settings.serving:
                         return oom_record(room.error(), work.phase)
                     self.pool_ran_out(work, room)
                     break  # the step again, in the room made (or without the request that found none)
                 try:
-                    logits = self.run_pass(work)
+                    logits = self.run_pass(work, step)
                 except (DeviceOOM, torch.OutOfMemoryError) as exc:
                     return oom_record(exc, work.phase)
                 self.postprocess(work, logits)
@@ -228,13 +229,14 @@ class Scheduler:
         chunk = self.session.next_prefill(seq.row, tokens, s.prefill_mode, s.chunk_size)
         return self.session.prefill_step(seq.row, len(chunk), s.prefill_mode, len(tokens))
 
-    def run_pass(self, work: Work) -> torch.Tensor:
-        """The session runs one pass of the step's work; its logits (may raise DeviceOOM)."""
+    def run_pass(self, work: Work, step: Step) -> torch.Tensor:
+        """The session runs the pass whose room was asked (`step`, step_of's); its logits (may raise DeviceOOM)."""
         s, session = self.settings, self.session
         if work.phase == "decode":
-            return session.decode([seq.row for seq in work.seqs], [seq.generated[-1] for seq in work.seqs])
+            return session.decode([seq.row for seq in work.seqs], [seq.generated[-1] for seq in work.seqs], step)
         seq = work.seqs[0]
-        return session.prefill_next(seq.row, seq.tokens_to_prefill(), s.prefill_mode, s.chunk_size, s.prefill_store)
+        return session.prefill_next(seq.row, seq.tokens_to_prefill(), s.prefill_mode, s.chunk_size, s.prefill_store,
+                                    step)
 
     def postprocess(self, work: Work, logits: torch.Tensor) -> None:
         """After a pass: each decoding request's next token; or, once a request's prompt is all in, its first token

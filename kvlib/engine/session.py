@@ -103,13 +103,13 @@ class Session:
             self.lengths[row] = self.policy.reuse_prefix(row, prompt)
         return self.lengths[row]
 
-    def prefill_chunk(self, row: int, tokens: list[int], mode: str, end: int, logits: bool = True
-                      ) -> torch.Tensor | None:
+    def prefill_chunk(self, row: int, tokens: list[int], mode: str, end: int, logits: bool = True,
+                      step: Step | None = None) -> torch.Tensor | None:
         """Extend a row by tokens, one forward pass; `end` is the row's length once its whole prompt (this prefill)
         is in. Returns the logits after the last token [V] of the prompt's last chunk where `logits`, else None (the
-        model's LM head not run)."""
+        model's LM head not run). step: the pass as prefill_step makes it, where the caller made it already."""
         self.timers.phase = "prefill"
-        step = self.prefill_step(row, len(tokens), mode, end, logits)
+        step = step or self.prefill_step(row, len(tokens), mode, end, logits)
         out = self.forward(torch.tensor([tokens]), step)
         self.lengths[row] += len(tokens)
         return None if out is None else out[0]
@@ -127,14 +127,16 @@ class Session:
         return tokens[held:held + (chunk_size if mode == "chunked" else len(tokens) - held)]
 
     def prefill_next(self, row: int, tokens: list[int], mode: str, chunk_size: int,
-                     prefill_store: PrefillStore | None = None) -> torch.Tensor:
+                     prefill_store: PrefillStore | None = None, step: Step | None = None) -> torch.Tensor:
         """One step of a row's prefill towards holding `tokens` (some of them perhaps in already): the whole prompt
         adopted from `prefill_store` where the policy adopts it into a fresh row (adopt), else its own pass over the
-        next chunk (chunked mode) or the rest. Returns the logits after the pass's last token."""
+        next chunk (chunked mode) or the rest (`step`: that pass, where the caller made it to ask its room). Returns
+        the logits after the pass's last token."""
         store = prefill_store if not self.lengths[row] else None
         logits = None if store is None else self.adopt(row, tokens, mode, chunk_size, store)
         if logits is None:
-            logits = self.prefill_chunk(row, self.next_prefill(row, tokens, mode, chunk_size), mode, len(tokens))
+            logits = self.prefill_chunk(row, self.next_prefill(row, tokens, mode, chunk_size), mode, len(tokens),
+                                        step=step)
         return logits
 
     def prefill(self, row: int, tokens: list[int], mode: str, chunk_size: int = 512,
@@ -182,10 +184,11 @@ class Session:
         for layer in range(self.model.spec.num_layers):
             self.policy.adopt_pass(layer, recorded, step)
 
-    def decode(self, rows: list[int], tokens: list[int]) -> torch.Tensor:
-        """Row rows[i] is fed tokens[i] after what it holds; returns logits [B, V]."""
+    def decode(self, rows: list[int], tokens: list[int], step: Step | None = None) -> torch.Tensor:
+        """Row rows[i] is fed tokens[i] after what it holds (`step`: that pass, where the caller made it already);
+        returns logits [B, V]."""
         self.timers.phase = "decode"
-        logits = self.forward(torch.tensor(tokens)[:, None], self.decode_step(rows))
+        logits = self.forward(torch.tensor(tokens)[:, None], step or self.decode_step(rows))
         for r in rows:
             self.lengths[r] += 1
         self.policy.usage.held(self.ledger.held("device"), sum(self.lengths))
