@@ -31,6 +31,7 @@ def main() -> None:
     from kvlib.policies.registry import register
     from kvlib.report import stats
     from kvlib.study.experiments.common import model_of, run_timed
+    from kvlib.study.kept import Kept
 
     @register
     @dataclasses.dataclass
@@ -42,13 +43,14 @@ def main() -> None:
     point = dataclasses.replace(point, values={**point.values, "batch_size": BATCH,
                                                **({"max_new_tokens": 3, "max_prompt_tokens": 32} if SMOKE else {})})
     v = point.values
-    prompts = mixed_length_prompts(model_of(point).tokenizer, v["batch_size"], v["min_prompt_tokens"] if not SMOKE
+    kept = Kept()
+    prompts = mixed_length_prompts(model_of(point, kept).tokenizer, v["batch_size"], v["min_prompt_tokens"] if not SMOKE
                                    else 16, v["max_prompt_tokens"], seed=v.get("seed", 0), source=v.get("text_source"))
     runners = {"full": point, "full_twin": dataclasses.replace(point, runner="full_twin")}
     rows: dict[str, list[dict]] = {name: [] for name in runners}
     for r in range(REPEATS):
         for name in (list(runners) if r % 2 == 0 else list(runners)[::-1]):
-            row = run_timed(runners[name], prompts, v["max_new_tokens"])
+            row = run_timed(runners[name], kept, prompts, v["max_new_tokens"])
             rows[name].append({"decode_tokens_per_s": row["decode_tokens_per_s"], "ttft_s": row["ttft_s"]})
             print(f"repeat {r} {name}: {row['decode_tokens_per_s']:.1f} tok/s, TTFT {row['ttft_s']:.3f} s", flush=True)
     verdicts = {}

@@ -38,6 +38,7 @@ from kvlib.errors import UserError
 from kvlib.paths import machine_limits
 from kvlib.study import results
 from kvlib.study.experiments import experiment as declared
+from kvlib.study.kept import Kept
 from kvlib.study.limits import record
 from kvlib.study.machine import machine
 from kvlib.study.machine_load import measured_load
@@ -65,6 +66,7 @@ def compute_unit(point: Point, repeat: int, meta: dict) -> pd.DataFrame:
 
 
 _outside_pool: ProcessPoolExecutor | None = None
+_kept = Kept()  # what this process keeps from one point to the next, handed to each (kvlib.study.kept)
 # in a worker of Processes: the study's process, whose other workers share the cores on purpose (not a disturbance)
 _study_process: int | None = None
 
@@ -90,7 +92,7 @@ def _compute_unit(point: Point, repeat: int, meta: dict) -> pd.DataFrame:
     compute_s = 0.0  # what the unit cost the build, every attempt (benchmarks/book_times.py adds them up)
     for attempt in range(1, (ATTEMPTS if experiment.timed else 1) + 1):
         with measured_load(_study_process) as load:
-            rows = experiment.run_point(point)
+            rows = experiment.run_point(point, _kept)
         compute_s += load.wall_s
         if not load.disturbed:
             break

@@ -27,7 +27,8 @@ from kvlib.study.checks import Check
 class Experiment:
     name: str  # the profile's key, the results folder's and the chapter's name
     title: str
-    run_point: Callable  # (Point) -> list[dict]: the point's result rows
+    # (Point, Kept) -> list[dict]: the point's result rows, from what the executor's process keeps (kvlib.study.kept)
+    run_point: Callable
     # what it measures is time: a run disturbed by other processes is measured again, and its units run alone;
     # else a score, the same under load: never measured again, its units may share the cores (executor.Processes)
     timed: bool

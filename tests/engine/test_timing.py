@@ -10,6 +10,7 @@ from kvlib.engine import Engine
 from kvlib.engine.run_result import CACHE_OPS, PHASE_SECTIONS, wall_split
 from kvlib.memory.timing import Timers
 from kvlib.policies import available, make_policy
+from kvlib.study.kept import Kept
 
 
 def test_nested_sections_count_once():
@@ -73,7 +74,7 @@ def test_a_timed_run_follows_an_untimed_one_on_the_same_prompts_that_reads_memor
 
     calls = []
 
-    def fake_run(point, prompts, n, *, memory_run):
+    def fake_run(point, kept, prompts, n, *, memory_run):
         calls.append((len(prompts), n, memory_run))
         return types.SimpleNamespace(row=lambda: {
             "ttft_s": 9.0 if memory_run else 1.0, "decode_tokens_per_s": 1.0 if memory_run else 50.0,
@@ -81,16 +82,16 @@ def test_a_timed_run_follows_an_untimed_one_on_the_same_prompts_that_reads_memor
             "split_cache_ops_s": 0.5 if memory_run else None, "oom": False, "oom_where": None})
 
     monkeypatch.setattr(common, "run", fake_run)
-    monkeypatch.setattr(common, "_untimed_rows", {})
+    kept = Kept()  # a fresh process's
     point = types.SimpleNamespace(weights="pretrained", key="p")
-    row = common.run_timed(point, [[1, 2]] * 8, 33)
+    row = common.run_timed(point, kept, [[1, 2]] * 8, 33)
     assert calls == [(8, 33, True), (8, 33, False)]
     assert (row["ttft_s"], row["decode_tokens_per_s"]) == (1.0, 50.0)
     assert (row["device_peak_bytes"], row["device_kv_bytes"], row["split_cache_ops_s"]) == (7, 5, 0.5)
     # another repeat of the point in this process: already warm on its shapes, timed at once, the same memory
-    again = common.run_timed(point, [[1, 2]] * 8, 33)
+    again = common.run_timed(point, kept, [[1, 2]] * 8, 33)
     assert calls[2:] == [(8, 33, False)] and again["device_peak_bytes"] == 7
-    common.run_timed(types.SimpleNamespace(weights="pretrained", key="q"), [[1, 2]] * 8, 33)
+    common.run_timed(types.SimpleNamespace(weights="pretrained", key="q"), kept, [[1, 2]] * 8, 33)
     assert calls[3:] == [(8, 33, True), (8, 33, False)]
 
 
@@ -115,11 +116,10 @@ def test_a_point_that_runs_out_of_memory_untimed_is_not_timed(monkeypatch):
 
     calls = []
 
-    def fake_run(point, prompts, n, *, memory_run):
+    def fake_run(point, kept, prompts, n, *, memory_run):
         calls.append(memory_run)
         return types.SimpleNamespace(row=lambda: {"ttft_s": None, "oom": True, "oom_where": "attention matrix"})
 
     monkeypatch.setattr(common, "run", fake_run)
-    monkeypatch.setattr(common, "_untimed_rows", {})
-    row = common.run_timed(types.SimpleNamespace(weights="pretrained", key="p"), [[1, 2]], 1)
+    row = common.run_timed(types.SimpleNamespace(weights="pretrained", key="p"), Kept(), [[1, 2]], 1)
     assert calls == [True] and row["oom"] and row["oom_where"] == "attention matrix"

@@ -17,6 +17,7 @@ from kvlib.models.random_tokens import NoTextTokenizer, random_token_ids
 from kvlib.models.random_weights import build_random_model
 from kvlib.models.workloads import mixed_length_prompts, prompt_of_length
 from kvlib.policies import available, make_policy
+from kvlib.study.kept import Kept
 from kvlib.study.point import Point
 
 # D x H_kv x d_h x sizeof(bf16) x 2 for the whole model: 128 KiB and 320 KiB a token
@@ -173,7 +174,7 @@ def test_accuracy_and_retention_refuse_random_weights(experiment):
     point = Point(experiment, "full", {}, {"task": "kvlib_recall", "query_turns": [2], "buckets": [[8, 16]],
                                            "per_bucket": 1}, "llama-3.1-8b", weights="random")
     with pytest.raises(UserError, match=f"experiment '{experiment}' .* random weights"):
-        importlib.import_module(f"kvlib.study.experiments.{experiment}").run_point(point)
+        importlib.import_module(f"kvlib.study.experiments.{experiment}").run_point(point, Kept())
     raw = {"model": "llama-3.1-8b", "weights": "random", "experiments": {experiment: {"policies": ["full"]}}}
     with pytest.raises(UserError, match=re.escape("params/x.yaml: experiment")):
         validate_profile("x", raw)
@@ -222,24 +223,23 @@ def test_cli_runs_a_named_architecture_with_random_weights(capsys, monkeypatch):
 
 
 def test_a_systems_point_runs_end_to_end_with_random_weights(monkeypatch):
-    from kvlib.study.experiments import common, decode_length, ttft
+    from kvlib.study import kept
+    from kvlib.study.experiments import decode_length, ttft
 
     def one_layer(name, device=None, weights="pretrained"):
         return load_model(name, device="cpu", dtype=torch.bfloat16, weights=weights, num_layers=1)
 
-    monkeypatch.setattr(common, "load_model", one_layer)
-    common.model.cache_clear()
-    try:
-        def point(experiment, **values):
-            return Point(experiment, "full", {}, values, "llama-3.1-8b", weights="random", device="cpu")
+    monkeypatch.setattr(kept, "load_model", one_layer)
+    process = kept.Kept()  # the model loaded once for both points
 
-        [row] = ttft.run_point(point("ttft", prompt_tokens=24, prefill="full"))
-        assert row["completed"] and row["caveat"] == "random weights: systems figures only"
-        assert row["device_kv_bytes"] == 24 * 1 * 8 * 128 * 2 * 2
-        [row] = decode_length.run_point(point("decode_length", prompt_tokens=16, output_tokens=5))
-        assert row["decode_tokens"] == 4  # no end of sequence: the asked length
-    finally:
-        common.model.cache_clear()
+    def point(experiment, **values):
+        return Point(experiment, "full", {}, values, "llama-3.1-8b", weights="random", device="cpu")
+
+    [row] = ttft.run_point(point("ttft", prompt_tokens=24, prefill="full"), process)
+    assert row["completed"] and row["caveat"] == "random weights: systems figures only"
+    assert row["device_kv_bytes"] == 24 * 1 * 8 * 128 * 2 * 2
+    [row] = decode_length.run_point(point("decode_length", prompt_tokens=16, output_tokens=5), process)
+    assert row["decode_tokens"] == 4  # no end of sequence: the asked length
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -16,7 +16,8 @@ from kvlib.engine.scheduler import RunSettings, Sequence
 from kvlib.errors import UserError
 from kvlib.policies import available, make_policy
 from kvlib.report import serving as report
-from kvlib.study.experiments import common, serving
+from kvlib.study.experiments import serving
+from kvlib.study.kept import Kept
 from kvlib.study.point import Point
 from kvlib.study.runners import make_runner, runner_class
 
@@ -66,13 +67,13 @@ def point(tiny, runner):
 
 @pytest.fixture
 def on_tiny(tiny, monkeypatch):
-    monkeypatch.setattr(common, "model", lambda *args, **kwargs: tiny)
+    monkeypatch.setattr(Kept, "model", lambda self, *args, **kwargs: tiny)
     return tiny
 
 
 def test_the_serving_experiment_compresses_where_paged_preempts_and_lists_whom(on_tiny):
-    paged, = serving.run_point(point(on_tiny, "paged"))
-    mine, = serving.run_point(point(on_tiny, "compress_h2o"))
+    paged, = serving.run_point(point(on_tiny, "paged"), Kept())
+    mine, = serving.run_point(point(on_tiny, "compress_h2o"), Kept())
     assert paged["preemptions"] > 0 and paged["compressions"] is None and paged["compressed_requests"] is None
     assert not mine["oom"] and mine["completed"] and mine["preemptions"] == 0
     trace = serving.trace_of(on_tiny.tokenizer, point(on_tiny, "paged").values)

@@ -17,7 +17,7 @@ from kvlib.study.experiments import REGISTRY
 __all__ = ["install"]
 
 
-def fake_run_point(point) -> list[dict]:
+def fake_run_point(point, kept=None) -> list[dict]:
     if point.key == os.environ.get("KVLIB_FAKE_DIE_ON"):
         marker = Path(os.environ["KVLIB_FAKE_MARKER"])
         if not marker.exists():
@@ -28,8 +28,8 @@ def fake_run_point(point) -> list[dict]:
     return [{"value": int(point.key[:8], 16) % 1000, "oom": False, "ttft_s": 0.1}]
 
 
-def dispatch(real, point):
-    return fake_run_point(point) if os.environ.get("KVLIB_FAKE") == "1" else real(point)
+def dispatch(real, point, kept):
+    return fake_run_point(point, kept) if os.environ.get("KVLIB_FAKE") == "1" else real(point, kept)
 
 
 def install() -> None:

@@ -17,7 +17,7 @@ from kvlib.study.checks import positive_int
 from kvlib.study.experiment import Experiment, register
 
 
-def run_point(point):
+def run_point(point, kept):
     return [{"doubled": 2 * point.values["n"], "runner_seen": point.runner}]
 
 

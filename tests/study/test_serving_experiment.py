@@ -8,7 +8,8 @@ import pandas as pd
 import pytest
 
 from kvlib.report import serving as report
-from kvlib.study.experiments import common, serving
+from kvlib.study.experiments import serving
+from kvlib.study.kept import Kept
 from kvlib.study.point import Point
 from kvlib.study.runners import make_runner
 
@@ -27,8 +28,8 @@ def point(runner, capacity_gb=None, **values):
 
 @pytest.fixture
 def on_tiny(tiny, monkeypatch):
-    """Points of the tiny random Llama: the experiment's model cache answers with the fixture."""
-    monkeypatch.setattr(common, "model", lambda *args, **kwargs: tiny)
+    """Points of the tiny random Llama: what a process keeps answers with the fixture for any model."""
+    monkeypatch.setattr(Kept, "model", lambda self, *args, **kwargs: tiny)
     return tiny
 
 
@@ -53,13 +54,13 @@ def test_between_rates_only_the_clock_changes(smollm):
 def test_a_trace_is_replayed_identically(on_tiny):
     p = point("paged")
     trace = serving.trace_of(on_tiny.tokenizer, p.values)
-    first, second = (serving.serve(p, trace, memory_run=m) for m in (True, False))
+    first, second = (serving.serve(p, Kept(), trace, memory_run=m) for m in (True, False))
     assert [o["token_ids"] for o in first.outputs] == [o["token_ids"] for o in second.outputs]
     assert [len(o["token_ids"]) for o in first.outputs] == list(trace.output_tokens)  # EOS ignored, lengths drawn
 
 
 def test_a_point_is_one_row_with_every_serving_metric(on_tiny):
-    rows = serving.run_point(point("h2o", request_rate=100.0))
+    rows = serving.run_point(point("h2o", request_rate=100.0), Kept())
     assert len(rows) == 1
     row = rows[0]
     for column in (*serving.LATENCY_COLUMNS, "preemptions", "slo_attainment", "device_kv_peak_bytes",
@@ -70,7 +71,7 @@ def test_a_point_is_one_row_with_every_serving_metric(on_tiny):
 
 
 def test_a_setup_that_does_not_fit_is_an_oom_row(on_tiny):
-    row, = serving.run_point(point("paged", capacity_gb=1e-4))
+    row, = serving.run_point(point("paged", capacity_gb=1e-4), Kept())
     assert row["oom"] and row["oom_where"] and row["ttft_s_p50"] is None
 
 
@@ -88,11 +89,11 @@ def test_vllm_is_asked_before_it_starts_whether_its_pool_holds_the_longest_reque
     block = make_runner("vllm").block_size
     holds_one = on_tiny.spec.kv_bytes(-(-trace.longest // block) * block)
     monkeypatch.setattr(vllm, "_kv_space", lambda model, capacity: holds_one - 1)
-    row, = serving.run_point(point("vllm"))
+    row, = serving.run_point(point("vllm"), Kept())
     assert row["oom"] and f"one request of {trace.longest} tokens" in row["oom_where"]
     monkeypatch.setattr(vllm, "_kv_space", lambda model, capacity: holds_one)
     with pytest.raises(RuntimeError, match="vLLM started"):
-        serving.run_point(point("vllm", request_rate=51.0))
+        serving.run_point(point("vllm", request_rate=51.0), Kept())
 
 
 def test_a_kvlib_pool_that_cannot_hold_one_request_alone_is_an_oom_row(on_tiny, monkeypatch):
@@ -101,7 +102,8 @@ def test_a_kvlib_pool_that_cannot_hold_one_request_alone_is_an_oom_row(on_tiny, 
     trace = serving.trace_of(on_tiny.tokenizer, point("paged").values)
     weights = on_tiny.weights_bytes + on_tiny.packed_copy_bytes
     room = (trace.longest // 2) * on_tiny.spec.kv_bytes_per_token  # half the longest request's KV
-    row, = serving.run_point(point("paged", capacity_gb=(weights + room) / 0.9 / 2**30, request_rate=52.0))
+    capacity_gb = (weights + room) / 0.9 / 2**30
+    row, = serving.run_point(point("paged", capacity_gb=capacity_gb, request_rate=52.0), Kept())
     assert row["oom"] and "even alone" in row["oom_where"] and row["ttft_s_p50"] is None
 
     def broken(*args, **kwargs):
@@ -109,7 +111,7 @@ def test_a_kvlib_pool_that_cannot_hold_one_request_alone_is_an_oom_row(on_tiny, 
 
     monkeypatch.setattr(serving, "serve", broken)
     with pytest.raises(ValueError, match="something else"):
-        serving.run_point(point("paged", request_rate=53.0))
+        serving.run_point(point("paged", request_rate=53.0), Kept())
 
 
 @pytest.mark.model
@@ -260,14 +262,14 @@ def test_a_rate_multiple_runs_at_a_multiple_of_this_machines_service_rate(on_tin
     values = {k: v for k, v in VALUES.items() if k != "request_rate"}
     probes = []
     replay = serving._replay
-    monkeypatch.setattr(serving, "_replay", lambda p, t, memory_run: probes.append(p.runner) or replay(
-        p, t, memory_run=memory_run))
-    rows = serving.run_point(point("h2o", **values, rate_multiple=2.0))
+    monkeypatch.setattr(serving, "_replay", lambda p, kept, t, memory_run: probes.append(p.runner) or replay(
+        p, kept, t, memory_run=memory_run))
+    rows = serving.run_point(point("h2o", **values, rate_multiple=2.0), Kept())
     rate = rows[0]["service_rate"]
     assert probes[0] == "paged" and rate > 0
     assert rows[0]["request_rate"] == pytest.approx(2 * rate)
     probes.clear()
-    again = serving.run_point(point("paged", **values, rate_multiple=0.5))
+    again = serving.run_point(point("paged", **values, rate_multiple=0.5), Kept())
     assert len(probes) == 2  # the point's instrumented and timed replays: the probe was read, not run again
     assert again[0]["service_rate"] == rate and again[0]["request_rate"] == pytest.approx(rate / 2)
     assert (tmp_path / serving.SERVICE_RATE_FILE).exists()

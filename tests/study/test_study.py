@@ -118,7 +118,7 @@ def test_a_profile_given_as_a_path_to_a_users_own_file(root, tmp_path, monkeypat
                                                                           "policies": ["full"]}}}))
     profile = study.load_profile(str(mine))
     assert profile.name == "mine" and len(profile.points("ttft")) == 4
-    fake(monkeypatch, "ttft", lambda point: [{"ttft_s": 0.1, "oom": False}])
+    fake(monkeypatch, "ttft", lambda point, kept: [{"ttft_s": 0.1, "oom": False}])
     assert cli.main(["study", "--profile", str(mine), "--compute-only"]) == 0
     assert len(results.load("mine", "ttft")) == 4
 
@@ -143,7 +143,7 @@ def test_an_exception_in_a_unit_is_recorded_and_the_others_stored(root, monkeypa
     points = study.load_profile("p").points("ttft")
     bad = points[1].key
 
-    def run_point(point):
+    def run_point(point, kept):
         if point.key == bad:
             raise ValueError(f"broken at {point.key}")
         return [{"ttft_s": 0.1, "oom": False}]
@@ -156,7 +156,7 @@ def test_an_exception_in_a_unit_is_recorded_and_the_others_stored(root, monkeypa
     assert results.missing_units("p", "ttft") == [f"{bad}-r0.parquet", f"{bad}-r1.parquet"]
     assert not list((root / "results" / "p" / "ttft").glob(".*tmp"))
     calls = []
-    fake(monkeypatch, "ttft", lambda point: calls.append(point) or [{"ttft_s": 0.2, "oom": False}])
+    fake(monkeypatch, "ttft", lambda point, kept: calls.append(point) or [{"ttft_s": 0.2, "oom": False}])
     assert len(run_experiment("p")) == 2 * len(points) and {p.key for p in calls} == {bad} and len(calls) == 2
 
 
@@ -179,7 +179,7 @@ def test_an_outside_engine_point_is_computed_in_a_process_of_its_own(root, monke
     isolated = []
     monkeypatch.setattr(executor, "in_outside_process", lambda fn, point, *rest: isolated.append(point.runner)
                         or fn(point, *rest))
-    fake(monkeypatch, "ttft", lambda point: [{"ttft_s": 0.1, "oom": False}])
+    fake(monkeypatch, "ttft", lambda point, kept: [{"ttft_s": 0.1, "oom": False}])
     frame = run_experiment("p")
     assert sorted(frame["runner"]) == ["full", "vllm"] and isolated == ["vllm"]
 
@@ -188,7 +188,7 @@ def test_an_interrupted_run_resumes_without_recomputing(root, monkeypatch):
     write_profile(root, "p", PROFILE)
     calls = []
 
-    def run_point(point):
+    def run_point(point, kept):
         if len(calls) == 3:
             raise KeyboardInterrupt  # as if `make book` were killed here
         calls.append(point)
@@ -202,7 +202,7 @@ def test_an_interrupted_run_resumes_without_recomputing(root, monkeypatch):
     assert len(results.missing_units("p", "ttft")) == 3
     done = [p.key for p in calls]
     calls.clear()
-    fake(monkeypatch, "ttft", lambda point: calls.append(point) or [{"ttft_s": 0.2, "oom": False}])
+    fake(monkeypatch, "ttft", lambda point, kept: calls.append(point) or [{"ttft_s": 0.2, "oom": False}])
     frame = run_experiment("p")
     assert len(calls) == 3 and not {p.key for p in calls} & set(done)
     assert len(frame) == 6 and set(frame["point_hash"]) >= set(done)
@@ -216,7 +216,7 @@ def test_an_interrupted_run_resumes_without_recomputing(root, monkeypatch):
 def test_readers_load_the_grid_of_the_profile_as_it_is_now(root, monkeypatch):
     """A point dropped from the profile stays on disk but leaves the book: the manifest names the current grid."""
     write_profile(root, "p", PROFILE)
-    fake(monkeypatch, "ttft", lambda point: [{"ttft_s": 0.1, "oom": False}])
+    fake(monkeypatch, "ttft", lambda point, kept: [{"ttft_s": 0.1, "oom": False}])
     assert len(run_experiment("p")) == 6
     write_profile(root, "p", {**PROFILE, "experiments": {"ttft": {**PROFILE["experiments"]["ttft"],
                                                                    "policies": ["full"]}}})
@@ -227,7 +227,7 @@ def test_readers_load_the_grid_of_the_profile_as_it_is_now(root, monkeypatch):
 
 def test_a_notebook_computes_what_is_missing_or_says_which_command_will(root, monkeypatch, capsys):
     write_profile(root, "p", PROFILE)
-    fake(monkeypatch, "ttft", lambda point: [{"ttft_s": 0.1, "oom": False}])
+    fake(monkeypatch, "ttft", lambda point, kept: [{"ttft_s": 0.1, "oom": False}])
     assert study.load("p", "ttft", compute_missing=False).empty
     assert "kvlib study --profile p --experiments ttft --compute-only" in capsys.readouterr().out
     assert len(study.load("p", "ttft")) == 6  # opened interactively: computed through the same executor
@@ -243,7 +243,7 @@ def test_a_budget_set_in_policy_settings_is_a_column_the_tables_read(root, monke
 
     write_profile(root, "p", {**PROFILE, "experiments": {"accuracy": {"policies": ["full", "h2o"],
                                                                        "grid": {"task": ["a"]}}}})
-    fake(monkeypatch, "accuracy", lambda point: [{"task": "a", "correct": 1.0}])
+    fake(monkeypatch, "accuracy", lambda point, kept: [{"task": "a", "correct": 1.0}])
     table = accuracy_table(run_experiment("p", "accuracy"))
     assert dict(zip(table["policy"], table["budget"])) == {"full": 1.0, "h2o": 0.3}
 
@@ -275,7 +275,7 @@ def test_compute_only_runs_the_named_policies_and_no_notebook(root, monkeypatch)
     write_profile(root, "p", {**PROFILE, "experiments": {"ttft": {**PROFILE["experiments"]["ttft"],
                                                                    "policies": ["all", "vllm"]}}})
     calls = []
-    fake(monkeypatch, "ttft", lambda point: calls.append(point.runner) or [{"ttft_s": 0.1}])
+    fake(monkeypatch, "ttft", lambda point, kept: calls.append(point.runner) or [{"ttft_s": 0.1}])
     monkeypatch.setattr(study.book, "execute", lambda *args: pytest.fail("no notebook runs with --compute-only"))
     assert cli.main(["study", "--profile", "p", "--compute-only", "--policies", "full", "h2o"]) == 0
     assert sorted(set(calls)) == ["full", "h2o"] and len(calls) == 6  # 2 lengths x (full: full, fused; h2o: full)
@@ -286,7 +286,7 @@ def test_compute_only_runs_the_named_policies_and_no_notebook(root, monkeypatch)
 def test_repeats_run_in_rounds_each_in_a_seeded_random_order_recorded_in_the_rows(root, monkeypatch):
     write_profile(root, "p", {**PROFILE, "experiments": {"ttft": {**PROFILE["experiments"]["ttft"], "repeats": 3}}})
     calls = []
-    fake(monkeypatch, "ttft", lambda point: calls.append(point.key) or [{"ttft_s": 0.1}])
+    fake(monkeypatch, "ttft", lambda point, kept: calls.append(point.key) or [{"ttft_s": 0.1}])
     frame = run_experiment("p")
     points = len(set(calls))
     rounds = [calls[i * points:(i + 1) * points] for i in range(3)]
@@ -312,7 +312,7 @@ def test_accuracy_points_run_task_by_task_and_by_prefill_arithmetic(root, monkey
     spec = {"policies": ["full", "h2o", "snapkv"], "grid": {"task": ["b_task", "a_task"], "budget": [0.1]}}
     write_profile(root, "acc", {**PROFILE, "experiments": {"accuracy": spec}})
     calls = []
-    fake(monkeypatch, "accuracy", lambda point: calls.append((point.values["task"], point.runner))
+    fake(monkeypatch, "accuracy", lambda point, kept: calls.append((point.values["task"], point.runner))
                         or [{"task": point.values["task"], "correct": 1.0}])
     run_experiment("acc", "accuracy")
     assert calls == [("a_task", "h2o"), ("a_task", "full"), ("a_task", "snapkv"),  # h2o: full-matrix prefill
@@ -341,7 +341,7 @@ def test_a_unit_measured_under_load_is_measured_again_then_flagged(root, monkeyp
 
     monkeypatch.setattr(executor, "measured_load", Probe)
     calls = []
-    fake(monkeypatch, "ttft", lambda point: calls.append(1) or [{"ttft_s": 0.1}])
+    fake(monkeypatch, "ttft", lambda point, kept: calls.append(1) or [{"ttft_s": 0.1}])
     frame = run_experiment("p")
     assert len(calls) == 2 and frame["attempts"].tolist() == [2] and not frame["disturbed"].any()
     assert frame["unit_compute_s"].tolist() == [2.0]  # what the unit cost the build: both attempts
@@ -352,7 +352,7 @@ def test_a_unit_measured_under_load_is_measured_again_then_flagged(root, monkeyp
     write_profile(root, "acc", {**PROFILE, "experiments": {"accuracy": {"policies": ["full"],
                                                                         "grid": {"task": ["kvlib_recall"]}}}})
     busy, calls = iter([True, True]), []
-    fake(monkeypatch, "accuracy", lambda point: calls.append(1) or [{"correct": 1.0}])
+    fake(monkeypatch, "accuracy", lambda point, kept: calls.append(1) or [{"correct": 1.0}])
     frame = run_experiment("acc", "accuracy")
     assert len(calls) == 1 and frame["attempts"].tolist() == [1] and frame["disturbed"].all()
 

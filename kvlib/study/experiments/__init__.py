@@ -1,4 +1,4 @@
-"""The study's experiments, one module each: its `run_point(point) -> list[dict]` and its declaration
+"""The study's experiments, one module each: its `run_point(point, kept) -> list[dict]` and its declaration
 (kvlib.study.experiment), which importing this package registers, in the book's order."""
 
 from kvlib.study.experiment import REGISTRY, Experiment, check_weights, experiment, finding_chapters, names

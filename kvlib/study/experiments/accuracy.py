@@ -39,18 +39,15 @@ from kvlib.study.experiment import Experiment, register
 from kvlib.study.experiments.common import model_of
 from kvlib.study.runners import runner_class
 
-_store: tuple[weakref.ref, PrefillStore] | None = None  # (the model it serves, its store)
 
-
-def prefill_store(loaded, max_gb: float | None = None) -> PrefillStore:
+def prefill_store(kept, loaded, max_gb: float | None = None) -> PrefillStore:
     """This process's store for this model: one for every point of it, a fresh one when the model changes (the last
-    model's records are then dropped with it)."""
-    global _store
+    model's records are then dropped with it; the store does not keep its model loaded)."""
     max_bytes = None if max_gb is None else int(max_gb * 2**30)
-    if _store is None or _store[0]() is not loaded.model or (max_bytes is not None
-                                                              and _store[1].max_bytes != max_bytes):
-        _store = (weakref.ref(loaded.model), PrefillStore(max_bytes))
-    return _store[1]
+    held = kept.once.get(PrefillStore)  # (the model it serves, its store)
+    if held is None or held[0]() is not loaded.model or (max_bytes is not None and held[1].max_bytes != max_bytes):
+        held = kept.once[PrefillStore] = (weakref.ref(loaded.model), PrefillStore(max_bytes))
+    return held[1]
 
 
 def order(point) -> tuple:
@@ -61,14 +58,14 @@ def order(point) -> tuple:
     return point.values["task"], point.values.get("prefill", runner.preferred_prefill)
 
 
-def run_point(point) -> list[dict]:
+def run_point(point, kept) -> list[dict]:
     v = point.values
-    loaded = model_of(point)
+    loaded = model_of(point, kept)
     protocol = v.get("protocol", DEPLOYED)
     lm = KVLibLM(policy=point.runner, loaded=loaded, batch_size=v.get("batch_size", 8), protocol=protocol,
                  prefill=v.get("prefill"),
                  calibration=calibration_prompt(loaded, v.get("calibration_source")),
-                 prefill_store=prefill_store(loaded, v.get("prefill_store_gb")), **point.settings)
+                 prefill_store=prefill_store(kept, loaded, v.get("prefill_store_gb")), **point.settings)
     if v["task"] in RULER_TASKS:  # lm-eval's RULER: items sized per length (kvlib.evaluation.ruler)
         rows = evaluate_ruler(lm, v["task"], loaded.tokenizer.name_or_path, **(v.get("ruler") or {}))
         rows = [{**row, "protocol": protocol} for row in rows]

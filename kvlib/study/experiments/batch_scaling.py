@@ -8,11 +8,11 @@ from kvlib.study.experiment import Experiment, register
 from kvlib.study.experiments.common import model_of, run_timed
 
 
-def run_point(point) -> list[dict]:
+def run_point(point, kept) -> list[dict]:
     v = point.values
-    prompts = mixed_length_prompts(model_of(point).tokenizer, v["batch_size"], v["min_prompt_tokens"],
+    prompts = mixed_length_prompts(model_of(point, kept).tokenizer, v["batch_size"], v["min_prompt_tokens"],
                                    v["max_prompt_tokens"], seed=v.get("seed", 0), source=v.get("text_source"))
-    row = run_timed(point, prompts, v["max_new_tokens"])
+    row = run_timed(point, kept, prompts, v["max_new_tokens"])
     row["prompt_tokens_total"] = sum(map(len, prompts))
     return [row]
 

@@ -8,11 +8,11 @@ from kvlib.study.experiment import Experiment, register
 from kvlib.study.experiments.common import model_of, run_timed
 
 
-def run_point(point) -> list[dict]:
+def run_point(point, kept) -> list[dict]:
     v = point.values
-    prompts = [prompt_of_length(model_of(point).tokenizer, v["prompt_tokens"], offset=1000 * i,
+    prompts = [prompt_of_length(model_of(point, kept).tokenizer, v["prompt_tokens"], offset=1000 * i,
                                 source=v.get("text_source")) for i in range(v.get("batch_size", 1))]
-    return [run_timed(point, prompts, v["output_tokens"])]
+    return [run_timed(point, kept, prompts, v["output_tokens"])]
 
 
 EXPERIMENT = register(Experiment(

@@ -13,18 +13,14 @@ from kvlib.study.experiments.common import model_of, run_timed
 
 PROBE_BYTES, PROBE_CHUNK = 128 * 2**20, 8 * 2**20  # the disk's read rate: a file of 128 MiB read in 8 MiB chunks
 
-_read_rates: dict[str, dict] = {}  # per process and offload folder: measured once, beside the first point there
-
-
-def run_point(point) -> list[dict]:
+def run_point(point, kept) -> list[dict]:
     v = point.values
-    prompts = [prompt_of_length(model_of(point).tokenizer, v["prompt_tokens"], offset=1000 * i,
+    prompts = [prompt_of_length(model_of(point, kept).tokenizer, v["prompt_tokens"], offset=1000 * i,
                                 source=v.get("text_source")) for i in range(v["batch_size"])]
-    row = run_timed(point, prompts, v["max_new_tokens"])
+    row = run_timed(point, kept, prompts, v["max_new_tokens"])
     root = point.settings.get("offload_dir") or default_offload_dir()
-    if root not in _read_rates:
-        _read_rates[root] = read_bandwidth(root, PROBE_BYTES, PROBE_CHUNK)
-    probe = _read_rates[root]
+    # measured once a process and offload folder, beside the first point there
+    probe = kept.get(("disk read rate", root), lambda: read_bandwidth(root, PROBE_BYTES, PROBE_CHUNK))
     return [{**row, "disk_read_bytes_per_s": probe["read_bytes_per_s"],
              "disk_probe_page_cache_bytes": probe["read_bytes_page_cache"], "disk_probe_bytes": probe["bytes"]}]
 

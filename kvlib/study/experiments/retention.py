@@ -9,9 +9,9 @@ from kvlib.study.experiment import Experiment, register
 from kvlib.study.experiments.common import make_engine
 
 
-def run_point(point) -> list[dict]:
+def run_point(point, kept) -> list[dict]:
     v = point.values
-    engine = make_engine(point)
+    engine = make_engine(point, kept)
     tokenizer = engine.model.tokenizer
     turns = v["query_turns"]
     if v.get("conversations"):

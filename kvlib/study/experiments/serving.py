@@ -53,6 +53,7 @@ from kvlib.report.pages import TIMING
 from kvlib.study.checks import optional, positive_int, positive_number
 from kvlib.study.experiment import Experiment, register
 from kvlib.study.experiments.common import accounting_columns, make_engine, model_of, result_row, warm_then_timed
+from kvlib.study.kept import Kept
 from kvlib.study.point import Point
 from kvlib.study.runners import make_runner
 
@@ -105,7 +106,7 @@ def slo_of(values: dict) -> dict:
     return {k: values[f"slo_{k}"] for k in ("ttft_s", "tpot_s") if values.get(f"slo_{k}") is not None}
 
 
-def serve(point: Point, trace: Trace, *, memory_run: bool) -> RunResult:
+def serve(point: Point, kept: Kept, trace: Trace, *, memory_run: bool) -> RunResult:
     """One replay of the trace by the point's runner. memory_run: the engine reads what it holds as it goes (kvlib's
     ledger and timer sections, vLLM's KV blocks and preemptions); otherwise nothing is read from inside it."""
     from kvlib.engine.scheduler import RunSettings, Sequence
@@ -120,7 +121,7 @@ def serve(point: Point, trace: Trace, *, memory_run: bool) -> RunResult:
     requests = [Sequence(p, n, arrival_s=a) for p, n, a in zip(prompts, trace.output_tokens, trace.arrivals_s)]
     settings = RunSettings(runner.serving_schedule, "chunked", point.values.get("chunk_size", 512),
                            stop_at_eos=False, slo=slo_of(point.values))
-    return make_engine(point, instrumented=memory_run).run(requests, settings)
+    return make_engine(point, kept, instrumented=memory_run).run(requests, settings)
 
 
 def serving_row(result: RunResult, point: Point) -> dict:
@@ -163,7 +164,7 @@ def _oom_row(where: str) -> dict:
 SERVICE_RATE_FILE = "service_rates.json"
 
 
-def service_rate(point: Point) -> float:
+def service_rate(point: Point, kept: Kept) -> float:
     """This machine's service rate for the point's trace (the module's docstring): measured once, then read."""
     from kvlib.paths import cache_dir
     from kvlib.study.machine import machine
@@ -177,7 +178,7 @@ def service_rate(point: Point) -> float:
     known = json.loads(path.read_text()) if path.exists() else {}
     if key not in known:
         probe = replace(point, runner="paged", settings={}, values={**trace_values, "request_rate": 1e9})
-        row = _replay(probe, trace_of(model_of(point).tokenizer, probe.values), memory_run=False)
+        row = _replay(probe, kept, trace_of(model_of(point, kept).tokenizer, probe.values), memory_run=False)
         if not row.get("request_throughput"):
             raise UserError(f"serving: paged could not serve the trace at the point's capacity to measure this "
                             f"machine's service rate ({row.get('oom_where')})")
@@ -187,23 +188,24 @@ def service_rate(point: Point) -> float:
     return known[key]["requests_per_s"]
 
 
-def resolved(point: Point) -> tuple[Point, dict]:
+def resolved(point: Point, kept: Kept) -> tuple[Point, dict]:
     """The point with its request rate in requests/s (a `rate_multiple` times the service rate), and the columns
     saying where the rate came from."""
     if "rate_multiple" not in point.values:
         return point, {}
-    rate = service_rate(point)
+    rate = service_rate(point, kept)
     multiple = point.values["rate_multiple"]
     return (replace(point, values={**point.values, "request_rate": multiple * rate}),
             {"request_rate": multiple * rate, "service_rate": rate})
 
 
-def run_point(point: Point) -> list[dict]:
-    point, rate_columns = resolved(point)
-    trace = trace_of(model_of(point).tokenizer, point.values)
+def run_point(point: Point, kept: Kept) -> list[dict]:
+    point, rate_columns = resolved(point, kept)
+    trace = trace_of(model_of(point, kept).tokenizer, point.values)
     row = _does_not_fit(point, trace)
     if row is None:
-        warm, timed = warm_then_timed(point, lambda memory_run: _replay(point, trace, memory_run=memory_run))
+        warm, timed = warm_then_timed(point, kept,
+                                      lambda memory_run: _replay(point, kept, trace, memory_run=memory_run))
         if timed is None:
             row = dict(warm)
         else:
@@ -217,9 +219,9 @@ def run_point(point: Point) -> list[dict]:
              "slo_tpot_s": point.values.get("slo_tpot_s")}]
 
 
-def _replay(point: Point, trace: Trace, *, memory_run: bool) -> dict:
+def _replay(point: Point, kept: Kept, trace: Trace, *, memory_run: bool) -> dict:
     try:
-        result = serve(point, trace, memory_run=memory_run)
+        result = serve(point, kept, trace, memory_run=memory_run)
     except RequestTooLarge as exc:  # the capacity does not fit this runner: one request does not fit even alone
         return _oom_row(str(exc))
     row = serving_row(result, point)

@@ -8,10 +8,10 @@ from kvlib.study.experiment import Experiment, register
 from kvlib.study.experiments.common import model_of, run_timed
 
 
-def run_point(point) -> list[dict]:
+def run_point(point, kept) -> list[dict]:
     v = point.values
-    prompt = prompt_of_length(model_of(point).tokenizer, v["prompt_tokens"], source=v.get("text_source"))
-    return [run_timed(point, [prompt], max_new_tokens=v.get("max_new_tokens", 1))]
+    prompt = prompt_of_length(model_of(point, kept).tokenizer, v["prompt_tokens"], source=v.get("text_source"))
+    return [run_timed(point, kept, [prompt], max_new_tokens=v.get("max_new_tokens", 1))]
 
 
 EXPERIMENT = register(Experiment(
