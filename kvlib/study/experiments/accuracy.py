@@ -136,6 +136,7 @@ def sizes(name: str, accuracy: dict) -> list[str]:
                     + "; ".join(_items(fixed, t) for t in tasks) + ", paired |")
     return rows + [_arm_row(name, accuracy, arm) for arm in accuracy.get("arms") or []]
 
+
 RULER = mapping_of({"max_seq_lengths": list_of(positive_int), "items": optional(positive_int),
                     "max_gen_toks": optional(positive_int)})
 OFFLINE_TASKS = mapping_of({"recall_lengths": list_of(positive_int), "recall_items": positive_int,

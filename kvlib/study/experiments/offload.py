@@ -13,6 +13,7 @@ from kvlib.study.experiments.common import model_of, run_timed
 
 PROBE_BYTES, PROBE_CHUNK = 128 * 2**20, 8 * 2**20  # the disk's read rate: a file of 128 MiB read in 8 MiB chunks
 
+
 def run_point(point, kept) -> list[dict]:
     v = point.values
     prompts = [prompt_of_length(model_of(point, kept).tokenizer, v["prompt_tokens"], offset=1000 * i,

@@ -43,6 +43,7 @@ def sizes(name: str, retention: dict) -> list[str]:
             + " tokens), questions after turns " + ", ".join(map(str, fixed["query_turns"]))
             + "; " + (", ".join(protocols) if isinstance(protocols, list) else protocols) + " |"]
 
+
 EXPERIMENT = register(Experiment(
     "retention", "Retention of an early fact", run_point, timed=False, trained_only=True,
     workload={"query_turns": list_of(positive_int), "buckets": list_of(bucket), "per_bucket": positive_int,
