@@ -51,6 +51,7 @@ def test_params_name_vllm_next_to_all_kvlib_policies(tmp_path, monkeypatch):
 
 def test_an_experiment_point_runs_vllm_with_the_profiles_settings_and_capacity(monkeypatch):
     from kvlib.study.experiments import common
+    from kvlib.study.kept import Kept
 
     point = next(p for p in study.load_profile("embedded").points("batch_scaling") if p.runner == "vllm")
     seen = {}
@@ -62,7 +63,7 @@ def test_an_experiment_point_runs_vllm_with_the_profiles_settings_and_capacity(m
         return "result"
 
     monkeypatch.setattr(VLLMBackend, "generate", generate)
-    assert common.run(point, [[1, 2, 3]], 4, memory_run=False) == "result"
+    assert common.run(point, Kept(), [[1, 2, 3]], 4, memory_run=False) == "result"
     # the same model, lengths as asked (no EOS stop) and the profile's device capacity, which sizes vLLM's pool
     assert seen["model"] == "smollm2-135m" and seen["stop_at_eos"] is False
     assert seen["capacity"] == int(1.25 * 2**30) and seen["backend"].block_size == 32
