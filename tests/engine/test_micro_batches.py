@@ -4,6 +4,7 @@ device stages two micro-batches' cache of a layer, not the batch's; the tokens a
 
 import pytest
 import torch
+from prompts import prompts_of
 
 from kvlib.engine import Engine
 from kvlib.errors import UserError
@@ -14,11 +15,6 @@ from kvlib.policies import make_policy
 PLACEMENTS = {"device": "100 0 100 0 100 0", "KV on the host": "100 0 0 100 100 0",
               "KV on three tiers, weights on disk": "0 0 30 30 100 0"}
 LENGTHS = (40, 65, 23, 50, 31)  # 5 rows: micro-batches of 2 leave one of 1
-
-
-def prompts_of(*lengths, seed=0):
-    torch.manual_seed(seed)
-    return [torch.randint(100, 5000, (n,)).tolist() for n in lengths]
 
 
 def generate(model, policy, prompts, new, **kwargs):

@@ -7,7 +7,7 @@ import json
 
 import pandas as pd
 import pytest
-from test_compress_schedule import prompts_of
+from prompts import prompts_of
 from test_serving_experiment import VALUES
 from test_serving_policies import capacity_for
 

@@ -2,18 +2,13 @@
 request's cache is compacted by its policy's scores instead, and the run says which ones were."""
 
 import pytest
-import torch
+from prompts import prompts_of
 from test_serving_policies import capacity_for
 
 from kvlib.engine import Engine
 from kvlib.engine.scheduler import BATCHING, RunSettings, Sequence
 from kvlib.errors import UserError
 from kvlib.policies import make_policy
-
-
-def prompts_of(*lengths, seed=0):
-    torch.manual_seed(seed)
-    return [torch.randint(100, 5000, (n,)).tolist() for n in lengths]
 
 
 def tokens(result):

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from prompts import prompts_of as random_prompts
 
 from kvlib.engine import Engine
 from kvlib.errors import UserError
@@ -9,10 +10,8 @@ from kvlib.models.workloads import calibration_prompt
 from kvlib.policies import duo_heads, make_policy
 
 
-def prompts_of(*lengths, seed=1):
-    torch.manual_seed(seed)
-    return [torch.randint(100, 5000, (n,)).tolist() for n in lengths]
-
+def prompts_of(*lengths, seed=1):  # this file's prompts are seed 1's
+    return random_prompts(*lengths, seed=seed)
 
 def tokens(result):
     return [o["token_ids"] for o in result.outputs]

@@ -12,7 +12,7 @@ kvlib:
 """
 
 import pytest
-import torch
+from prompts import prompts_of
 
 from kvlib.engine import Engine
 from kvlib.engine.scheduler import RunSettings, Sequence
@@ -20,11 +20,6 @@ from kvlib.policies import make_policy
 
 BUDGET = 0.3  # compress_h2o's floor by default: 0.3 of the prompt, the budget the serving chapter runs H2O at
 SHARE = 0.25  # each compression keeps a quarter of what a request holds (down to its floor)
-
-
-def prompts_of(*lengths, seed=0):
-    torch.manual_seed(seed)
-    return [torch.randint(100, 5000, (n,)).tolist() for n in lengths]
 
 
 def floor_of(prompt_tokens: int, budget: float = BUDGET) -> int:

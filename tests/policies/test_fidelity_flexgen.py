@@ -12,16 +12,12 @@ import sys
 import numpy as np
 import pytest
 import torch
+from prompts import prompts_of
 
 from kvlib.engine import Engine
 from kvlib.policies import make_policy
 
 TIERS = ("device", "host", "disk")
-
-
-def prompts_of(*lengths, seed=0):
-    torch.manual_seed(seed)
-    return [torch.randint(100, 5000, (n,)).tolist() for n in lengths]
 
 
 class Tokens:

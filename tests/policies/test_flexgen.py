@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from prompts import prompts_of
 
 from kvlib.engine import Engine
 from kvlib.errors import UserError
@@ -25,11 +26,6 @@ PLACEMENTS = {"device": (100, 0), "device+host": (50, 50), "three tiers": (34, 3
 
 def percent(kv_dev, kv_host):
     return f"100 0 {kv_dev} {kv_host} 100 0"
-
-
-def prompts_of(*lengths, seed=0):
-    torch.manual_seed(seed)
-    return [torch.randint(100, 5000, (n,)).tolist() for n in lengths]
 
 
 def tokens(result):

@@ -3,8 +3,8 @@ schedule, the same tokens when preempted and recomputed, blocks back to the pool
 the device capacity by vLLM's rule."""
 
 import pytest
-import torch
 from policy_examples import example, reserves_rows, whole_prompt
+from prompts import prompts_of
 
 from kvlib.engine import Engine
 from kvlib.engine.scheduler import BATCHING, RunSettings, Sequence
@@ -33,11 +33,6 @@ def continuous(mode: str = "chunked") -> RunSettings:
 
 def tokens(result):
     return [o["token_ids"] for o in result.outputs]
-
-
-def prompts_of(*lengths, seed=0):
-    torch.manual_seed(seed)
-    return [torch.randint(100, 5000, (n,)).tolist() for n in lengths]
 
 
 @pytest.mark.parametrize("name", available())
