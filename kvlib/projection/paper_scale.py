@@ -226,18 +226,25 @@ def _prompts(row) -> str:
     return "unknown-length" if pd.isna(one) else f"{int(one):,}-token"
 
 
+# what `measured` reads of a run's row: which runs, their per-layer shares, and where those came from
+SHARE_COLUMNS = ("policy", "experiment", "decode_steps", "stat_batching", "stat_kv_share_attended_per_layer",
+                 "dense_layers", "model", "min_prompt_tokens", "max_prompt_tokens", "prompt_tokens")
+
+
 def _infinigen_rows(profile: str):
     """(experiment, InfiniGen's runs that decoded a static batch) from where the profile's rows are read: a run's
     folder of parquet files an experiment, or a published book's one file an experiment."""
     import pandas as pd
+    import pyarrow.parquet as pq
 
     from kvlib.paths import read_from
 
     base = read_from(profile)
     for path in sorted(base.glob("*/*.parquet")):
-        rows = pd.read_parquet(path)
-        if not {"policy", "experiment", "decode_steps", "stat_batching"} <= set(rows):
-            continue
+        columns = pq.read_schema(path).names
+        if not {"policy", "experiment", "decode_steps", "stat_batching"} <= set(columns):
+            continue  # no run that decoded (an accuracy item's row, a retention question's): its rows are not read
+        rows = pd.read_parquet(path, columns=[c for c in SHARE_COLUMNS if c in columns])
         decoded = (rows["policy"] == "infinigen") & (rows["decode_steps"] > 0) & (rows["stat_batching"] == "static")
         yield from rows[decoded].groupby("experiment", sort=False)
 

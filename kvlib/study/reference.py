@@ -99,13 +99,12 @@ def save(profile: str, gate: float) -> Path:
         frame = results.load(profile, name)
         if not frame.empty:
             _write_rows(frame, out / "results" / f"{name}.parquet")
-    rows = StudyRows(lambda experiment: load(profile, experiment))
-    verdicts = verdict_table(rows, gate)
+    published = {name: load(profile, name) for name in names()}  # each experiment's published rows, read once
+    verdicts = verdict_table(StudyRows(published.__getitem__), gate)
     limits = machine_limits(profile)
     if limits.exists():
         shutil.copy(limits, out / "machine.json")
-    computed = pd.concat([f[["finished_at", "git_sha", "device_name"]] for f in map(rows.load, names())
-                          if "git_sha" in f])
+    computed = pd.concat([f[["finished_at", "git_sha", "device_name"]] for f in published.values() if "git_sha" in f])
     machine = json.loads(limits.read_text()) if limits.exists() else {}
     (out / "reference.json").write_text(json.dumps({
         "profile": profile, "published_at": datetime.now(UTC).isoformat(timespec="seconds"),

@@ -63,9 +63,8 @@ def warm_then_timed(point: Point, kept: Kept, measure: Callable[[bool], dict]) -
     inter-token latencies and throughputs are stamped by the caller as each token is handed over
     (kvlib.engine.run_result.TokenClock). A later repeat of the point in the same process is timed at once: the
     process is warm on its shapes, and the point's key fixes its inputs (the untimed rows are the process's: `kept`).
-    Returns (the untimed run's row, the timed
-    run's row); the timed one is None where the untimed run ran out of memory (the same inputs would run out again,
-    unbooked)."""
+    Returns (the untimed run's row, the timed run's row); the timed one is None where the untimed run ran out of
+    memory (the same inputs would run out again, unbooked)."""
     if point.key not in kept.untimed:
         kept.untimed[point.key] = measure(True)
     warm = kept.untimed[point.key]
