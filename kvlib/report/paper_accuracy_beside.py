@@ -2,15 +2,16 @@
 pooled into it, the other readings: H2O under the paper's words' rule (`seen`: budget x tokens in all, where FlexGen's
 code keeps about twice that), InfiniGen at H2O's measured kept share (alpha inf: "H2O loses more" read at equal entries
 as well as at equal budget words), kvlib's deployed scoring of the same tasks (protocol `strict`), each task's own
-drops, and the book's own tasks (kvlib_recall, RULER), pooled item by item as the book reads them: its extension, not
-the paper's claim."""
+drops, the same drops on every model of the rows (kvlib.report.paper_accuracy_sizes: their trend with model size),
+and the book's own tasks (kvlib_recall, RULER), pooled item by item as the book reads them: its extension, not the
+paper's claim."""
 
 from __future__ import annotations
 
 import numpy as np
 import pandas as pd
 
-from kvlib.report import stats
+from kvlib.report import paper_accuracy_sizes, stats
 from kvlib.report.accuracy_findings import Claims
 from kvlib.report.gate import passing_units
 from kvlib.report.pages import FINDINGS
@@ -134,7 +135,7 @@ def accuracy_claims(df: pd.DataFrame, gate: float, level: float = FINDINGS.level
         return Claims(claims.claims, claims.context + beside, claims.unanswered, claims.untested, claims.limits)
     model = str(d["model"].iloc[0]) if "model" in d and d["model"].notna().any() else None
     extra = (task_lines(d, tasks, level) + seen_lines(d, level) + equal_share_lines(d, level)
-             + strict_lines(df, model, tasks, level))
+             + strict_lines(df, model, tasks, level) + paper_accuracy_sizes.lines(df, gate))
     note = (f"{BESIDE}: the lines below read the same rows ({model or 'an unrecorded model'}; {SCALE}) at other "
             f"settings (InfiniGen at alpha {ALPHA:g} unless named)")
     return Claims(claims.claims, claims.context + [note] + extra + beside, claims.unanswered, claims.untested,

@@ -41,3 +41,28 @@ def test_the_installed_wheels_hold_the_file_the_entry_names(name, tmp_path):
         pytest.skip(f"{name}'s wheels are not installed: {entry.pip_install}")
     assert versions == {entry.version}
     embedded.verified_gguf(name, entry, tmp_path)  # raises on a size or SHA-256 that is not the entry's
+
+
+@pytest.mark.parametrize("name", sorted(EMBEDDED_MODELS))
+def test_the_declared_parameter_count_is_the_converted_models(name):
+    """The accuracy chapter's model-size axis: the count the entry declares is the converted weights' (read from the
+    safetensors headers, no weights loaded), a separately stored output head of a tied model counted once."""
+    import json
+    import math
+    import struct
+
+    from kvlib.paths import cache_dir
+
+    files = sorted((cache_dir() / "models" / name).glob("*.safetensors"))
+    if not files:
+        pytest.skip(f"{name} is not converted in this machine's cache")
+    shapes = {}
+    for file in files:
+        with open(file, "rb") as f:
+            header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+        shapes |= {k: v["shape"] for k, v in header.items() if k != "__metadata__"}
+    count = sum(math.prod(s) for s in shapes.values())
+    head = shapes.get("lm_head.weight")
+    if head is not None and head == shapes.get("model.embed_tokens.weight"):
+        count -= math.prod(head)
+    assert count == EMBEDDED_MODELS[name].parameters

@@ -4,33 +4,13 @@ runner from the same frames."""
 
 import numpy as np
 import pandas as pd
+from chapter_rows import accuracy_rows, batch_rows  # tests/helpers
+from paper_rows import paper_frame
 
 from kvlib.report import answers
 from kvlib.report.overview_figure import overview
 from kvlib.report.study_rows import StudyRows
 from kvlib.study import experiment
-
-
-def batch_rows():
-    rows = []
-    for policy, tps, peak, lossless, budget in [("full", 100.0, 2.0, True, None), ("h2o", 130.0, 1.0, False, 0.3),
-                                                ("paged", 101.0, 2.0, True, None)]:
-        for batch in (1, 8):
-            for r in range(8):
-                rows.append({"policy": policy, "batch_size": batch, "repeat": r, "oom": False,
-                             "decode_tokens_per_s": tps * batch * (1 + 0.01 * ((r * 7) % 5 - 2)),
-                             "device_peak_bytes": peak * 2**30, "host_peak_bytes": 0, "lossless": lossless,
-                             "budget": budget, "stat_decode_attention": "c"})
-    rows.append({"policy": "kivi", "batch_size": 8, "repeat": 0, "oom": True, "decode_tokens_per_s": np.nan,
-                 "device_peak_bytes": np.nan, "host_peak_bytes": np.nan, "lossless": False, "budget": None})
-    return pd.DataFrame(rows)
-
-
-def accuracy_rows():
-    rows = [{"task": "recall", "policy": "full", "budget": None, "doc_id": i, "correct": 1.0} for i in range(60)]
-    rows += [{"task": "recall", "policy": "h2o", "budget": b, "doc_id": i, "correct": float(i >= lost)}
-             for b, lost in ((0.1, 30), (0.5, 0)) for i in range(60)]
-    return pd.DataFrame(rows)
 
 
 def test_batch_scaling_opens_with_the_lead_its_interval_and_where_memory_ran_out():
@@ -57,8 +37,8 @@ def test_a_lead_is_worded_by_its_verdict():
 def test_accuracy_opens_with_the_paired_drops_of_the_papers_two_methods():
     text = experiment("accuracy").answer(accuracy_rows())
     assert "On the book's recall (the full cache 100.0% over 60 items, kvlib's deployed protocol)" in text
-    # the multiple-choice section's 1.67 % of the page (the page's error rate is said under the lead)
-    assert "h2o at 0.1 -50.0 pp, interval -66.7 to -33.3: lower" in text and "**One error rate for this page.**" in text
+    # the multiple-choice section's 1.25 % of the page (the page's error rate is said under the lead)
+    assert "h2o at 0.1 -50.0 pp, interval -66.7 to -31.7: lower" in text and "**One error rate for this page.**" in text
     assert "h2o at 0.5 +0.0 pp, interval" in text
 
 
@@ -112,7 +92,6 @@ def test_a_compressed_runners_accuracy_is_no_evidence_for_it_run_uncompressed():
 def test_the_paper_tasks_lead_the_accuracy_answer_as_drops_never_as_verdicts():
     """The accuracy page's lead reads finding 4's task averages first, described: the verdict words are the findings
     page's, in its family, and the paper's rows never enter the page's own multiple-choice section."""
-    from test_paper_accuracy_findings import paper_frame
 
     paper = paper_frame(items=40)
     text = experiment("accuracy").answer(pd.concat([paper, accuracy_rows()], ignore_index=True))

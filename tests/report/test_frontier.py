@@ -5,30 +5,23 @@ import math
 
 import pandas as pd
 import pytest
+from chapter_rows import item_rows  # tests/helpers
 
 from kvlib.report import frontier, stats
 from kvlib.report.pages import ACCURACY
-
-ITEMS = 100
-
-
-def rows(policy, budget, wrong, held, task="kvlib_recall"):
-    """One row per item: `wrong` the item ids it gets wrong."""
-    return [{"model": "m", "task": task, "doc_id": i, "policy": policy, "budget": budget, "correct": float(i not in wrong),
-             "ruler_score": math.nan, "length": 512, "kv_share_held": held} for i in range(ITEMS)]
 
 
 @pytest.fixture
 def results():
     return pd.DataFrame(
-        rows("full", math.nan, set(), 1.0)
-        + rows("h2o", 0.1, set(range(30)), 0.1)
-        + rows("snapkv", 0.1, set(range(20)), 0.11)
-        + rows("streaming", 0.1, set(range(60)), 0.1)
-        + rows("adakv", 0.1, set(range(3)), 0.11)  # loses 3 of snapkv's 20
-        + rows("duo", 0.1, set(range(50)), 0.12)  # loses snapkv's 20 and 30 more
-        + rows("pyramidkv", 0.1, set(range(1, 21)), 0.11)  # snapkv's count, on other items but one
-        + rows("quest", 0.1, set(range(5)), 1.0))
+        item_rows("full", math.nan, set(), 1.0)
+        + item_rows("h2o", 0.1, set(range(30)), 0.1)
+        + item_rows("snapkv", 0.1, set(range(20)), 0.11)
+        + item_rows("streaming", 0.1, set(range(60)), 0.1)
+        + item_rows("adakv", 0.1, set(range(3)), 0.11)  # loses 3 of snapkv's 20
+        + item_rows("duo", 0.1, set(range(50)), 0.12)  # loses snapkv's 20 and 30 more
+        + item_rows("pyramidkv", 0.1, set(range(1, 21)), 0.11)  # snapkv's count, on other items but one
+        + item_rows("quest", 0.1, set(range(5)), 1.0))
 
 
 def test_a_hybrid_that_held_more_is_said_not_to_be_at_equal_bytes(results):

@@ -9,10 +9,8 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import pandas as pd
 import pytest
-from test_answers import accuracy_rows, batch_rows
-from test_frontier import rows as frontier_rows
-from test_paper_accuracy_findings import paper_frame
-from test_serving_experiment import SYNTHETIC
+from chapter_rows import SYNTHETIC, accuracy_rows, batch_rows, item_rows  # tests/helpers
+from paper_rows import paper_frame
 
 from kvlib.report import answers, frontier, offload, plots, tables
 from kvlib.report.fig7 import fig7
@@ -87,8 +85,8 @@ def test_the_accuracy_figures_name_model_and_machine():
     assert f"{SHOWN} on {CPU}" in title_text(plots.recall_by_length(own.assign(task="kvlib_recall")))
     paper = measured(paper_frame(items=40, tasks=("piqa", "copa")))
     assert f"{SHOWN} on {CPU}" in title_text(fig7(paper))
-    held = measured(pd.DataFrame(frontier_rows("full", float("nan"), set(), 1.0)
-                                 + frontier_rows("h2o", 0.1, set(range(30)), 0.1)), model=MODEL)
+    held = measured(pd.DataFrame(item_rows("full", float("nan"), set(), 1.0)
+                                 + item_rows("h2o", 0.1, set(range(30)), 0.1)), model=MODEL)
     assert f"{SHOWN} on {CPU}" in title_text(frontier.plot(held))
 
 

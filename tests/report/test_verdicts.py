@@ -2,7 +2,7 @@
 
 import numpy as np
 import pandas as pd
-from test_paper_accuracy_findings import CHANCE, NAN, POINTS, paper_frame  # tests/ is on sys.path
+from paper_rows import CHANCE, NAN, POINTS, paper_frame  # tests/helpers
 
 from kvlib.report import stats, verdicts
 from kvlib.report.pages import FINDINGS
@@ -21,7 +21,7 @@ from kvlib.report.verdicts import (
 def accuracy_rows(full_share=0.8, h2o_lost_at_01=0.15, items=300, seed=0, infinigen_lost_at_01=0.06,
                   lost_at_05=0.0):
     """The paper's six tasks (protocol one_pass, H2O under flexgen, InfiniGen at alpha 5), `items` a task; each loss a
-    share of all a task's items, from those the full cache had right (test_paper_accuracy_findings.paper_frame)."""
+    share of all a task's items, from those the full cache had right (tests/helpers/paper_rows.paper_frame)."""
     points = dict(POINTS) | {("h2o", 0.5, "flexgen", NAN): lost_at_05, ("infinigen", 0.5, NAN, 5.0): lost_at_05,
                              ("h2o", 0.1, "flexgen", NAN): h2o_lost_at_01,
                              ("infinigen", 0.1, NAN, 5.0): infinigen_lost_at_01}

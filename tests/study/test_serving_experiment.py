@@ -6,6 +6,7 @@ import math
 
 import pandas as pd
 import pytest
+from chapter_rows import SYNTHETIC, serving_frame  # tests/helpers
 
 from kvlib.report import serving as report
 from kvlib.study.experiments import serving
@@ -134,31 +135,6 @@ def test_a_smoke_point_runs_end_to_end_on_smollm2(tmp_path, monkeypatch):
 
 # ---- the report, on synthetic frames ---------------------------------------------------------------------------------
 
-def frame(points: dict) -> pd.DataFrame:
-    """points: {(policy, rate): share within SLO, or "oom"}."""
-    rows = []
-    for (policy, rate), share in points.items():
-        oom = share == "oom"
-        rows.append({"policy": policy, "request_rate": rate, "oom": oom, "completed": not oom,
-                     "lossless": policy == "paged", "slo_attainment": None if oom else share,
-                     "request_throughput": None if oom else rate * 0.9, "goodput": None if oom else rate * 0.9 * share,
-                     "ttft_s_p50": None if oom else rate / 10, "ttft_s_p99": None if oom else rate / 5,
-                     "ttft_s_p90": None if oom else rate / 6, "tpot_s_p90": None if oom else 0.08,
-                     "budget": None if policy == "paged" else 0.3,
-                     "tpot_s_p50": 0.05, "tpot_s_p99": 0.1, "output_throughput": rate * 20,
-                     "max_running": {"paged": 4, "h2o": 12}.get(policy, 2) if rate >= 2 else 2,
-                     "preemptions": 3 if policy == "paged" and rate >= 2 else 0,
-                     "device_kv_peak_bytes": {"paged": 64, "h2o": 20}.get(policy, 30) * 2**20,
-                     "num_requests": 16, "device_capacity_gb": 0.75, "slo_ttft_s": 2.0, "slo_tpot_s": 0.2})
-    return pd.DataFrame(rows)
-
-
-SYNTHETIC = frame({("paged", 0.5): 1.0, ("paged", 1.0): 0.95, ("paged", 2.0): 0.5,
-                   ("h2o", 0.5): 1.0, ("h2o", 1.0): 1.0, ("h2o", 2.0): 0.9,
-                   ("quest", 0.5): 0.8, ("quest", 1.0): 1.0, ("quest", 2.0): 1.0,  # fails at the lowest: below it
-                   ("snapkv", 0.5): 1.0, ("snapkv", 1.0): "oom", ("snapkv", 2.0): 1.0})
-
-
 def test_the_highest_sustained_rate_is_measured_and_never_beyond_the_grid():
     rates = report.sustained_rates(SYNTHETIC)
     assert rates["paged"].rate == 1.0 and not rates["paged"].at_least  # 95 % passes, 50 % fails
@@ -170,7 +146,7 @@ def test_the_highest_sustained_rate_is_measured_and_never_beyond_the_grid():
 
 
 def test_repeats_pass_on_their_median_share():
-    repeats = frame({("paged", 1.0): 0.95}).loc[[0, 0, 0]].assign(slo_attainment=[0.95, 0.5, 0.92])
+    repeats = serving_frame({("paged", 1.0): 0.95}).loc[[0, 0, 0]].assign(slo_attainment=[0.95, 0.5, 0.92])
     assert report.passes(repeats)
     assert not report.passes(repeats.assign(slo_attainment=[0.5, 0.5, 0.95]))
 

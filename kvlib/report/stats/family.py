@@ -42,11 +42,11 @@ class PageFamily:
     def statement(self) -> str:
         """The page's error rate, said once at its top."""
         return (f"**One error rate for this page.** Every tested statement on it (a verdict word: confirmed, refuted, "
-                f"lower, higher, equivalent, larger, smaller) belongs to one family, and the chance that any of them "
-                f"is wrong is at most {self.alpha:.0%}: {self.alpha:.0%} divided among its sections ({self.shares()}), "
-                f"each section's part divided among its intervals or settled by Holm among its claims. "
-                f"Words that say a difference was not shown (inconclusive, not distinguishable) cannot be false "
-                f"positives and spend nothing.")
+                f"lower, higher, equivalent, larger, smaller, shrinks, grows) belongs to one family, and the chance "
+                f"that any of them is wrong is at most {self.alpha:.0%}: {self.alpha:.0%} divided among its sections "
+                f"({self.shares()}), each section's part divided among its intervals or settled by Holm among its "
+                f"claims. Words that say a difference was not shown (inconclusive, not distinguishable, no trend "
+                f"shown) cannot be false positives and spend nothing.")
 
     def borrowed(self, section: str) -> str:
         """The error rate of a page whose tested statements are all one section of this page's family, read at its

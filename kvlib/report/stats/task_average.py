@@ -33,6 +33,17 @@ def effective_items(sizes) -> float:
     return len(sizes) ** 2 / sum(1 / n for n in sizes) if sizes else 0.0
 
 
+def _groups(d: pd.DataFrame) -> list[np.ndarray]:
+    return [g["v"].to_numpy() for _, g in d.groupby("t", sort=True)]
+
+
+def replicates(values, tasks, draws: int = DRAWS, seed: int = SEED) -> np.ndarray:
+    """Bootstrap replicates of the task average of per-item `values`: items resampled within each task, each task's
+    replicate mean weighing 1/k."""
+    d = pd.DataFrame({"v": np.asarray(values, dtype=float), "t": list(tasks)}).dropna()
+    return np.mean([bootstrap_means(g, draws=draws, seed=seed + j) for j, g in enumerate(_groups(d))], axis=0)
+
+
 def task_average(values, tasks, reference=None, score=None, level: float = 1 - ALPHA,
                  margin: float = EQUIVALENCE_MARGIN, draws: int = DRAWS, seed: int = SEED,
                  analytic: bool = False) -> Drop:
@@ -46,15 +57,13 @@ def task_average(values, tasks, reference=None, score=None, level: float = 1 - A
     d = pd.DataFrame({"v": np.asarray(values, dtype=float), "t": list(tasks)}).dropna()
     if d.empty:
         return Drop(math.nan, math.nan, math.nan, math.nan, math.nan, 0, 0, level, True, INCONCLUSIVE)
-    groups = [g["v"].to_numpy() for _, g in d.groupby("t", sort=True)]
+    groups = _groups(d)
     estimate = float(np.mean([g.mean() for g in groups]))
     if analytic:
         half = two_sided_z(level) * math.sqrt(sum(g.var() / len(g) for g in groups)) / len(groups)
         low, high = estimate - half, estimate + half
     else:
-        n = draws_for(level, draws)
-        replicates = np.mean([bootstrap_means(g, draws=n, seed=seed + j) for j, g in enumerate(groups)], axis=0)
-        low, high = _interval(replicates, level)
+        low, high = _interval(replicates(d["v"], d["t"], draws_for(level, draws), seed), level)
     units = effective_items(len(g) for g in groups)
     floor = resolution(math.floor(units), level)
     low, high = max(min(low, estimate - floor), -1.0), min(max(high, estimate + floor), 1.0)
