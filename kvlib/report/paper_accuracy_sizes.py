@@ -157,10 +157,14 @@ def carry(df: pd.DataFrame, gate: float, level: float = LEVEL) -> str:
         return f"These rows read the paper's tasks on its own model, {PAPER_MODEL}: no size is carried across."
     if not trends:
         held = ", ".join(model_name(m) for m in models) or "no recorded model"
-        return (f"These rows read the paper's tasks on {held} only: nothing here measures how the losses move with "
-                f"model size, so their size carries to the paper's {PAPER_MODEL} in neither direction; what carries is "
-                "each rule's mechanism (what it keeps, measured as the share attended), not its loss. The confirmatory "
-                "profile's size arms measure the trend.")
+        sized = [m for m in models if parameters(m)]
+        why = (f"These rows hold the paper's tasks on {held}, but no task's full cache is above chance on every one "
+               "of them at the items run, so no trend with model size can be read" if len(sized) >= 2 else
+               f"These rows read the paper's tasks on {held} only: nothing here measures how the losses move with "
+               "model size")
+        return (f"{why}; so the losses' size carries to the paper's {PAPER_MODEL} in neither direction: what carries "
+                "is each rule's mechanism (what it keeps, measured as the share attended), not its loss. The "
+                "confirmatory profile's size arms measure the trend.")
     largest = max(parameters(m) or 0 for m in models)
     said = "; ".join(f"{t.policy}'s loss at {TREND_BUDGET:g} {t.word} with model size ({t.slope * 100:+.1f} pp per "
                      f"tenfold, {t.low * 100:+.1f} to {t.high * 100:+.1f})" for t in trends)

@@ -70,6 +70,13 @@ def test_a_task_beyond_one_model_leaves_every_models_average():
     assert sizes.trend(df, 0.7, "h2o").word == sizes.NOT_SHOWN
 
 
+def test_three_models_without_a_task_all_pass_give_no_trend_and_say_why():
+    df = frame([0.3, 0.15, 0.0], full_shares={"smollm2-135m": {t: 0.5 for t in TASKS}})
+    assert sizes.sized_rows(df, 0.7)[1] == [] and sizes.trend(df, 0.7, "h2o") is None
+    said = sizes.carry(df, 0.7)
+    assert "no task's full cache is above chance on every one of them" in said and "in neither direction" in said
+
+
 def test_one_model_gives_no_trend_and_says_nothing_carries():
     df = frame([0.2])
     assert sizes.drops(df, 0.7).empty and sizes.trend(df, 0.7, "h2o") is None
