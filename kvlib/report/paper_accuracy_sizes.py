@@ -25,6 +25,7 @@ from kvlib.report.pages import ACCURACY
 from kvlib.report.paper_accuracy import ITEM, PAPER_TASKS, paper_rows, point
 from kvlib.report.provenance import model_name, suptitle
 from kvlib.report.stats.accuracy import draws_for
+from kvlib.report.stats.rule import SEED
 from kvlib.report.stats.slope import slope
 from kvlib.report.stats.task_average import replicates
 
@@ -125,7 +126,9 @@ def trend(df: pd.DataFrame, gate: float, policy: str, level: float = LEVEL) -> T
         dr = stats.task_average(pairs["loss"], pairs["task"], level=level)
         sizes.append(math.log10(parameters(str(model))))
         estimates.append(dr.drop)
-        reps.append(replicates(pairs["loss"], pairs["task"], n))
+        # each model its own draws: the models' items resampled independently (the same seeds would pick the same
+        # positions in every model's items, a pairing the rows' order does not promise)
+        reps.append(replicates(pairs["loss"], pairs["task"], n, seed=SEED + 1000 * len(reps)))
         floors.append(stats.resolution(dr.clusters, level))
         names.append(model_name(str(model)))
     if len(sizes) < 2:
