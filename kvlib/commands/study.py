@@ -25,7 +25,8 @@ def add_parser(sub) -> None:
                        help="serial: every point in this process; ray: on a Ray cluster (the `distributed` extra)")
     study.add_argument("--workers", type=int, default=None,
                        help="processes of one thread that share an untimed experiment's units (accuracy, "
-                            "retention; timed ones always run alone); default: a core each, as memory allows")
+                            "retention; timed ones always run alone); default: a core each; at most as many as the memory holds for "
+                            "the largest model the units load")
     study.add_argument("--address", default=None,
                        help="with --executor ray: the cluster to join (`ray start --head` prints it); default: start "
                             "Ray on this machine")

@@ -161,9 +161,14 @@ class Processes:
     kvlib.study.estimate.unit_weight; else every unit alike): the keys are dealt out heaviest first, each to the
     worker with the least time so far."""
 
+    # what a worker runs, and what runs again here a unit a dead worker lost (tests put theirs)
+    in_worker: Callable[[Point, int, dict], pd.DataFrame]
+    here: Callable[[Point, int, dict], pd.DataFrame]
+
     def __init__(self, workers: int, threads: int = 1, affinity: Callable[[Point], object] | None = None,
                  weight: Callable[[Point, int], float] | None = None):
         self.workers, self.threads, self.affinity, self.weight = workers, threads, affinity, weight
+        self.in_worker, self.here = _worker_unit, compute_unit
 
     def lanes(self, units: list[Unit]) -> list[list[Unit]]:
         groups: dict[object, list[Unit]] = {}
@@ -182,18 +187,28 @@ class Processes:
         from concurrent.futures import as_completed
 
         beside = {**meta, "unit_workers": self.workers}  # a unit's time is shared with the others'
-        failures, futures, pools = [], {}, []
+        failures, futures, pools, lost = [], {}, [], []
         try:
             for lane in self.lanes(units):
                 pools.append(ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
                                                  initializer=_start_worker, initargs=(self.threads, os.getpid())))
-                futures |= {pools[-1].submit(_worker_unit, point, repeat, beside): (point, repeat)
+                futures |= {pools[-1].submit(self.in_worker, point, repeat, beside): (point, repeat)
                             for point, repeat in lane}
             for future in as_completed(futures):
+                if isinstance(future.exception(), BrokenProcessPool):
+                    lost.append(futures[future])
+                    continue
                 settle(*futures[future], future.result, done, failures)
         finally:
             for pool in pools:
                 pool.shutdown(cancel_futures=True)
+        if lost:
+            # a worker killed from outside (the kernel's out-of-memory killer, most often: each worker holds its own
+            # model) took its lane down: once the others are done, its units run here, one at a time
+            print(f"kvlib: a worker process died (out of memory?); its {len(lost)} unit(s) run again in this process, "
+                  "one at a time", file=sys.stderr)
+            for point, repeat in lost:
+                settle(point, repeat, lambda p=point, r=repeat: self.here(p, r, meta), done, failures)
         if failures:
             raise UnitsFailed(failures, len(units))
 
@@ -210,9 +225,22 @@ def _worker_unit(point: Point, repeat: int, meta: dict) -> pd.DataFrame:
     return compute_unit(point, repeat, {**meta, **machine_metadata()})  # the worker's own threads in its rows
 
 
-def untimed_workers(memory_per_worker_gib: float = 8.0) -> int:
-    """How many one-thread workers an untimed experiment gets here: a core each, as many as the memory holds (an
-    accuracy worker holds a model and its recorded prefills, a few GiB)."""
+WORKER_GIB = 8.0  # an accuracy worker of the embedded book: a small model and its recorded prefills
+WEIGHT_COPIES = 2.2  # a worker's peak over its model's fp32 weights: measured 12.8 GB for Qwen2.5-Coder-1.5B (6.2 GB)
+
+
+def worker_gib(points: Iterable[Point]) -> float:
+    """The memory one worker needs for these points: WORKER_GIB, or more where a point's model is an embedded one
+    whose fp32 weights, WEIGHT_COPIES times over, are larger."""
+    from kvlib.models.embedded import EMBEDDED_MODELS
+
+    sizes = [EMBEDDED_MODELS[p.model].parameters * 4 * WEIGHT_COPIES / 2**30 for p in points
+             if p.model in EMBEDDED_MODELS]
+    return max([WORKER_GIB, *sizes])
+
+
+def untimed_workers(memory_per_worker_gib: float = WORKER_GIB) -> int:
+    """How many one-thread workers an untimed experiment gets here: a core each, as many as the memory holds."""
     pages, size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
     return max(1, min(os.cpu_count() or 1, int(pages * size / 2**30 // memory_per_worker_gib)))
 
@@ -303,11 +331,12 @@ def run_experiment(profile: Profile, experiment: str, force: bool = False, progr
                            rows.assign(round_slot=slots[(point.key, repeat)]))
         bar.update(1)
 
-    if executor is None and not timed and workers > 1 and len(todo) > 1:
-        from kvlib.study.estimate import unit_weight
+    if executor is None and not timed and len(todo) > 1:
+        workers = min(workers, len(todo), untimed_workers(worker_gib(p for p, _ in todo)))  # as memory holds them
+        if workers > 1:
+            from kvlib.study.estimate import unit_weight
 
-        executor = Processes(min(workers, len(todo)), affinity=declaration.order,
-                             weight=unit_weight(profile.name, experiment))
+            executor = Processes(workers, affinity=declaration.order, weight=unit_weight(profile.name, experiment))
     try:
         (executor or Serial()).run(todo, run_metadata(profile.name), done)
     finally:

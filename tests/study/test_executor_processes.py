@@ -71,3 +71,26 @@ def test_workers_are_balanced_by_the_units_expected_time_where_it_is_known():
     lanes = executor.Processes(2, affinity=lambda p: p.values["task"],
                                weight=lambda p, r: seconds[p.values["task"]]).lanes([(p, 0) for p in points])
     assert sorted(sorted({p.values["task"] for p, _ in lane}) for lane in lanes) == [["a", "b"], ["recall"]]
+
+
+def test_the_units_a_dead_worker_lost_run_again_in_this_process():
+    from worker_units import dies_on_task_b  # tests/helpers
+
+    points = [study.point.Point("accuracy", "full", {}, {"task": t, "i": i}, "m") for t in "ab" for i in range(2)]
+    processes = executor.Processes(2, affinity=lambda p: p.values["task"])
+    processes.in_worker = dies_on_task_b
+    processes.here = lambda p, r, meta: pd.DataFrame({"task": [p.values["task"]], "where": ["here"]})
+    stored = []
+    processes.run([(p, 0) for p in points], {}, lambda p, r, rows: stored.append(rows))
+    done = pd.concat(stored).sort_values("task")
+    assert list(done["where"]) == ["worker", "worker", "here", "here"]  # task b's two units, both run again here
+
+
+def test_a_worker_holds_its_largest_model_so_fewer_fit_where_a_model_is_large():
+    def at(model):
+        return study.point.Point("accuracy", "full", {}, {"task": "piqa"}, model)
+
+    assert executor.worker_gib([at("smollm2-135m"), at("qwen2.5-coder-0.5b")]) == executor.WORKER_GIB
+    large = executor.worker_gib([at("smollm2-135m"), at("qwen2.5-coder-1.5b")])
+    assert large == pytest.approx(1_543_714_304 * 4 * executor.WEIGHT_COPIES / 2**30)  # ~12.6 GiB
+    assert executor.untimed_workers(large) <= executor.untimed_workers(executor.WORKER_GIB)
