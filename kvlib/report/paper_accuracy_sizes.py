@@ -84,7 +84,8 @@ def drops(df: pd.DataFrame, gate: float, level: float = LEVEL) -> pd.DataFrame:
                              "policy": policy, "budget": budget, "drop": dr.drop, "low": dr.low, "high": dr.high,
                              "items": dr.items, "effective": dr.clusters, "tasks": ", ".join(tasks)})
     out = pd.DataFrame(rows, columns=["model", "name", "parameters", "policy", "budget", "drop", "low", "high",
-                                      "items", "effective", "tasks"])
+                                      "items", "effective", "tasks"]).sort_values(
+        ["parameters", "policy", "budget"], ascending=[True, True, False], ignore_index=True)
     return out if out["model"].nunique() >= 2 else out.iloc[0:0]
 
 
@@ -112,6 +113,12 @@ class Trend:
     def line(self) -> str:
         """With its word: the accuracy page's tested statement."""
         return f"{self.described()}: {self.word}"
+
+    def sentence(self) -> str:
+        """The word in a sentence, its slope beside it."""
+        moves = "shows no trend" if self.word == NOT_SHOWN else self.word
+        return (f"{self.policy}'s loss at {TREND_BUDGET:g} {moves} with model size ({self.slope * 100:+.1f} pp per "
+                f"tenfold, {self.low * 100:+.1f} to {self.high * 100:+.1f})")
 
 
 def trend(df: pd.DataFrame, gate: float, policy: str, level: float = LEVEL) -> Trend | None:
@@ -169,8 +176,7 @@ def carry(df: pd.DataFrame, gate: float, level: float = LEVEL) -> str:
                 "is each rule's mechanism (what it keeps, measured as the share attended), not its loss. The "
                 "confirmatory profile's size arms measure the trend.")
     largest = max(parameters(m) or 0 for m in models)
-    said = "; ".join(f"{t.policy}'s loss at {TREND_BUDGET:g} {t.word} with model size ({t.slope * 100:+.1f} pp per "
-                     f"tenfold, {t.low * 100:+.1f} to {t.high * 100:+.1f})" for t in trends)
+    said = "; ".join(t.sentence() for t in trends)
     if all(t.word == NOT_SHOWN for t in trends):
         then = (f"so the losses measured here carry to {PAPER_MODEL} in neither direction, and no trend is extended to "
                 "it")
@@ -189,9 +195,11 @@ def plot(df: pd.DataFrame, gate: float, level: float = LEVEL):
         return None
     set_style()
     palette = policy_colours(POLICIES)
-    fig, axes = plt.subplots(1, len(BUDGETS), figsize=(4.6 * len(BUDGETS), 3.8), sharey=True, squeeze=False)
+    budgets = [b for b in BUDGETS if np.isclose(table["budget"], b).any()]
+    fig, axes = plt.subplots(1, len(budgets), figsize=(max(6 * len(budgets), 11), 4.6), sharey=True, squeeze=False)
     models = table.drop_duplicates("model").sort_values("parameters")
-    for ax, budget in zip(axes[0], BUDGETS):
+    ticks = [f"{n.removesuffix('-Instruct')}\n{p / 1e9:.2g}B" for n, p in zip(models["name"], models["parameters"])]
+    for ax, budget in zip(axes[0], budgets):
         for j, policy in enumerate(POLICIES):
             at = table[(table["policy"] == policy) & np.isclose(table["budget"], budget)]
             x = at["parameters"] * (1 + 0.04 * (j - 0.5))  # side by side at each size
@@ -200,12 +208,14 @@ def plot(df: pd.DataFrame, gate: float, level: float = LEVEL):
         ax.axhline(0, color="grey", lw=0.8)
         ax.set(xscale="log", title=f"budget {budget:g}", xlabel="model (parameters)")
         ax.minorticks_off()
-        ax.set_xticks(models["parameters"], [f"{n}\n{p / 1e9:.2g}B" for n, p in zip(models["name"],
-                                                                                   models["parameters"])], fontsize=7)
-    axes[0][0].set_ylabel("change from the full cache (pp, task average)")
+        ax.set_xticks(models["parameters"], ticks, fontsize=8)
+        ax.set_xlim(models["parameters"].min() / 1.6, models["parameters"].max() * 1.6)
+    axes[0][0].set_ylabel("change from the full cache\n(pp, task average)")
     axes[0][-1].legend(fontsize="small")
     measured = df[df["model"].isin(models["model"])] if "model" in df else df
-    suptitle(fig, measured, title=f"Across model sizes, protocol one_pass: tasks {table['tasks'].iloc[0]} (the full "
+    suptitle(fig, measured, title=f"Across model sizes, protocol one_pass, tasks: {table['tasks'].iloc[0]}\n(the full "
                                   "cache above chance on every model)")
-    fig.tight_layout()
+    for text in fig.texts:  # the title names every model and the machine: one line at this width
+        text.set_fontsize(9)
+    fig.tight_layout(rect=(0, 0, 1, 0.84))
     return fig
