@@ -105,6 +105,6 @@ def test_the_figure_names_each_model_on_its_axis():
     matplotlib.use("Agg")
     fig = sizes.plot(frame([0.30, 0.15, 0.0], items=100), 0.7)
     labels = [t.get_text() for t in fig.axes[0].get_xticklabels()]
-    assert [label.split("\n")[0] for label in labels] == ["SmolLM2-135M-Instruct", "Qwen2.5-Coder-0.5B-Instruct",
-                                                          "Qwen2.5-Coder-1.5B-Instruct"]
+    assert labels == ["SmolLM2-135M\n0.13B", "Qwen2.5-Coder-0.5B\n0.49B", "Qwen2.5-Coder-1.5B\n1.5B"]
+    assert [ax.get_title() for ax in fig.axes] == ["budget 0.5", "budget 0.1"]
     assert sizes.plot(frame([0.2], items=100), 0.7) is None
