@@ -226,7 +226,9 @@ def _worker_unit(point: Point, repeat: int, meta: dict) -> pd.DataFrame:
 
 
 WORKER_GIB = 8.0  # an accuracy worker of the embedded book: a small model and its recorded prefills
-WEIGHT_COPIES = 2.2  # a worker's peak over its model's fp32 weights: measured 12.8 GB for Qwen2.5-Coder-1.5B (6.2 GB)
+# a worker's memory over its model's fp32 weights, with room for its peaks: a Qwen2.5-Coder-1.5B worker (weights
+# 6.2 GB) held 10.9-11.3 GB, and two of them beside anything else were killed for memory on a 24 GB machine
+WEIGHT_COPIES = 2.2
 
 
 def worker_gib(points: Iterable[Point]) -> float:
