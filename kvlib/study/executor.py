@@ -22,6 +22,8 @@ import multiprocessing
 import os
 import platform
 import sys
+import threading
+import time
 import traceback
 from collections.abc import Callable, Iterable
 from concurrent.futures import ProcessPoolExecutor
@@ -219,6 +221,15 @@ def _start_worker(threads: int, study_process: int) -> None:
 
     torch.set_num_threads(threads)
     _study_process = study_process
+    threading.Thread(target=_exit_with, args=(study_process,), daemon=True).start()
+
+
+def _exit_with(study_process: int) -> None:
+    """A worker ends with its study: a study killed alone (not its process group, as Ctrl-C does) left its workers
+    computing for nobody, each holding its model's memory."""
+    while os.getppid() == study_process:
+        time.sleep(2)
+    os._exit(1)
 
 
 def _worker_unit(point: Point, repeat: int, meta: dict) -> pd.DataFrame:

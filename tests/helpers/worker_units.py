@@ -11,3 +11,24 @@ def dies_on_task_b(point, repeat, meta) -> pd.DataFrame:
     if point.values["task"] == "b":
         os._exit(9)
     return pd.DataFrame({"task": [point.values["task"]], "where": ["worker"]})
+
+
+def sleeps_and_says_where(point, repeat, meta) -> pd.DataFrame:
+    """A long unit that first writes its worker's pid where the test reads it."""
+    import time
+    from pathlib import Path
+
+    Path(point.values["pid_file"]).write_text(str(os.getpid()))
+    time.sleep(120)
+    return pd.DataFrame()
+
+
+def study_with_a_sleeping_worker(pid_file: str) -> None:
+    """A study process (run by a test as a script) whose one worker sleeps in its unit."""
+    from kvlib.study import executor
+    from kvlib.study.point import Point
+
+    processes = executor.Processes(2)
+    processes.in_worker = sleeps_and_says_where
+    units = [(Point("accuracy", "full", {}, {"task": t, "pid_file": f"{pid_file}.{t}"}, "m"), 0) for t in "ab"]
+    processes.run(units, {}, lambda *a: None)

@@ -94,3 +94,37 @@ def test_a_worker_holds_its_largest_model_so_fewer_fit_where_a_model_is_large():
     large = executor.worker_gib([at("smollm2-135m"), at("qwen2.5-coder-1.5b")])
     assert large == pytest.approx(1_543_714_304 * 4 * executor.WEIGHT_COPIES / 2**30)  # ~12.6 GiB
     assert executor.untimed_workers(large) <= executor.untimed_workers(executor.WORKER_GIB)
+
+
+def test_a_worker_ends_when_its_study_is_killed_alone(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    helpers = Path(__file__).parents[1] / "helpers"
+    script = (f"import sys; sys.path.insert(0, {str(helpers)!r}); from worker_units import study_with_a_sleeping_worker;"
+              f" study_with_a_sleeping_worker({str(tmp_path / 'pid')!r})")
+    study_process = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / f"pid.{t}").exists() for t in "ab") and time.monotonic() < deadline:
+            time.sleep(0.5)
+        workers = [int((tmp_path / f"pid.{t}").read_text()) for t in "ab"]
+    finally:
+        study_process.send_signal(signal.SIGKILL)  # the study alone, not its process group
+        study_process.wait()
+
+    def alive(pid):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    deadline = time.monotonic() + 30
+    while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not any(alive(pid) for pid in workers)
