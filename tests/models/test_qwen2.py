@@ -154,7 +154,7 @@ def fake_split(tmp_path, monkeypatch):
     monkeypatch.setenv("KVLIB_CACHE", str(tmp_path / "cache"))
     entry = EmbeddedModel(gguf="fake.gguf", parts=parts, version="1.0", hub_id="someone/fake", license="MIT",
                           license_url="https://example.org/license", size=len(data),
-                          sha256=hashlib.sha256(data).hexdigest(), quantization="none")
+                          sha256=hashlib.sha256(data).hexdigest(), quantization="none", parameters=0)
     return data, entry
 
 
