@@ -76,10 +76,10 @@ def drops(df: pd.DataFrame, gate: float, level: float = LEVEL) -> pd.DataFrame:
         full = m[m["policy"] == "full"]
         for policy in POLICIES:
             for budget in BUDGETS:
-                pairs = _paired(full, point(m, policy, budget))
-                if pairs.empty:
+                at = point(m, policy, budget)
+                if at.empty:
                     continue
-                dr = stats.task_average(pairs["loss"], pairs["task"], level=level)
+                dr = stats.task_average_drop(full, at, "correct", ITEM, level=level)
                 rows.append({"model": model, "name": model_name(str(model)), "parameters": parameters(str(model)),
                              "policy": policy, "budget": budget, "drop": dr.drop, "low": dr.low, "high": dr.high,
                              "items": dr.items, "effective": dr.clusters, "tasks": ", ".join(tasks)})
@@ -130,13 +130,13 @@ def trend(df: pd.DataFrame, gate: float, policy: str, level: float = LEVEL) -> T
         pairs = _paired(m[m["policy"] == "full"], point(m, policy, TREND_BUDGET))
         if pairs.empty:
             continue
-        dr = stats.task_average(pairs["loss"], pairs["task"], level=level)
+        per_task = pairs.groupby("task")["loss"]
         sizes.append(math.log10(parameters(str(model))))
-        estimates.append(dr.drop)
+        estimates.append(float(per_task.mean().mean()))  # the task average, as stats.task_average weighs it
         # each model its own draws: the models' items resampled independently (the same seeds would pick the same
         # positions in every model's items, a pairing the rows' order does not promise)
         reps.append(replicates(pairs["loss"], pairs["task"], n, seed=SEED + 1000 * len(reps)))
-        floors.append(stats.resolution(dr.clusters, level))
+        floors.append(stats.resolution(math.floor(stats.effective_items(per_task.size())), level))
         names.append(model_name(str(model)))
     if len(sizes) < 2:
         return None
