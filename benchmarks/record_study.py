@@ -37,7 +37,7 @@ def record(profile: str) -> dict:
         out[experiment] = json.loads(df.to_json(orient="records", double_precision=6))
     accuracy = results.load(profile, "accuracy")
     if not accuracy.empty:
-        from kvlib.report.tables import accuracy_table
+        from kvlib.report.accuracy.tables import accuracy_table
 
         out["accuracy"] = json.loads(accuracy_table(accuracy).to_json(orient="records", double_precision=6))
     retention = results.load(profile, "retention")

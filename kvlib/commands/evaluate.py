@@ -31,7 +31,7 @@ def handle(args) -> int:
     from kvlib.evaluation import KVLibLM
     from kvlib.evaluation.tasks import OFFLINE_TASKS, evaluate, write_offline_tasks
     from kvlib.policies import make_policy
-    from kvlib.report.tables import accuracy_table
+    from kvlib.report.accuracy.tables import accuracy_table
 
     settings = make_policy(args.policy, **settings_from_args(args)).settings()  # bad settings fail before loading
     lm = KVLibLM(pretrained=args.model, policy=args.policy, batch_size=args.batch_size, device=args.device,

@@ -61,7 +61,7 @@ from kvlib.policies.base import KVPolicy
 __all__ = ["BATCHING", "SCHEDULES", "RunSettings", "Schedule", "Scheduler", "Sequence"]
 
 SCHEDULES = ("static", "continuous", "compress")
-# each schedule in the poster's words (its "batching" row), recorded with every run (kvlib.report.systems); short,
+# each schedule in the poster's words (its "batching" row), recorded with every run (kvlib.report.findings.systems); short,
 # since they are a table's column (the module's docstring says what each does)
 BATCHING = {"static": "static", "continuous": "continuous, preempts when full",
             "compress": "continuous, compresses then preempts when full"}

@@ -111,10 +111,10 @@ class KVPolicy:
     adopts_prefill: ClassVar[bool] = False
     # a forked row shares its source's blocks, copied on write (fork): where answers fork off one prompt (a multiple-
     # choice task), the device holds that prompt once for all of them, so its bytes held per token seen are lower than
-    # a policy's that copies it into each (kvlib.report.frontier says so beside such a point)
+    # a policy's that copies it into each (kvlib.report.accuracy.frontier says so beside such a point)
     shares_forks: ClassVar[bool] = False
     # the mechanism in the words of the paper's poster, declared beside the code that does it; every run records them
-    # (traits) and kvlib.report.systems tabulates them next to what the runs measured (tiers, KV share attended)
+    # (traits) and kvlib.report.findings.systems tabulates them next to what the runs measured (tiers, KV share attended)
     keeps: ClassVar[str] = "every entry"
     reads: ClassVar[str] = "all it keeps"
     evicts: ClassVar[str] = "nothing"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from kvlib.report.tables import outside_label
+from kvlib.report.measures import outside_label
 
 BORROWED = "full"  # whose counts stand for an outside runner's
 

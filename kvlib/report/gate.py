@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from kvlib.report.tables import ruler_rows, scored_rows, wilson
+from kvlib.report.measures import ruler_rows, scored_rows, wilson
 
 GATE = 0.70  # the share of items the full cache must get right for a comparison on them to be reported
 

@@ -16,8 +16,8 @@ import pandas as pd
 from kvlib.memory.placement import TIERS, Placement
 from kvlib.report import stats
 from kvlib.report.figure_style import policy_colours, set_style
+from kvlib.report.measures import decode_spread, geometric_mean
 from kvlib.report.provenance import suptitle
-from kvlib.report.tables import decode_spread, geometric_mean
 
 GIB, MIB = 2**30, 2**20
 

@@ -5,15 +5,15 @@ same level and prints the same objects."""
 from kvlib.report.stats import PageFamily
 
 # Findings 1 and 3 are checks, not tested claims (a configured capacity's OOM boundary; a host tier only InfiniGen
-# has): outside the family (kvlib.report.verdicts.CHECKS). The others weigh by their declared claims: finding 2 six
+# has): outside the family (kvlib.report.findings.verdicts.CHECKS). The others weigh by their declared claims: finding 2 six
 # (one not testable on a CPU, one untested where a runner or the configured capacity rules it out: their shares then
-# unspent), finding 4 eight (on the paper's six tasks, averaged over tasks: kvlib.report.paper_accuracy.CLAIMS),
+# unspent), finding 4 eight (on the paper's six tasks, averaged over tasks: kvlib.report.accuracy.paper_tasks.CLAIMS),
 # finding 5 three; so each claim's share is ALPHA over their sum, and finding 2's Holm runs at 6 of it.
 FINDINGS = PageFamily("findings", (("finding 2", 6), ("finding 4", 8), ("finding 5", 3)))
 
 # The accuracy chapter: the multiple-choice tasks' drops (its lead reads the same objects), RULER's, the frontier's,
 # and the trend of the paper's tasks' losses with model size (its lead's sentence on what carries to 8B, the findings
-# page's line beside finding 4: kvlib.report.paper_accuracy_sizes), each a section.
+# page's line beside finding 4: kvlib.report.accuracy.paper_sizes), each a section.
 ACCURACY = PageFamily("accuracy", (("multiple choice", 1), ("RULER", 1), ("the frontier", 1), ("model size", 1)))
 
 # The chooser: each answer to a workload (`kvlib choose`, a row of the chooser page's regimes table) is one family: a
@@ -27,5 +27,5 @@ CHOOSER = PageFamily("chooser answer", (("accuracy", 1), ("decode", 2), ("TTFT",
 SERVING = PageFamily("serving", (("accuracy", 1),))
 
 # A timing chapter tests at most one statement, its lead's comparison of the first runner with the next
-# (kvlib.report.answers); its other ratios are described with their interval and no verdict word.
+# (each chapter module's `lead`); its other ratios are described with their interval and no verdict word.
 TIMING = PageFamily("timing", (("the lead", 1),))

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pandas as pd
 
 from kvlib.report.bounds import measured_over_bound
-from kvlib.report.tables import outside_label
+from kvlib.report.measures import outside_label
 
 
 def this_machine(profile: str):

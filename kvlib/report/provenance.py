@@ -1,6 +1,6 @@
 """Which model and which machine a page's rows come from, in a few words: every figure drawn from result rows says it
 in its title (a reader who meets one figure out of context can tell what produced it), and every chapter's lead in
-one sentence (kvlib.report.answers). Read from the rows only: the `model` column (by the name README gives an
+one sentence (kvlib.report.opening). Read from the rows only: the `model` column (by the name README gives an
 embedded model, kvlib.models.embedded), `machine_cpu` and `machine_gpu` (kvlib.study.machine), and the device the rows
 ran on (`device`, else `device_name`); a column that is absent says nothing, never a guess."""
 

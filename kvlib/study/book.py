@@ -55,7 +55,7 @@ def write_overview(profile: str, validity_gate: float) -> Path:
     for the README and anyone who wants the study's answer in one picture; drawn from the stored results alone."""
     import matplotlib.pyplot as plt
 
-    from kvlib.report.overview_figure import overview
+    from kvlib.report.findings.overview import overview
     from kvlib.report.study_rows import StudyRows
     from kvlib.study import results
 

@@ -18,8 +18,8 @@ import pandas as pd
 
 from kvlib.errors import UserError
 from kvlib.models.random_weights import CAVEAT
-from kvlib.report.answers import opening
 from kvlib.report.gate import GATE
+from kvlib.report.opening import opening
 from kvlib.study.checks import Check
 
 
@@ -44,8 +44,9 @@ class Experiment:
     short: str | None = None  # how a sentence names it; else its name in words
     # what each workload value means, for the profile guide, where the guide's table of shared keys has no line for it
     meanings: dict[str, str] = field(default_factory=dict)
-    # its chapter's opening: (rows) -> its lead sentences (kvlib.report.answers), or (rows, gate) where it reads the
-    # validity gate (a task counts only where the full cache passes it); and the page's error rate said under it
+    # its chapter's opening: (rows) -> its lead sentences (its chapter module's `lead`: kvlib.report.ttft, ...), or
+    # (rows, gate) where it reads the validity gate (a task counts only where the full cache passes it); and the page's
+    # error rate said under it
     lead: Callable | None = None
     reads_gate: bool = False
     error_rate: str = ""
@@ -54,7 +55,7 @@ class Experiment:
     sizes: Callable[[str, dict], list[str]] | None = None
 
     def answer(self, rows: pd.DataFrame, gate: float = GATE) -> str:
-        """Its chapter's opening sentences, as Markdown (kvlib.report.answers.opening)."""
+        """Its chapter's opening sentences, as Markdown (kvlib.report.opening)."""
         lead = self.lead(rows, gate) if self.reads_gate else self.lead(rows)
         return opening(lead, rows, self.error_rate)
 

@@ -2,7 +2,7 @@
 
 A timing says as much about the machine as about the policy: a grid computed on a Ray cluster of unlike machines
 would otherwise mix their speeds in one figure without a word. Every row carries these columns, and the findings
-compare timings only between rows of one kind of machine (CPU model and GPU: kvlib.report.tables.machine_kind).
+compare timings only between rows of one kind of machine (CPU model and GPU: kvlib.report.measures.machine_kind).
 """
 
 from __future__ import annotations

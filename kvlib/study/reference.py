@@ -87,8 +87,8 @@ def save(profile: str, gate: float) -> Path:
     """Publish results/<profile>/ and the verdicts the findings page draws from the published rows (at the profile's
     validity gate); its chapters follow once the build has executed them from it (save_chapters), so that its
     findings page knows itself for the reference book it becomes."""
+    from kvlib.report.findings.verdicts import verdict_table
     from kvlib.report.study_rows import StudyRows
-    from kvlib.report.verdicts import verdict_table
 
     out = folder(profile)
     if out.exists():
@@ -195,7 +195,7 @@ def models_sentence(profile: str) -> str:
 
 def readme_verdicts(profile: str) -> str:
     """README's first screen: the reference book's verdicts, its figure and where its pages are."""
-    from kvlib.report.verdicts import FINDINGS, family_sentence, verdict_markdown
+    from kvlib.report.findings.verdicts import FINDINGS, family_sentence, verdict_markdown
 
     info = about(profile)
     table = pd.DataFrame(info["verdicts"]).assign(paper=lambda d: d.finding.map(FINDINGS))

@@ -118,7 +118,8 @@ def test_cli_run_policy_vllm_prints_one_json_object(tmp_path):
 def test_findings_compare_with_the_real_vllm_where_it_ran():
     import pandas as pd
 
-    from kvlib.report import timing_lines
+    from kvlib.report import batch_scaling as batch_page
+    from kvlib.report import ttft as ttft_page
 
     gib = 2**30
     vllm = "vllm (real)"  # rows name themselves: the findings read `outside` to know which engine is the baseline
@@ -126,16 +127,16 @@ def test_findings_compare_with_the_real_vllm_where_it_ran():
     batch = pd.DataFrame([{"policy": p, "outside": p == vllm, "batch_size": 8, "oom": False, "decode_tokens_per_s": tps,
                            "device_peak_bytes": dev * gib, "host_peak_bytes": 0, "device_kv_peak_bytes": 0.5 * gib,
                            "device_kv_reserved_peak_bytes": reserved * gib} for p, tps, dev, reserved in rows])
-    lines = timing_lines.batch_scaling(batch)
+    lines = batch_page.lines(batch)
     assert ("Ours: at batch 8, h2o / vllm (real) decode throughput: 0.60x (too few repeats for an interval: 1 and 1); "
             "2.40x per GiB of device memory.") in lines
     assert sum("full / vllm (real)" in line or "vllm (real) / full" in line for line in lines) == 1
     assert any("preallocates its KV pool (3.00 GiB) and used 0.50 GiB" in line for line in lines)
-    assert not any("vllm" in line for line in timing_lines.batch_scaling(batch[batch["policy"] != vllm]))
+    assert not any("vllm" in line for line in batch_page.lines(batch[batch["policy"] != vllm]))
 
     ttft = pd.DataFrame([{"policy": p, "outside": p == vllm, "prefill": m, "prompt_tokens": n, "ttft_s": t, "oom": False}
                          for p, m, n, t in [("full", "fused", 512, 0.5), ("paged", "fused", 512, 0.4),
                                             (vllm, "chunked", 512, 0.2), ("full", "fused", 1024, 1.0)]])
     assert any(line.startswith("Ours: at 512 tokens vllm (real) takes 0.20 s to the first token, the kvlib policy with "
                                "the lowest, paged/fused, 0.40 s; paged/fused / vllm (real) TTFT: 2.00x")
-               for line in timing_lines.ttft(ttft))
+               for line in ttft_page.lines(ttft))

@@ -99,7 +99,7 @@ def test_every_policy_records_an_oom_instead_of_crashing(tiny, name):
 
 @pytest.mark.parametrize("name", available())
 def test_every_run_records_its_policys_mechanism_in_the_posters_words(tiny, name):
-    """kvlib.report.systems tabulates these from the rows: each is said, and what a lossless policy says of itself
+    """kvlib.report.findings.systems tabulates these from the rows: each is said, and what a lossless policy says of itself
     agrees with it (every entry kept and read, nothing evicted, at the model's bits unless it quantizes)."""
     policy = make_policy(name)
     stats = Engine(tiny, policy).generate([list(range(100, 140))], 3, prefill_mode=policy.preferred_prefill).stats

@@ -2,7 +2,9 @@
 
 import pandas as pd
 
-from kvlib.report import accuracy_lines, gate
+from kvlib.report import gate
+from kvlib.report import retention as retention_page
+from kvlib.report.accuracy import lines as accuracy_page
 
 
 def recall_rows(task, full_right, items=50, model="m"):
@@ -24,7 +26,7 @@ def test_the_gate_passes_a_task_the_full_cache_gets_right_and_fails_one_it_does_
 
 
 def test_findings_draw_no_verdict_on_a_task_beyond_the_model():
-    lines = accuracy_lines.accuracy(pd.DataFrame(recall_rows("easy", 45) + recall_rows("hard", 20)))
+    lines = accuracy_page.lines(pd.DataFrame(recall_rows("easy", 45) + recall_rows("hard", 20)))
     assert any(line.startswith("Ours: easy at budget 0.1: h2o") and ": lower" in line for line in lines)
     assert any("task hard is beyond the model with m: the full cache scores 40% on 50 items, below the validity "
                "gate of 70%" in line for line in lines)
@@ -38,7 +40,7 @@ def test_a_model_that_fails_one_ruler_length_is_gated_there_alone():
             for policy, budget, score in (("full", None, float(i < full_right)), ("h2o", 0.1, 0.0)):
                 rows.append({"model": "m", "task": "niah_single_1", "length": length, "policy": policy,
                              "budget": budget, "doc_id": i, "ruler_score": score, "correct": None})
-    lines = accuracy_lines.ruler(pd.DataFrame(rows))
+    lines = accuracy_page.ruler(pd.DataFrame(rows))
     assert any("RULER subtask niah_single_1 at 1,024 tokens is beyond the model" in line for line in lines)
     assert any(line.startswith("Ours: RULER at 512 tokens, budget 0.1") for line in lines)
     assert not any(line.startswith("Ours: RULER at 1,024 tokens") for line in lines)
@@ -59,17 +61,17 @@ def retention_rows(full_right_by_bucket, protocol="deployed"):
 def test_retention_compares_policies_over_the_passing_buckets_only():
     df = pd.DataFrame(retention_rows({"1K-2K": 9, "2K-4K": 2}))
     assert gate.passing(gate.retention_gate(df), "bucket") == {"1K-2K"}
-    lines = accuracy_lines.retention(df)
+    lines = retention_page.lines(df)
     assert any("retention bucket 2K-4K is beyond the model" in line for line in lines)
     assert any("20 questions per policy" in line for line in lines)  # one bucket's 10 conversations x 2 turns
     assert not any(line.startswith("Ours: bucket 2K-4K") for line in lines)
-    none = accuracy_lines.retention(pd.DataFrame(retention_rows({"2K-4K": 2})))
+    none = retention_page.lines(pd.DataFrame(retention_rows({"2K-4K": 2})))
     assert any("no bucket passes the validity gate" in line for line in none)
 
 
 def test_two_protocols_are_read_apart_never_pooled():
     df = pd.DataFrame(retention_rows({"1K-2K": 9}) + retention_rows({"1K-2K": 9}, "strict"))
-    lines = accuracy_lines.retention(df)
+    lines = retention_page.lines(df)
     assert any(line.startswith("Ours (deployed protocol): 20 questions per policy") for line in lines)
     assert any(line.startswith("Ours (strict protocol): 20 questions per policy") for line in lines)
 
@@ -77,7 +79,7 @@ def test_two_protocols_are_read_apart_never_pooled():
 def test_exploratory_policies_are_labelled_so():
     df = pd.DataFrame(recall_rows("easy", 45)).assign(role="confirmatory")
     streaming = df[df["policy"] == "h2o"].assign(policy="streaming", role="exploratory")
-    lines = accuracy_lines.accuracy(pd.concat([df, streaming]))
+    lines = accuracy_page.lines(pd.concat([df, streaming]))
     assert any("streaming (exploratory)" in line for line in lines)
     assert not any("h2o (exploratory)" in line for line in lines)
 

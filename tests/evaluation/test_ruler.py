@@ -13,7 +13,9 @@ from kvlib.errors import UserError
 from kvlib.evaluation import KVLibLM
 from kvlib.evaluation.ruler import OFFLINE_RULER_TASKS, evaluate_ruler, lengths_for, punkt_tab_dir
 from kvlib.models import resolve_model_path
-from kvlib.report import accuracy_lines, tables
+from kvlib.report.accuracy import figures as accuracy_figures
+from kvlib.report.accuracy import lines as accuracy_page
+from kvlib.report.accuracy import tables as accuracy_tables
 
 # a fresh process, the network refused and nltk.download forbidden: every offline subtask builds its items
 BUILD_OFFLINE = r"""
@@ -141,7 +143,7 @@ def test_ruler_table_scores_each_subtask_and_their_mean():
     df = pd.DataFrame(_rows("full", None, "niah_single_1", [1, 1, 1, 1]) + _rows("full", None, "ruler_vt", [0.6, 0.4])
                       + _rows("h2o", 0.1, "niah_single_1", [0, 1, 0, 0]) + _rows("h2o", 0.1, "ruler_vt", [0.2, 0.2])
                       + [{"task": "kvlib_recall", "policy": "full", "budget": None, "correct": 1.0, "length": 40}])
-    table = tables.ruler_table(df).set_index(["task", "policy", "budget"])
+    table = accuracy_tables.ruler_table(df).set_index(["task", "policy", "budget"])
     assert table.loc[("niah_single_1", "full", 1.0), "score"] == 1.0
     assert table.loc[("ruler_vt", "h2o", 0.1), "score"] == pytest.approx(0.2)
     assert table.loc[("mean", "full", 1.0), "score"] == pytest.approx((1.0 + 0.5) / 2)  # subtasks weigh the same
@@ -149,8 +151,8 @@ def test_ruler_table_scores_each_subtask_and_their_mean():
     assert table.loc[("mean", "h2o", 0.1), "items"] == 6
     low, high = table.loc[("niah_single_1", "h2o", 0.1), ["low", "high"]]
     assert low < 0.25 < high
-    assert list(tables.accuracy_table(df)["task"]) == ["kvlib_recall"]  # RULER's rows stay out of it
-    lines = accuracy_lines.accuracy(df, gate=0.5)  # ruler_vt's full cache scores 50 %: the default gate would leave it out
+    assert list(accuracy_tables.accuracy_table(df)["task"]) == ["kvlib_recall"]  # RULER's rows stay out of it
+    lines = accuracy_page.lines(df, gate=0.5)  # ruler_vt's full cache scores 50 %: the default gate would leave it out
     assert any("RULER at 512 tokens" in line and "full cache 75.0%" in line for line in lines)
     # the score is the mean of the subtasks' means; the change is read over the items pooled (stats.paired_drop)
     assert any("budget 0.1: h2o 22.5% (-60.0 pp" in line for line in lines)
@@ -161,8 +163,8 @@ def test_ruler_figure_draws_a_panel_per_length():
                        _rows("full", None, "niah_single_1", [1, 1], length) + _rows("h2o", 0.1, "niah_single_1", [0, 1],
                                                                                     length)
                        + _rows("h2o", 0.5, "niah_single_1", [1, 1], length)])
-    from kvlib.report import plots
 
-    fig = plots.ruler(tables.ruler_table(df))
+
+    fig = accuracy_figures.ruler(accuracy_tables.ruler_table(df))
     assert [ax.get_title() for ax in fig.axes] == ["512 tokens", "1,024 tokens"]
     assert np.allclose(fig.axes[0].lines[-1].get_ydata(), 1.0)  # the full cache's reference line

@@ -4,7 +4,7 @@ provenance and model-size tests read."""
 import numpy as np
 import pandas as pd
 
-from kvlib.report.paper_accuracy import PAPER_TASKS
+from kvlib.report.accuracy.paper_tasks import PAPER_TASKS
 
 CHANCE = {"piqa": 0.5, "copa": 0.5, "winogrande": 0.5, "hellaswag": 0.25, "openbookqa": 0.25, "boolq": 0.62}
 NAN, INF = float("nan"), float("inf")

@@ -22,11 +22,12 @@ OTHER_SENSES = {  # (file, word): (lines that quote the word, the sense they use
     ("kvlib/commands/choose.py", "serving"): (2, "an answer's kind, a key of `kvlib choose --json`"),
     ("kvlib/report/pages.py", "serving"): (1, "a page's error-rate family"),
     ("kvlib/report/pages.py", "accuracy"): (3, "a page's error-rate family and a question that spends its share"),
-    ("kvlib/report/accuracy_lines.py", "accuracy"): (4, "the metric a table row holds"),
-    ("kvlib/report/tables.py", "accuracy"): (2, "the metric a table row holds"),
+    ("kvlib/report/accuracy/lines.py", "accuracy"): (4, "the metric a table row holds"),
+    ("kvlib/report/accuracy/tables.py", "accuracy"): (1, "the metric a table row holds"),
+    ("kvlib/report/retention.py", "accuracy"): (1, "the metric a table row holds"),
     ("kvlib/report/choose/evidence.py", "accuracy"): (2, "the metric, and the chooser's question"),
     ("kvlib/report/choose/workload.py", "accuracy"): (1, "the chooser's question"),
-    ("kvlib/report/fig7.py", "accuracy"): (1, "an axis label"),
+    ("kvlib/report/accuracy/fig7.py", "accuracy"): (1, "an axis label"),
 }
 REGISTRY_MODULE = "kvlib/study/experiment.py"  # its docstring's example declaration
 

@@ -14,9 +14,9 @@ from unittest import mock
 import pytest
 import torch
 import torch.nn.functional as F
+from attention_cases import LAYOUTS, random_case, reference
 from kernel_cases import kivi_call  # tests/ is on sys.path, as for ray_fakes
-from test_decode_attention import LAYOUTS, random_case, reference
-from test_quest_select import random_case as quest_case
+from selection_cases import quest_case
 
 from kvlib.kernels import cpu_kernel, library
 from kvlib.kernels.decode import DecodeReads, decode_attention

@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+from greedy import decode
 
-from kvlib.engine import Engine
 from kvlib.kernels import cpu_kernel
 from kvlib.kernels.attention import register_attention
 from kvlib.models.llama_forward import (
@@ -22,7 +22,6 @@ from kvlib.models.llama_forward import (
     rotate,
 )
 from kvlib.models.loading import LoadedModel, ModelSpec, speed_up_for_cpu
-from kvlib.policies import make_policy
 
 needs_kernels = pytest.mark.skipif(not cpu_kernel.available(), reason="no C compiler: the kernels are not built")
 
@@ -45,18 +44,6 @@ def llamas(smollm):
     fast = LoadedModel("llama-test", copy.deepcopy(model), smollm.tokenizer, spec, torch.device("cpu"))
     speed_up_for_cpu(fast)
     return plain, fast
-
-
-def decode(loaded, prompts, steps, policy="full"):
-    """Greedy tokens and every step's logits."""
-    kv = make_policy(policy)
-    with Engine(loaded, kv).session([len(p) for p in prompts], steps) as s:
-        logits = [torch.stack([s.prefill(r, p, "fused") for r, p in enumerate(prompts)])]
-        tokens = [logits[-1].argmax(-1).tolist()]
-        for _ in range(steps - 1):
-            logits.append(s.decode(list(range(len(prompts))), tokens[-1]))
-            tokens.append(logits[-1].argmax(-1).tolist())
-    return tokens, torch.stack(logits)
 
 
 @pytest.fixture(scope="module")

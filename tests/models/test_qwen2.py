@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import hf_greedy
+from greedy import decode
 from policy_examples import example
-from test_llama_forward import decode
 
 from kvlib.engine import Engine
 from kvlib.errors import UserError

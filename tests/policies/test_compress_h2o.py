@@ -8,8 +8,7 @@ import json
 import pandas as pd
 import pytest
 from prompts import prompts_of
-from test_serving_experiment import VALUES
-from test_serving_policies import capacity_for
+from serving_cases import VALUES, capacity_for
 
 from kvlib.engine import Engine
 from kvlib.engine.scheduler import RunSettings, Sequence

@@ -3,7 +3,7 @@ request's cache is compacted by its policy's scores instead, and the run says wh
 
 import pytest
 from prompts import prompts_of
-from test_serving_policies import capacity_for
+from serving_cases import capacity_for
 
 from kvlib.engine import Engine
 from kvlib.engine.scheduler import BATCHING, RunSettings, Sequence

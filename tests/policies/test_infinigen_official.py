@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from test_infinigen_select import policy_for, select
+from selection_cases import policy_for, select
 
 from kvlib.engine import Engine
 from kvlib.policies import make_policy

@@ -3,14 +3,12 @@ CPU (InfiniGenPolicy._select): the same picks per row, the same set per (row, KV
 over random layouts and equal scores; and its refusals of what it cannot read."""
 
 import random
-from types import SimpleNamespace
 
 import pytest
 import torch
+from selection_cases import select
 
 from kvlib.kernels import cpu_kernel
-from kvlib.models.loading import ModelSpec
-from kvlib.policies import make_policy
 
 needs_kernel = pytest.mark.skipif(not cpu_kernel.available(), reason="no C compiler: the kernel is not built")
 
@@ -30,22 +28,6 @@ def random_case(rng: random.Random, ties: bool = False) -> dict:
     cached = torch.tensor([rng.choice([1, 2, 17, rng.randint(1, capacity - 1), capacity - 1]) for _ in range(batch)])
     return {"query": query, "keys": keys, "rows": rows, "cached": cached, "budget": rng.choice([0.05, 0.3, 1.0]),
             "alpha": rng.choice([0.0, 0.5, 4.0, 1e9])}
-
-
-def policy_for(case: dict):
-    """An InfiniGen policy holding the case's partial keys as its one sparse layer (layer 1 after one dense)."""
-    kv_heads, group = case["query"].shape[1:3]
-    policy = make_policy("infinigen", budget=case["budget"], alpha=case["alpha"], dense_layers=1)
-    policy.spec = ModelSpec("case", 2, kv_heads * group, kv_heads, 64, 0, 0, torch.float32)
-    policy.device, policy.dense, policy.scale = torch.device("cpu"), 1, 0.125
-    policy.partial_k = case["keys"][None]
-    return policy
-
-
-def select(case: dict, kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
-    policy = policy_for(case)
-    policy.decode_kernel = kernel
-    return policy._select(1, case["query"], SimpleNamespace(rows=case["rows"], start=case["cached"]))
 
 
 def picks(table: torch.Tensor, count: torch.Tensor) -> list[list[list[int]]]:

@@ -6,39 +6,13 @@ import random
 
 import pytest
 import torch
+from selection_cases import quest_case
 
 from kvlib.kernels import cpu_kernel
 from kvlib.models.loading import ModelSpec
 from kvlib.policies import make_policy
 
 needs_kernel = pytest.mark.skipif(not cpu_kernel.available(), reason="no C compiler: the kernel is not built")
-
-
-def random_case(rng: random.Random, ties: bool = False) -> dict:
-    """One layer's decode step as QuestPolicy.prepare leaves it: rows of 1 to ~40 blocks over a shuffled pool (the
-    last block partly filled or full), tables padded with block 0, a page budget a row from 1 block to all."""
-    batch, kv_heads = rng.randint(1, 5), rng.randint(1, 4)
-    group, dim, bs = rng.choice([1, 2, 3, 4, 7, 8, 16]), rng.choice([64, 128]), rng.choice([1, 4, 16])
-    counts = [rng.choice([1, 2, rng.randint(1, 40)]) for _ in range(batch)]
-    seen = [(n - 1) * bs + rng.randint(1, bs) for n in counts]
-    pages = [rng.choice([1, n, rng.randint(1, n)]) for n in counts]
-    pool = sum(counts) + rng.randint(0, 5)
-    order = torch.randperm(pool, generator=torch.Generator().manual_seed(rng.randint(0, 2 ** 31))).tolist()
-    tables = [[order.pop() for _ in range(n)] for n in counts]
-    width = max(counts)
-    table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-    lo = torch.randn(pool, kv_heads, dim)
-    hi = lo + torch.rand(pool, kv_heads, dim)
-    if ties:  # every bound equal (0), or equal in pairs: only position decides
-        lo, hi = (lo.round(), hi.round()) if rng.random() < 0.5 else (torch.zeros_like(lo), torch.zeros_like(hi))
-        if rng.random() < 0.5:
-            lo[1::2], hi[1::2] = lo[0:-1:2].clone(), hi[0:-1:2].clone()
-    query = torch.randn(batch, kv_heads * group, 1, dim)
-    if ties and rng.random() < 0.3:  # a zero query: every bound 0 or -0, which rank equal
-        query.zero_()
-    return {"query": query, "key_min": lo, "key_max": hi, "table": table, "row_blocks": torch.tensor(counts),
-            "pages": torch.tensor(pages), "seen": torch.tensor(seen), "block_size": bs,
-            "width": max(min(p, n) for p, n in zip(pages, counts))}
 
 
 def pytorch_selection(case: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,7 +31,7 @@ def pytorch_selection(case: dict) -> tuple[torch.Tensor, torch.Tensor]:
 def test_the_c_selection_equals_the_pytorch_path(seed):
     rng = random.Random(seed)
     for i in range(40):
-        case = random_case(rng)
+        case = quest_case(rng)
         want_table, want_lengths = pytorch_selection(case)
         table, lengths = cpu_kernel.quest_select(**case)
         assert torch.equal(lengths, want_lengths), (seed, i)
@@ -75,7 +49,7 @@ def chosen_positions(case, table, lengths) -> list[list[list[int]]]:
 def test_equal_bounds_go_to_the_earlier_block_on_both_paths():
     rng = random.Random(5)
     for i in range(40):
-        case = random_case(rng, ties=True)
+        case = quest_case(rng, ties=True)
         got = cpu_kernel.quest_select(**case)
         want = pytorch_selection(case)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), i
@@ -91,7 +65,7 @@ def test_equal_bounds_go_to_the_earlier_block_on_both_paths():
 def test_the_row_s_last_block_is_always_read_and_padding_stays_in_the_pool():
     rng = random.Random(6)
     for _ in range(30):
-        case = random_case(rng)
+        case = quest_case(rng)
         table, lengths = cpu_kernel.quest_select(**case)
         for b, heads in enumerate(chosen_positions(case, table, lengths)):
             n = int(case["row_blocks"][b])
@@ -107,7 +81,7 @@ def base_case() -> dict:
     """A case of 2 or more KV heads whose block lists are 2 or more blocks wide (what the changes below break)."""
     rng = random.Random(11)
     while True:
-        case = random_case(rng)
+        case = quest_case(rng)
         if case["key_min"].shape[1] >= 2 and case["width"] >= 2:
             return case
 

@@ -5,6 +5,7 @@ the device capacity by vLLM's rule."""
 import pytest
 from policy_examples import example, reserves_rows, whole_prompt
 from prompts import prompts_of
+from serving_cases import capacity_for
 
 from kvlib.engine import Engine
 from kvlib.engine.scheduler import BATCHING, RunSettings, Sequence
@@ -46,12 +47,6 @@ def test_continuous_with_every_request_at_the_start_gives_the_static_schedules_t
     assert tokens(served) == tokens(static)
     assert served.metrics["preemptions"] == 0
     assert (static.stats["batching"], served.stats["batching"]) == (BATCHING["static"], BATCHING["continuous"])
-
-
-def capacity_for(tiny, kv_tokens: int) -> int:
-    """A device capacity whose serving pool holds about kv_tokens tokens of `full`'s KV."""
-    weights = tiny.weights_bytes + tiny.packed_copy_bytes
-    return int((weights + kv_tokens * tiny.spec.kv_bytes_per_token) / 0.9) + 1
 
 
 @pytest.mark.parametrize("name", available())

@@ -7,8 +7,8 @@ import pandas as pd
 from chapter_rows import accuracy_rows, batch_rows  # tests/helpers
 from paper_rows import paper_frame
 
-from kvlib.report import answers
-from kvlib.report.overview_figure import overview
+from kvlib.report import opening
+from kvlib.report.findings.overview import overview
 from kvlib.report.study_rows import StudyRows
 from kvlib.study import experiment
 
@@ -43,7 +43,7 @@ def test_accuracy_opens_with_the_paired_drops_of_the_papers_two_methods():
 
 
 def test_a_chapter_with_no_results_says_so():
-    assert experiment("decode_length").answer(pd.DataFrame()) == f"**In short.** {answers.NOTHING}"
+    assert experiment("decode_length").answer(pd.DataFrame()) == f"**In short.** {opening.NOTHING}"
 
 
 def test_the_overview_draws_every_runner_with_its_accuracy():

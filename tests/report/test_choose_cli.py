@@ -5,7 +5,7 @@ before anything is read; a prompt longer than every accuracy item measured is sa
 import json
 
 import pytest
-from test_choose import frames
+from chooser_frames import frames
 
 from kvlib import cli
 from kvlib.report.choose import choose

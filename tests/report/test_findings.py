@@ -6,7 +6,11 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from kvlib.report import accuracy_lines, stats, tables, timing_lines
+from kvlib.report import batch_scaling as batch_page
+from kvlib.report import measures, stats
+from kvlib.report import retention as retention_page
+from kvlib.report import ttft as ttft_page
+from kvlib.report.accuracy import lines as accuracy_page
 
 
 def ttft_rows(policy, values, prompt_tokens=512):
@@ -16,22 +20,22 @@ def ttft_rows(policy, values, prompt_tokens=512):
 
 def test_ttft_is_described_as_a_ratio_with_the_tests_interval_never_ranked():
     apart = pd.DataFrame(ttft_rows("full", [1.0, 1.1, 1.05, 1.02, 1.08]) + ttft_rows("paged", [0.5, 0.52, 0.55, 0.51, 0.53]))
-    lines = timing_lines.ttft(apart)
+    lines = ttft_page.lines(apart)
     assert any("paged/fused / full/fused TTFT: 0.50x (interval" in line for line in lines)
     assert not any("faster" in line for line in lines)
     rule = [line for line in lines if line.startswith("How timings are read")]
     # said once, with the real size and coverage of the exact test at the page's 5 repeats (2/252 steps: 4.8 %)
     assert len(rule) == 1 and "at 5 repeats a side its real size is 4.8 % and its intervals cover 95.2 %" in rule[0]
     close = pd.DataFrame(ttft_rows("full", [1.0, 1.3, 1.05, 0.98, 1.2]) + ttft_rows("paged", [0.9, 1.1, 0.95, 1.25, 1.0]))
-    assert any("not distinguishable at 5 repeats" in line for line in timing_lines.ttft(close))
-    assert not any(line.startswith("Ours") and ("same" in line or "faster" in line) for line in timing_lines.ttft(close))
+    assert any("not distinguishable at 5 repeats" in line for line in ttft_page.lines(close))
+    assert not any(line.startswith("Ours") and ("same" in line or "faster" in line) for line in ttft_page.lines(close))
 
 
 def test_two_repeats_are_too_few_for_an_interval_however_far_apart():
     """Two repeats a side split 6 ways: a difference could never reach 5 %, so no interval is given (min-max ranges
     that do not overlap happen one time in three for identical engines)."""
     apart = pd.DataFrame(ttft_rows("full", [1.0, 1.1]) + ttft_rows("paged", [0.5, 0.52]))
-    lines = timing_lines.ttft(apart)
+    lines = ttft_page.lines(apart)
     assert any("too few repeats for an interval: 2 and 2" in line for line in lines)
     assert not any("faster" in line for line in lines)
 
@@ -45,7 +49,7 @@ def decode_rows(policy, values, kernel="c", **machine):
 def test_decode_throughputs_are_described_from_the_repeats():
     rows = (decode_rows("full", [50.0, 51.5, 49.0, 50.5, 48.5]) + decode_rows("paged", [51.0, 49.5, 50.5, 52.0, 49.0])
             + decode_rows("h2o", [80.0, 78.0, 82.5, 79.0, 81.0]))
-    lines = timing_lines.batch_scaling(pd.DataFrame(rows))
+    lines = batch_page.lines(pd.DataFrame(rows))
     assert any("the highest decode throughput by geometric mean is h2o" in line for line in lines)
     assert any("h2o / paged decode throughput: 1.59x (interval" in line for line in lines)
     paged = next(line for line in lines if "paged / full decode throughput" in line)
@@ -60,7 +64,7 @@ def test_decode_throughputs_are_described_from_the_repeats():
 def test_the_same_policy_under_two_names_is_not_called_different():
     """A/A: one engine entered twice in one grid (its repeats interleaved) is no finding."""
     rows = decode_rows("full", [50.0, 52.0, 48.0, 51.0, 49.0]) + decode_rows("full_again", [51.0, 49.0, 50.0, 48.0, 52.0])
-    lines = timing_lines.batch_scaling(pd.DataFrame(rows))
+    lines = batch_page.lines(pd.DataFrame(rows))
     line = next(line for line in lines if "/ full decode throughput" in line or "/ full_again decode" in line)
     assert "not distinguishable" in line
     assert not any("faster" in line for line in lines)
@@ -73,7 +77,7 @@ def test_rows_of_two_kinds_of_machine_are_never_compared():
     gpu = {"machine_cpu": "Intel Xeon", "machine_gpu": "NVIDIA H100", "machine_host": "b"}
     rows = (decode_rows("full", [50.0, 51.5, 49.0, 50.5, 48.5], **cpu) + decode_rows("paged", [51.0, 49.5, 50.0, 52.0, 49.0], **cpu)
             + decode_rows("full", [500.0, 510.0, 490.0, 505.0, 495.0], **gpu))
-    lines = timing_lines.batch_scaling(pd.DataFrame(rows))
+    lines = batch_page.lines(pd.DataFrame(rows))
     assert any("measured on 2 kinds of machine (AMD EPYC with no GPU: 10 rows; Intel Xeon with NVIDIA H100: 5 rows)"
                in line for line in lines)
     on_cpu = [line for line in lines if line.startswith("Ours, on AMD EPYC with no GPU:")]
@@ -83,7 +87,7 @@ def test_rows_of_two_kinds_of_machine_are_never_compared():
     assert not any(line.startswith("Ours: ") and " / " in line for line in lines)
     same_kind = [{**r, "machine_host": "c"} for r in decode_rows("paged", [51.0, 50.0], **cpu)]  # another host, alike
     assert not any("kinds of machine" in line
-                   for line in timing_lines.batch_scaling(pd.DataFrame(rows[:10] + same_kind)))
+                   for line in batch_page.lines(pd.DataFrame(rows[:10] + same_kind)))
 
 
 def test_throughputs_from_different_decode_kernels_are_not_compared():
@@ -91,7 +95,7 @@ def test_throughputs_from_different_decode_kernels_are_not_compared():
              "device_peak_bytes": 2**30, "host_peak_bytes": 0, "stat_decode_attention": kernel}
             for p, tps, kernel in [("full", 50.0, "c"), ("paged", 53.0, "c"), ("h2o", 20.0, "torch")]
             for _ in range(2)]
-    lines = timing_lines.batch_scaling(pd.DataFrame(rows))
+    lines = batch_page.lines(pd.DataFrame(rows))
     assert any("did not all decode with the same attention kernel (c: full, paged; torch: h2o)" in line
                for line in lines)
     assert any(line.startswith("Ours: h2o vs full") and "not compared" in line for line in lines)
@@ -101,7 +105,7 @@ def test_throughputs_from_different_decode_kernels_are_not_compared():
 
 @pytest.mark.parametrize("correct, n, low, high", [(12, 12, 0.757, 1.0), (6, 12, 0.254, 0.746), (0, 36, 0.0, 0.096)])
 def test_wilson_interval(correct, n, low, high):
-    assert tables.wilson(correct, n) == pytest.approx((low, high), abs=1e-3)
+    assert measures.wilson(correct, n) == pytest.approx((low, high), abs=1e-3)
 
 
 def test_one_recall_item_is_within_noise():
@@ -110,12 +114,12 @@ def test_one_recall_item_is_within_noise():
         return [{"task": "kvlib_recall", "policy": policy, "budget": budget, "doc_id": i, "correct": float(i < correct)}
                 for i in range(12)]
     near = pd.DataFrame(rows("full", 12, None) + rows("h2o", 8) + rows("infinigen", 9))
-    assert any("H2O and InfiniGen are not distinguishable on these 12 units" in line for line in accuracy_lines.accuracy(near))
+    assert any("H2O and InfiniGen are not distinguishable on these 12 units" in line for line in accuracy_page.lines(near))
     far = pd.DataFrame(rows("full", 12, None) + rows("h2o", 2) + rows("infinigen", 11))
     assert any("H2O loses more than InfiniGen (H2O's change from InfiniGen -75.0 pp" in line
-               for line in accuracy_lines.accuracy(far))
+               for line in accuracy_page.lines(far))
     unpaired = far.drop(columns="doc_id")  # results from before rows carried item ids: said, and still read
-    lines = accuracy_lines.accuracy(unpaired)
+    lines = accuracy_page.lines(unpaired)
     assert any("could not pair their items" in line for line in lines)
     assert any("H2O loses more than InfiniGen" in line for line in lines)
 
@@ -131,7 +135,7 @@ def accuracy_rows(rng, items=200):
 
 
 def test_a_known_20_pp_drop_is_found_and_an_equal_policy_is_equivalent():
-    lines = accuracy_lines.accuracy(accuracy_rows(np.random.default_rng(0)))
+    lines = accuracy_page.lines(accuracy_rows(np.random.default_rng(0)))
     at = next(line for line in lines if line.startswith("Ours: recall at budget 0.1: h2o"))
     # identical answers on 200 items: no change, and an interval only as narrow as 200 items can resolve
     assert ": lower" in at and "infinigen" in at and "(+0.0 pp, interval -3.9 to +3.9: equivalent)" in at
@@ -149,7 +153,7 @@ def test_retention_pairs_questions_and_resamples_conversations():
                 for policy, correct in (("full", True), ("h2o", kept), ("infinigen", True)):
                     rows.append({"policy": policy, "budget": None if policy == "full" else 0.3, "bucket": bucket,
                                  "conversation": f"{bucket}-{conv}", "turn": turn, "correct": correct})
-    lines = accuracy_lines.retention(pd.DataFrame(rows))
+    lines = retention_page.lines(pd.DataFrame(rows))
     assert any("120 questions per policy" in line and "in 40 conversations" in line for line in lines)
     assert any(line.startswith("Ours: h2o at budget 0.3 answers") and ": " not in line.split("answers")[1]
                for line in lines)  # described, no verdict word: the page's tested statements are finding 5's
@@ -158,7 +162,7 @@ def test_retention_pairs_questions_and_resamples_conversations():
     # if InfiniGen lost the middle of the paper's 1-4 pp
     assert any(line.startswith("Ours, finding 5 (as deployed): infinigen within +-5 pp") and "inconclusive" in line
                for line in lines)
-    from kvlib.report.accuracy_findings import units_needed
+    from kvlib.report.claims import units_needed
     from kvlib.report.pages import FINDINGS
 
     level = FINDINGS.level("finding 5")
@@ -170,7 +174,7 @@ def test_retention_pairs_questions_and_resamples_conversations():
 
 
 def test_the_retention_table_never_pools_two_protocols():
-    from kvlib.report.tables import retention_table
+    from kvlib.report.retention import table as retention_table
 
     rows = pd.DataFrame([{"policy": "h2o", "protocol": protocol, "correct": correct}
                          for protocol, correct in (("deployed", True), ("deployed", True), ("strict", False))])

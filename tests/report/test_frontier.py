@@ -1,4 +1,4 @@
-"""The accuracy-memory frontier (kvlib.report.frontier): hybrids against the uniform policy that lost least, item by
+"""The accuracy-memory frontier (kvlib.report.accuracy.frontier): hybrids against the uniform policy that lost least, item by
 item, with the bytes each held."""
 
 import math
@@ -7,7 +7,8 @@ import pandas as pd
 import pytest
 from chapter_rows import item_rows  # tests/helpers
 
-from kvlib.report import frontier, stats
+from kvlib.report import stats
+from kvlib.report.accuracy import frontier
 from kvlib.report.pages import ACCURACY
 
 

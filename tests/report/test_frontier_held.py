@@ -1,4 +1,4 @@
-"""What the frontier places a policy at (kvlib.report.frontier): the device bytes its cache held per token seen, as
+"""What the frontier places a policy at (kvlib.report.accuracy.frontier): the device bytes its cache held per token seen, as
 each decode step books them (KVUsage.held, from Session.decode). A row's slots serve every layer and KV head, so a
 policy whose heads or layers keep different counts (Ada-KV, PyramidKV) holds every head as wide as its widest: that
 padding is device memory the row holds, booked as `kv` and counted (issue 53, item 13), not left in `kv_reserved`."""

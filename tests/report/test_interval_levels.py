@@ -7,8 +7,9 @@ import re
 
 import pandas as pd
 
-from kvlib.report import accuracy_lines, stats
-from kvlib.report.overview_figure import overview
+from kvlib.report import retention as retention_page
+from kvlib.report import stats
+from kvlib.report.findings.overview import overview
 from kvlib.report.study_rows import StudyRows
 
 
@@ -20,7 +21,7 @@ def retention_rows(conversations=40):
 
 
 def test_a_retention_score_all_right_is_no_narrower_than_its_conversations_resolve():
-    line = next(x for x in accuracy_lines.retention(retention_rows(), gate=0.7) if "the full cache answers" in x)
+    line = next(x for x in retention_page.lines(retention_rows(), gate=0.7) if "the full cache answers" in x)
     level = 1 - stats.ALPHA
     found = re.search(rf"in 40 conversations; {level * 100:g} % interval (\d+)%-(\d+)%", line)
     assert found, line

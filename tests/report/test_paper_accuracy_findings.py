@@ -11,11 +11,11 @@ import pytest
 from paper_rows import NAN, POINTS, paper_frame  # tests/helpers
 
 from kvlib.report import stats
-from kvlib.report.accuracy_findings import retention_claims
-from kvlib.report.fig7 import fig7, fig7_points
+from kvlib.report.accuracy.fig7 import fig7, fig7_points
+from kvlib.report.accuracy.paper_beside import accuracy_claims
+from kvlib.report.accuracy.paper_tasks import CLAIMS, PAPER_TASKS
 from kvlib.report.pages import FINDINGS
-from kvlib.report.paper_accuracy import CLAIMS, PAPER_TASKS
-from kvlib.report.paper_accuracy_beside import accuracy_claims
+from kvlib.report.retention import claims as retention_claims
 from kvlib.report.stats import CONFIRMED, INCONCLUSIVE, REFUTED
 
 matplotlib.use("Agg")

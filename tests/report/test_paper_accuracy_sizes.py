@@ -1,4 +1,4 @@
-"""Finding 4's losses across model sizes (kvlib.report.paper_accuracy_sizes): each model's task-average drops over
+"""Finding 4's losses across model sizes (kvlib.report.accuracy.paper_sizes): each model's task-average drops over
 the tasks every model's full cache passes, the slope of the loss at 0.1 against log10(parameters) with its interval,
 and the sentence on what carries to 8B following the slope's word."""
 
@@ -9,9 +9,9 @@ import pandas as pd
 import pytest
 from paper_rows import NAN, paper_frame  # tests/helpers
 
-from kvlib.report import paper_accuracy_sizes as sizes
-from kvlib.report.paper_accuracy import paper_rows, reading_model
-from kvlib.report.paper_accuracy_beside import accuracy_claims
+from kvlib.report.accuracy import paper_sizes as sizes
+from kvlib.report.accuracy.paper_beside import accuracy_claims
+from kvlib.report.accuracy.paper_tasks import paper_rows, reading_model
 from kvlib.report.stats.slope import slope
 
 MODELS = ("smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b")

@@ -12,9 +12,15 @@ import pytest
 from chapter_rows import SYNTHETIC, accuracy_rows, batch_rows, item_rows  # tests/helpers
 from paper_rows import paper_frame
 
-from kvlib.report import answers, frontier, offload, plots, tables
-from kvlib.report.fig7 import fig7
-from kvlib.report.overview_figure import overview
+from kvlib.report import batch_scaling as batch_page
+from kvlib.report import decode_length as decode_page
+from kvlib.report import offload, opening, timing_figures
+from kvlib.report import ttft as ttft_page
+from kvlib.report.accuracy import figures as accuracy_figures
+from kvlib.report.accuracy import frontier
+from kvlib.report.accuracy import tables as accuracy_tables
+from kvlib.report.accuracy.fig7 import fig7
+from kvlib.report.findings.overview import overview
 from kvlib.report.provenance import provenance, sentence
 from kvlib.report.serving import latency_vs_rate, memory_vs_rate
 from kvlib.report.study_rows import StudyRows
@@ -69,20 +75,20 @@ def test_an_absent_column_says_nothing_rather_than_guess():
 def test_the_timing_figures_name_model_and_machine():
     rows = measured(batch_rows())
     ttft = rows.assign(prompt_tokens=rows["batch_size"] * 256, prefill="full", ttft_s=rows["batch_size"] * 0.1)
-    for fig in (plots.batch_scaling(rows), plots.decode_length(rows.rename(columns={"batch_size": "output_tokens"})),
-                plots.ttft(ttft), plots.memory_components(rows.assign(device_kv_peak_bytes=2**20), by="batch_size"),
+    for fig in (batch_page.figure(rows), decode_page.figure(rows.rename(columns={"batch_size": "output_tokens"})),
+                ttft_page.figure(ttft), timing_figures.memory_components(rows.assign(device_kv_peak_bytes=2**20), by="batch_size"),
                 overview(StudyRows(batch_scaling=rows, accuracy=measured(accuracy_rows())))):
         assert SHOWN in title_text(fig) and CPU in title_text(fig), title_text(fig)
-    assert f"{SHOWN} on {CPU}" not in title_text(plots.batch_scaling(batch_rows()))  # the rows record neither
+    assert f"{SHOWN} on {CPU}" not in title_text(batch_page.figure(batch_rows()))  # the rows record neither
 
 
 def test_the_accuracy_figures_name_model_and_machine():
     own = measured(accuracy_rows()).assign(kv_share_attended=0.5, length=512)
     own["correct"] = own["correct"].where(own["doc_id"] % 7 > 0, 0.0)  # no perfect score: its interval is [x, 1]
-    scores = tables.accuracy_table(own)
-    assert CPU not in title_text(plots.accuracy(scores))  # the table keeps no machine: only its rows say it
-    assert f"{SHOWN} on {CPU}" in title_text(plots.accuracy(scores, rows=own))
-    assert f"{SHOWN} on {CPU}" in title_text(plots.recall_by_length(own.assign(task="kvlib_recall")))
+    scores = accuracy_tables.accuracy_table(own)
+    assert CPU not in title_text(accuracy_figures.accuracy(scores))  # the table keeps no machine: only its rows say it
+    assert f"{SHOWN} on {CPU}" in title_text(accuracy_figures.accuracy(scores, rows=own))
+    assert f"{SHOWN} on {CPU}" in title_text(accuracy_figures.recall_by_length(own.assign(task="kvlib_recall")))
     paper = measured(paper_frame(items=40, tasks=("piqa", "copa")))
     assert f"{SHOWN} on {CPU}" in title_text(fig7(paper))
     held = measured(pd.DataFrame(item_rows("full", float("nan"), set(), 1.0)
@@ -106,4 +112,4 @@ def test_each_chapters_lead_names_its_rows_model_and_machine_and_keeps_its_words
     assert f"Measured with {SHOWN} on {CPU} (device cpu).\n\n" in text
     assert text.replace(f" Measured with {SHOWN} on {CPU} (device cpu).", "") == bare  # no verdict word changed
     assert f"Measured with {SHOWN}" in experiment("accuracy").answer(measured(accuracy_rows()))
-    assert experiment("decode_length").answer(measured(pd.DataFrame())) == f"**In short.** {answers.NOTHING}"
+    assert experiment("decode_length").answer(measured(pd.DataFrame())) == f"**In short.** {opening.NOTHING}"

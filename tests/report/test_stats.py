@@ -107,7 +107,7 @@ def test_a_range_claim_confirms_inside_refutes_outside_and_holds_both_edges():
 
 
 def finding_2_family(values, devices):
-    """The findings' family for finding 2 (kvlib.report.verdicts.throughput_claims) on {runner: timings}."""
+    """The findings' family for finding 2 (kvlib.report.findings.verdicts.throughput_claims) on {runner: timings}."""
     runs = values
     scale = devices["h2o"] / devices["vllm"]
     return [stats.range_claim("vllm > h2o", runs["vllm"], runs["h2o"], 1.0),

@@ -4,10 +4,9 @@ import numpy as np
 import pandas as pd
 from paper_rows import CHANCE, NAN, POINTS, paper_frame  # tests/helpers
 
-from kvlib.report import stats, verdicts
-from kvlib.report.pages import FINDINGS
-from kvlib.report.study_rows import StudyRows
-from kvlib.report.verdicts import (
+from kvlib.report import stats
+from kvlib.report.findings import verdicts
+from kvlib.report.findings.verdicts import (
     CONFIRMED,
     CONFIRMED_WHERE_TESTABLE,
     HOLDS,
@@ -16,6 +15,8 @@ from kvlib.report.verdicts import (
     NOT_TESTABLE,
     REFUTED,
 )
+from kvlib.report.pages import FINDINGS
+from kvlib.report.study_rows import StudyRows
 
 
 def accuracy_rows(full_share=0.8, h2o_lost_at_01=0.15, items=300, seed=0, infinigen_lost_at_01=0.06,
@@ -117,7 +118,7 @@ def test_finding_5_confirms_an_infinigen_truly_within_1_pp_at_the_size_its_reach
     if it lost the middle of the paper's 1-4 pp (not the first size at which a drop of exactly 0 could confirm it);
     InfiniGen losing 1 % of the facts reads confirmed there; the embedded profile's 40 are fewer, and the line says
     so."""
-    from kvlib.report.accuracy_findings import units_needed
+    from kvlib.report.claims import units_needed
 
     level = FINDINGS.level("finding 5", 3)
     needed = units_needed(level, -0.05, 0.05, 0.025)
@@ -134,7 +135,7 @@ def test_a_reach_is_the_size_at_80_percent_power_not_the_first_size_a_lucky_drop
     """H2O's 17-27 pp (12-32 widened): at 76 conversations of two questions no attainable drop is confirmable, so
     "it could from 76" was false; the reach now needs the paper's 22 pp to come out confirmed 8 times in 10, and a
     larger effect (a trend) with two cells needs more than one cell's size."""
-    from kvlib.report.accuracy_findings import units_needed
+    from kvlib.report.claims import units_needed
 
     level = 1 - 0.05 / 13
     h2o = units_needed(level, 0.12, 0.32, 0.22)
@@ -218,7 +219,7 @@ def test_a_range_claim_reads_one_widened_range_for_both_words():
     """Finding 5's 17-27 pp, widened by the 5 pp margin: an interval inside 12-32 pp is confirmed (at 14 and at 30 pp),
     one outside 12-32 pp refuted, one across its edge inconclusive; never both words for one interval."""
     from kvlib.report import stats
-    from kvlib.report.accuracy_findings import in_range as _in_range
+    from kvlib.report.claims import in_range as _in_range
 
     def drop(low, high):
         return stats.Drop(reference=1.0, score=1 - (low + high) / 2, drop=(low + high) / 2, low=low, high=high,
@@ -257,7 +258,7 @@ def test_a_claim_that_h2o_loses_more_is_confirmed_by_a_real_smaller_extra_loss()
     """An extra H2O loss of 2.5 pp with interval 1 to 4 pp lies inside the +-5 pp margin ("equivalent"), but it is a
     loss: "H2O loses more" is confirmed, and refuted only by an interval on the other side (a gain), never by being
     small (the old code read "equivalent" as a refutation). Finding 5's trend reads the same rule."""
-    from kvlib.report.accuracy_findings import as_difference, loses_more
+    from kvlib.report.claims import as_difference, loses_more
 
     small = difference(0.01, 0.04)
     assert small.verdict == stats.EQUIVALENT and loses_more(small) == CONFIRMED
@@ -321,7 +322,7 @@ def test_the_per_gb_claim_is_untested_where_the_configured_capacity_alone_rules_
 def test_each_verdict_counts_its_claims_and_says_which_way_a_refutation_goes():
     """H2O worse than the paper says is a refutation in the paper's direction, said so in the table; the finding's
     other claims are counted beside it."""
-    from kvlib.report.verdicts import tally
+    from kvlib.report.findings.verdicts import tally
 
     assert tally([REFUTED, CONFIRMED, INCONCLUSIVE, INCONCLUSIVE, INCONCLUSIVE]) == \
         "1 of 5 claims refuted, 1 confirmed, 3 inconclusive"
@@ -338,7 +339,7 @@ def test_h2o_retaining_nothing_in_the_shortest_bucket_leaves_no_trend_to_read():
            "2K-4K): untested" in numbers, numbers
     assert "1 untested" in text
     # its reach is said all the same: the floor at 20 + 20 conversations, and the size the paper's 17 -> 27 pp needs
-    from kvlib.report.accuracy_findings import units_needed
+    from kvlib.report.claims import units_needed
 
     level = FINDINGS.level("finding 5")
     floor, needed = np.hypot(*[stats.resolution(20, level)] * 2), units_needed(level, 0.0, float("inf"), 0.17, 0.27)
@@ -349,7 +350,7 @@ def test_h2o_retaining_nothing_in_the_shortest_bucket_leaves_no_trend_to_read():
 
 def test_findings_1_and_3_are_checks_outside_the_family():
     """The page and README say findings 1 and 3 are checks, not tested claims, outside the page's 5 %."""
-    from kvlib.report.verdicts import family_sentence
+    from kvlib.report.findings.verdicts import family_sentence
     from kvlib.study.experiments import finding_chapters
 
     table = verdicts.verdict_table(StudyRows())

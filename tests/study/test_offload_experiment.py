@@ -73,7 +73,8 @@ def test_a_placement_is_read_back_from_flexgens_percentages():
 
 
 def test_the_posters_table_is_filled_from_the_runs(frame):
-    from kvlib.report import systems
+    from kvlib.report.findings import systems
+
 
     t = systems.table(StudyRows(offload=frame))
     assert set(t.index) == {"flexgen", "flexgen+h2o"}  # full ran out of memory: no completed run to read

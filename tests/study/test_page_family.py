@@ -7,11 +7,11 @@ import pandas as pd
 import pytest
 
 from kvlib.report import stats
-from kvlib.report.accuracy_findings import retention_claims
+from kvlib.report.accuracy.paper_beside import accuracy_claims
+from kvlib.report.findings.verdicts import throughput_claims
 from kvlib.report.pages import ACCURACY, FINDINGS
-from kvlib.report.paper_accuracy_beside import accuracy_claims
+from kvlib.report.retention import claims as retention_claims
 from kvlib.report.stats import CONFIRMED, REFUTED
-from kvlib.report.verdicts import throughput_claims
 
 CHANCE = {"piqa": 0.5, "copa": 0.5, "winogrande": 0.5, "hellaswag": 0.25, "openbookqa": 0.25, "boolq": 0.62}
 
@@ -43,7 +43,7 @@ def wrong(name: str, verdict: str) -> bool:
 def aa_page(rng, items=240, conversations=60, repeats=10):
     """One page's rows under the A/A truth: every policy answers as the full cache does, by the same chance and
     independently; every runner's timings drawn alike, vLLM booking 3x the device memory of the others (so that
-    ~3x per GB and "similar throughput" can both hold, and the per-GB claim is tested: kvlib.report.verdicts)."""
+    ~3x per GB and "similar throughput" can both hold, and the per-GB claim is tested: kvlib.report.findings.verdicts)."""
     def answers():  # `items` over the paper's six tasks
         return (rng.random(items // len(CHANCE)) < 0.85).astype(float)
 

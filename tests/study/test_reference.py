@@ -41,7 +41,7 @@ def published():
 
 
 def test_the_published_verdicts_are_what_the_code_draws_from_the_published_rows(published):
-    from kvlib.report.verdicts import verdict_table
+    from kvlib.report.findings.verdicts import verdict_table
 
     rows = StudyRows(lambda experiment: reference.load(PUBLISHED, experiment))
     table = verdict_table(rows, load_profile(PUBLISHED).validity_gate)

@@ -7,16 +7,13 @@ import math
 import pandas as pd
 import pytest
 from chapter_rows import SYNTHETIC, serving_frame  # tests/helpers
+from serving_cases import VALUES
 
 from kvlib.report import serving as report
 from kvlib.study.experiments import serving
 from kvlib.study.kept import Kept
 from kvlib.study.point import Point
 from kvlib.study.runners import make_runner
-
-VALUES = {"num_requests": 5, "min_prompt_tokens": 20, "max_prompt_tokens": 60, "min_output_tokens": 3,
-          "max_output_tokens": 6, "burstiness": 1.0, "seed": 0, "chunk_size": 16, "prefill": "chunked",
-          "slo_ttft_s": 30.0, "slo_tpot_s": 5.0, "request_rate": 50.0}
 
 
 def point(runner, capacity_gb=None, **values):

@@ -239,7 +239,7 @@ def test_a_notebook_computes_what_is_missing_or_says_which_command_will(root, mo
 
 
 def test_a_budget_set_in_policy_settings_is_a_column_the_tables_read(root, monkeypatch):
-    from kvlib.report.tables import accuracy_table
+    from kvlib.report.accuracy.tables import accuracy_table
 
     write_profile(root, "p", {**PROFILE, "experiments": {"accuracy": {"policies": ["full", "h2o"],
                                                                        "grid": {"task": ["a"]}}}})

@@ -12,8 +12,9 @@ import numpy as np
 import pandas as pd
 
 from kvlib.report import stats
+from kvlib.report.accuracy.tables import accuracy_table
 from kvlib.report.gate import GATE, accuracy_gate, passing
-from kvlib.report.tables import accuracy_item, accuracy_table, scored_rows
+from kvlib.report.measures import accuracy_item, scored_rows
 from kvlib.settings import ONE_PASS
 
 WITHIN, RULED_OUT, CANNOT_TELL = "within the tolerance", "ruled out", "cannot tell"

@@ -34,10 +34,10 @@ import pandas as pd
 from kvlib.report import stats
 from kvlib.report.choose.evidence import CANNOT_TELL, RULED_OUT, compressed_apart, evidence_for, judge_accuracy
 from kvlib.report.gate import GATE
+from kvlib.report.measures import decode_kernels, geometric_mean, kernel_note
 from kvlib.report.pages import CHOOSER
 from kvlib.report.stats.best import compare_with_best
 from kvlib.report.study_rows import StudyRows
-from kvlib.report.tables import decode_kernels, geometric_mean, kernel_note
 
 
 @dataclass

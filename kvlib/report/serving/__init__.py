@@ -26,6 +26,7 @@ from kvlib.report.serving.compression import (
 )
 from kvlib.report.serving.figures import latency_vs_rate, memory_vs_rate, pool_mib
 from kvlib.report.serving.frame import MIB
+from kvlib.report.serving.page import lead, page_lines
 from kvlib.report.serving.sentences import lines
 from kvlib.report.serving.sustained import ATTAINMENT, Sustained, passes, sustained_rates
 from kvlib.report.serving.tables import TABLE_COLUMNS, serving_table, serving_views, sustained_table, trace_table
@@ -41,8 +42,10 @@ __all__ = [
     "compression_lines",
     "compression_table",
     "latency_vs_rate",
+    "lead",
     "lines",
     "memory_vs_rate",
+    "page_lines",
     "passes",
     "pool_mib",
     "request_agreement",

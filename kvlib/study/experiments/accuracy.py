@@ -21,7 +21,7 @@ from kvlib.evaluation import KVLibLM
 from kvlib.evaluation.ruler import RULER_TASKS, evaluate_ruler
 from kvlib.evaluation.tasks import evaluate, write_offline_tasks
 from kvlib.models.workloads import calibration_prompt
-from kvlib.report import answers
+from kvlib.report.accuracy import lines as chapter
 from kvlib.report.pages import ACCURACY
 from kvlib.settings import DEPLOYED, ONE_PASS, PROTOCOLS, STRICT
 from kvlib.study.checks import (
@@ -149,4 +149,4 @@ EXPERIMENT = register(Experiment(
               "limit": optional(positive_int), "ruler": optional(RULER), "offline_tasks": optional(OFFLINE_TASKS),
               "prefill_store_gb": optional(positive_number)},
     required=("task",),
-    lead=answers.accuracy, reads_gate=True, findings=(4,), sizes=sizes, error_rate=ACCURACY.statement()))
+    lead=chapter.lead, reads_gate=True, findings=(4,), sizes=sizes, error_rate=ACCURACY.statement()))

@@ -1,7 +1,7 @@
 """Memory, throughput and latency vs batch size on mixed-length prompts (paper Fig. 3, 4, 5)."""
 
 from kvlib.models.workloads import mixed_length_prompts
-from kvlib.report import answers
+from kvlib.report import batch_scaling as chapter
 from kvlib.report.pages import TIMING
 from kvlib.study.checks import positive_int
 from kvlib.study.experiment import Experiment, register
@@ -22,4 +22,4 @@ EXPERIMENT = register(Experiment(
     workload={"batch_size": positive_int, "min_prompt_tokens": positive_int,
               "max_prompt_tokens": positive_int, "max_new_tokens": positive_int},
     required=("batch_size", "min_prompt_tokens", "max_prompt_tokens", "max_new_tokens"),
-    lead=answers.batch_scaling, findings=(2, 3), error_rate=TIMING.statement()))
+    lead=chapter.lead, findings=(2, 3), error_rate=TIMING.statement()))

@@ -1,7 +1,7 @@
 """Decode throughput and wall-time split vs output length at a fixed long input (paper Fig. 6)."""
 
 from kvlib.models.workloads import prompt_of_length
-from kvlib.report import answers
+from kvlib.report import decode_length as chapter
 from kvlib.report.pages import TIMING
 from kvlib.study.checks import positive_int
 from kvlib.study.experiment import Experiment, register
@@ -19,4 +19,4 @@ EXPERIMENT = register(Experiment(
     "decode_length", "Decode length", run_point, timed=True, systems=True,
     workload={"output_tokens": positive_int, "prompt_tokens": positive_int, "batch_size": positive_int},
     required=("output_tokens", "prompt_tokens"),
-    lead=answers.decode_length, error_rate=TIMING.statement()))
+    lead=chapter.lead, error_rate=TIMING.statement()))

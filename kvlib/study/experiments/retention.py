@@ -1,7 +1,7 @@
 """Retention of an early fact across context-length buckets and turns (paper Fig. 8): one row per question."""
 
 from kvlib.evaluation.retention import dataset_conversations, offline_conversations, run_conversations
-from kvlib.report import answers
+from kvlib.report import retention as chapter
 from kvlib.report.pages import FINDINGS
 from kvlib.settings import DECODED
 from kvlib.study.checks import bucket, list_of, one_of, one_or_list, optional, positive_int, source
@@ -50,4 +50,4 @@ EXPERIMENT = register(Experiment(
               "conversations": optional(source), "lockstep": positive_int,
               "answer_tokens": optional(positive_int), "protocol": one_or_list(one_of(*DECODED))},
     required=("query_turns", "buckets", "per_bucket"),
-    lead=answers.retention, reads_gate=True, findings=(5,), sizes=sizes, error_rate=FINDINGS.borrowed("finding 5")))
+    lead=chapter.lead, reads_gate=True, findings=(5,), sizes=sizes, error_rate=FINDINGS.borrowed("finding 5")))

@@ -48,8 +48,8 @@ from kvlib.engine.arrivals import arrival_times
 from kvlib.engine.run_result import PERCENTILES, RunResult
 from kvlib.errors import RequestTooLarge, UserError
 from kvlib.models.workloads import prompt_of_length
-from kvlib.report import answers
 from kvlib.report.pages import TIMING
+from kvlib.report.serving import page as chapter
 from kvlib.study.checks import optional, positive_int, positive_number
 from kvlib.study.experiment import Experiment, register
 from kvlib.study.experiments.common import accounting_columns, make_engine, model_of, result_row, warm_then_timed
@@ -242,4 +242,4 @@ EXPERIMENT = register(Experiment(
               "slo_ttft_s": optional(positive_number), "slo_tpot_s": optional(positive_number)},
     required=("num_requests", "min_prompt_tokens", "max_prompt_tokens", "min_output_tokens", "max_output_tokens",
               ("request_rate", "rate_multiple")),
-    lead=answers.serving, error_rate=TIMING.statement()))
+    lead=chapter.lead, error_rate=TIMING.statement()))

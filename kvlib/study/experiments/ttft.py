@@ -1,7 +1,7 @@
 """TTFT vs prompt length per policy and prefill mode (paper Fig. 1, 2), with OOM points under a device capacity."""
 
 from kvlib.models.workloads import prompt_of_length
-from kvlib.report import answers
+from kvlib.report import ttft as chapter
 from kvlib.report.pages import TIMING
 from kvlib.study.checks import positive_int
 from kvlib.study.experiment import Experiment, register
@@ -18,4 +18,4 @@ EXPERIMENT = register(Experiment(
     "ttft", "Time to first token", run_point, timed=True, systems=True, short="TTFT",
     workload={"prompt_tokens": positive_int, "max_new_tokens": positive_int},
     required=("prompt_tokens",),
-    lead=answers.ttft, findings=(1,), error_rate=TIMING.statement()))
+    lead=chapter.lead, findings=(1,), error_rate=TIMING.statement()))

@@ -14,7 +14,7 @@ kvlib.report.stats.task_average), items resampled within their task, paired by d
      the claim's level divided among the k tasks: the stratified analytic interval of one task, a bootstrap's tails
      at that level needing hundreds of thousands of draws).
 
-Other readings stand beside, labelled, never pooled into the verdict (kvlib.report.paper_accuracy_beside)."""
+Other readings stand beside, labelled, never pooled into the verdict (kvlib.report.accuracy.paper_beside)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import numpy as np
 import pandas as pd
 
 from kvlib.report import stats
-from kvlib.report.accuracy_findings import (
+from kvlib.report.claims import (
     INFINIGEN_ACCURACY_DROP,
     MARGIN,
     NAMES,
@@ -41,9 +41,9 @@ from kvlib.report.accuracy_findings import (
 )
 from kvlib.report.drop_words import signed_pp
 from kvlib.report.gate import accuracy_gate, beyond_model, passing
+from kvlib.report.measures import budgeted
 from kvlib.report.provenance import model_name
 from kvlib.report.stats import CONFIRMED, INCONCLUSIVE, REFUTED
-from kvlib.report.tables import budgeted
 from kvlib.settings import ONE_PASS
 
 PAPER_TASKS = ("piqa", "copa", "winogrande", "hellaswag", "openbookqa", "boolq")  # in Fig. 7's panel order

@@ -1,8 +1,8 @@
-"""Finding 4 whole: its verdict on the paper's tasks (kvlib.report.paper_accuracy) and, beside it, labelled and never
+"""Finding 4 whole: its verdict on the paper's tasks (kvlib.report.accuracy.paper_tasks) and, beside it, labelled and never
 pooled into it, the other readings: H2O under the paper's words' rule (`seen`: budget x tokens in all, where FlexGen's
 code keeps about twice that), InfiniGen at H2O's measured kept share (alpha inf: "H2O loses more" read at equal entries
 as well as at equal budget words), kvlib's deployed scoring of the same tasks (protocol `strict`), each task's own
-drops, the same drops on every model of the rows (kvlib.report.paper_accuracy_sizes: their trend with model size),
+drops, the same drops on every model of the rows (kvlib.report.accuracy.paper_sizes: their trend with model size),
 and the book's own tasks (kvlib_recall, RULER), pooled item by item as the book reads them: its extension, not the
 paper's claim."""
 
@@ -11,11 +11,9 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from kvlib.report import paper_accuracy_sizes, stats
-from kvlib.report.accuracy_findings import Claims
-from kvlib.report.gate import passing_units
-from kvlib.report.pages import FINDINGS
-from kvlib.report.paper_accuracy import (
+from kvlib.report import stats
+from kvlib.report.accuracy import paper_sizes
+from kvlib.report.accuracy.paper_tasks import (
     ALPHA,
     ITEM,
     OTHER_RULE,
@@ -27,7 +25,10 @@ from kvlib.report.paper_accuracy import (
     paper_rows,
     point,
 )
-from kvlib.report.tables import accuracy_item
+from kvlib.report.claims import Claims
+from kvlib.report.gate import passing_units
+from kvlib.report.measures import accuracy_item
+from kvlib.report.pages import FINDINGS
 
 BESIDE = "beside, not in the verdict"
 
@@ -125,7 +126,7 @@ def book_lines(df: pd.DataFrame, gate: float, level: float) -> list[str]:
 
 def accuracy_claims(df: pd.DataFrame, gate: float, level: float = FINDINGS.level("finding 4")) -> Claims:
     """Finding 4's eight claims as the paper states them, on its six tasks, averaged over tasks
-    (kvlib.report.paper_accuracy), with every other reading beside them, the book's own tasks among them, as context
+    (kvlib.report.accuracy.paper_tasks), with every other reading beside them, the book's own tasks among them, as context
     lines that never enter the verdict."""
     if df.empty:
         return Claims([], [], ("not run in this profile", "the accuracy experiment has no results"))
@@ -135,7 +136,7 @@ def accuracy_claims(df: pd.DataFrame, gate: float, level: float = FINDINGS.level
         return Claims(claims.claims, claims.context + beside, claims.unanswered, claims.untested, claims.limits)
     model = str(d["model"].iloc[0]) if "model" in d and d["model"].notna().any() else None
     extra = (task_lines(d, tasks, level) + seen_lines(d, level) + equal_share_lines(d, level)
-             + strict_lines(df, model, tasks, level) + paper_accuracy_sizes.lines(df, gate))
+             + strict_lines(df, model, tasks, level) + paper_sizes.lines(df, gate))
     note = (f"{BESIDE}: the lines below read the same rows ({model or 'an unrecorded model'}; {SCALE}) at other "
             f"settings (InfiniGen at alpha {ALPHA:g} unless named)")
     return Claims(claims.claims, claims.context + [note] + extra + beside, claims.unanswered, claims.untested,

@@ -1,6 +1,6 @@
 """Finding 2's tested claims (the paper's "similar peak throughput", "~3x per GB", "an order of magnitude", "the
 lowest TTFT"), each a ratio of by-round means read at the largest batch every claim's runners completed, or untested
-and saying why (kvlib.report.verdicts combines them into the finding's verdict)."""
+and saying why (kvlib.report.findings.verdicts combines them into the finding's verdict)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import numpy as np
 import pandas as pd
 
 from kvlib.report import stats
-from kvlib.report.accuracy_findings import NAMES, UNTESTED
-from kvlib.report.tables import outside_label
+from kvlib.report.claims import NAMES, UNTESTED
+from kvlib.report.measures import outside_label
 
 
 @dataclass

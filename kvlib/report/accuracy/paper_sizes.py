@@ -1,6 +1,6 @@
 """Finding 4's losses across model sizes: the book's own reading, not a claim of the paper (which ran one model), so
 it stands beside the verdict and never in it. On the paper's six tasks under the official protocol (one_pass), H2O
-under FlexGen's rule and InfiniGen at its official alpha (kvlib.report.paper_accuracy.point), each model's
+under FlexGen's rule and InfiniGen at its official alpha (kvlib.report.accuracy.paper_tasks.point), each model's
 task-average drop from its own full cache at budgets 0.5 and 0.1, over the tasks whose full cache passes the validity
 gate on EVERY model (so that every model's average reads the same tasks), and the trend of the loss at 0.1 with
 size: the least-squares slope of the drop against log10 of the model's parameters (pp per tenfold), its interval
@@ -18,11 +18,11 @@ import numpy as np
 import pandas as pd
 
 from kvlib.report import stats
+from kvlib.report.accuracy.paper_tasks import ITEM, PAPER_TASKS, paper_rows, point
 from kvlib.report.drop_words import signed_pp
 from kvlib.report.figure_style import policy_colours, set_style
 from kvlib.report.gate import accuracy_gate, passing
 from kvlib.report.pages import ACCURACY
-from kvlib.report.paper_accuracy import ITEM, PAPER_TASKS, paper_rows, point
 from kvlib.report.provenance import model_name, suptitle
 from kvlib.report.stats.accuracy import draws_for
 from kvlib.report.stats.rule import SEED

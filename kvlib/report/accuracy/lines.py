@@ -1,5 +1,6 @@
-"""The sentences of the accuracy and retention chapters: each task's full-cache score and, where the full cache
-passes the validity gate, each policy's paired change from it with its interval, adjusted across the page."""
+"""The accuracy chapter's lead and sentences: the paper's six tasks as finding 4 reads them (described; the verdicts are
+the findings page's), then the book's own tasks: each task's full-cache score and, where the full cache passes the
+validity gate, each policy's paired change from it with its interval, adjusted across the page; RULER's likewise."""
 
 from __future__ import annotations
 
@@ -8,29 +9,57 @@ import math
 import pandas as pd
 
 from kvlib.report import paper, stats
-from kvlib.report.accuracy_findings import retention_claims
-from kvlib.report.drop_words import change
-from kvlib.report.gate import GATE, accuracy_gate, beyond_model, passing, retention_gate
+from kvlib.report.accuracy import frontier, paper_sizes
+from kvlib.report.accuracy.paper_beside import accuracy_claims
+from kvlib.report.accuracy.paper_tasks import described, own_rows, paper_rows
+from kvlib.report.accuracy.tables import accuracy_table, ruler_table
+from kvlib.report.drop_words import change, per_protocol, role
+from kvlib.report.gate import GATE, accuracy_gate, beyond_model, passing
+from kvlib.report.measures import accuracy_item, ruler_rows, scored_rows
+from kvlib.report.opening import NOTHING
 from kvlib.report.pages import ACCURACY
-from kvlib.report.paper_accuracy import described, own_rows, paper_rows
-from kvlib.report.paper_accuracy_beside import accuracy_claims
-from kvlib.report.tables import (
-    accuracy_item,
-    accuracy_table,
-    budgeted,
-    retention_design,
-    ruler_rows,
-    ruler_table,
-    scored_rows,
-    wilson,
-)
+
+H2O_VS_INFINIGEN = "h2o vs infinigen"
 
 
-def role(df: pd.DataFrame, policy: str) -> str:
-    """" (exploratory)" for a policy the profile ran on fewer items (kvlib.study.profile: `exploratory`)."""
-    if "role" not in df:
-        return ""
-    return " (exploratory)" if (df.loc[df["policy"] == policy, "role"] == "exploratory").any() else ""
+def lead(df: pd.DataFrame, gate: float = GATE) -> str:
+    if df.empty:
+        return NOTHING
+    out = [_paper_tasks_lead(df, gate)] if not paper_rows(df, None).empty else []
+    drops = multiple_choice_drops(df, gate)  # the objects the page's reading prints (the book's own tasks)
+    tasks = sorted({task for task, _, _ in drops})
+    if not tasks:
+        none = "No multiple-choice task of the book's own passes the validity gate: the chapter shows its scores, no verdict."
+        return " ".join([*out, none])
+    rows = scored_rows(own_rows(df))
+    for task in tasks:
+        full = rows.loc[(rows["task"] == task) & (rows["policy"] == "full"), "correct"].astype(float)
+        on_task = {key: d for key, d in drops.items() if key[0] == task}
+        out.append(f"On the book's {task} (the full cache {full.mean():.1%} over {len(full)} items, kvlib's deployed "
+                   f"protocol), the paper's two sparse methods change by: {_drops_text(on_task, ('h2o', 'infinigen'))} "
+                   f"(paired).")
+    hybrids = frontier.comparisons(own_rows(df), gate)
+    if hybrids:
+        out.append(f"Against the uniform policy that lost least at the same budget, {frontier.tally(hybrids)} (the "
+                   f"frontier below).")
+    return " ".join(out)
+
+
+def _drops_text(drops: dict, who: tuple[str, ...]) -> str:
+    return "; ".join(f"{policy} at {budget:g} {change(d)}"
+                     for (_, budget, policy), d in sorted(drops.items(), key=lambda kv: (kv[0][1], kv[0][2]))
+                     if policy in who)
+
+
+def _paper_tasks_lead(df: pd.DataFrame, gate: float) -> str:
+    """Finding 4's task-average drops on the paper's six tasks, described (its verdicts are the findings page's)."""
+    claims = accuracy_claims(df, gate)
+    if claims.unanswered:
+        return f"The paper's six tasks give no reading here: {claims.unanswered[1]}."
+    drops = [f"{c.name}: {described(c.drop)}" for c in claims.claims if "average" in c.name or "near" in c.name]
+    return ("On the paper's six tasks (the official harnesses' one-pass protocol, averaged over the tasks the full "
+            "cache passes; the verdicts are the findings page's): " + "; ".join(drops) + ". "
+            + paper_sizes.carry(df, gate))
 
 
 def accuracy_rule(drops: dict, section: str, resampled: str = "items resampled") -> list[str]:
@@ -73,9 +102,6 @@ def pairs_against_full(rows: pd.DataFrame, key) -> dict:
     return pairs
 
 
-H2O_VS_INFINIGEN = "h2o vs infinigen"
-
-
 def _who_loses_more(drop: stats.Drop) -> str:
     """H2O against InfiniGen on the same items (the paper: H2O loses more)."""
     words = {stats.LOWER: "H2O loses more than InfiniGen", stats.HIGHER: "InfiniGen loses more than H2O",
@@ -85,7 +111,7 @@ def _who_loses_more(drop: stats.Drop) -> str:
 
 
 def paper_tasks(df: pd.DataFrame, gate: float = GATE) -> list[str]:
-    """Finding 4's drops on the paper's six tasks (kvlib.report.paper_accuracy), described: what they rest on, then
+    """Finding 4's drops on the paper's six tasks (kvlib.report.accuracy.paper_tasks), described: what they rest on, then
     each claim's drop and interval without a verdict word (the verdicts are the findings page's, in its family);
     nothing where the rows hold none of those tasks."""
     if paper_rows(df, None).empty:
@@ -98,7 +124,7 @@ def paper_tasks(df: pd.DataFrame, gate: float = GATE) -> list[str]:
         f"findings page's)" for c in claims.claims]
 
 
-def accuracy(df: pd.DataFrame, gate: float = GATE) -> list[str]:
+def lines(df: pd.DataFrame, gate: float = GATE) -> list[str]:
     """The paper's six tasks as finding 4 reads them, then the book's own tasks: each task's full-cache score, and,
     where the full cache passes the validity gate (kvlib.report.gate), each policy's paired change from it; a task the
     full cache fails is said to be beyond the model, with no verdict."""
@@ -168,17 +194,6 @@ def ruler(df: pd.DataFrame, gate: float = GATE) -> list[str]:
     return beyond_model(gated, gate, "RULER subtask") + per_protocol(lambda g: _ruler(g, share), kept)
 
 
-def per_protocol(lines_of, df: pd.DataFrame) -> list[str]:
-    """lines_of(df) for each protocol the rows ran under (kvlib.evaluation.generation): a score as deployed and a
-    strict one are different measurements, never pooled."""
-    if "protocol" not in df or df["protocol"].nunique() <= 1:
-        return lines_of(df)
-    out = []
-    for protocol, g in df.groupby("protocol", sort=True):
-        out += [line.replace("Ours: ", f"Ours ({protocol} protocol): ", 1) for line in lines_of(g)]
-    return out
-
-
 def _ruler(df: pd.DataFrame, alpha: float) -> list[str]:
     table = ruler_table(df)
     if table.empty:
@@ -209,51 +224,3 @@ def _ruler(df: pd.DataFrame, alpha: float) -> list[str]:
                            f"{_who_loses_more(drops[(length, budget, H2O_VS_INFINIGEN)])}.")
     return out + [line.replace("each change", "each RULER change", 1)
                   for line in accuracy_rule(drops, "RULER", "items resampled within each subtask")]
-
-
-def retention(df: pd.DataFrame, gate: float = GATE) -> list[str]:
-    """Each policy's share of facts retained per protocol, described, over the buckets the full cache passes (the
-    validity gate; the others said to be beyond the model); then the page's tested statements, finding 5's claims,
-    the same objects the findings page reads (kvlib.report.accuracy_findings.retention_claims)."""
-    out = [f"Paper: {paper.RETENTION}"]
-    if df.empty or "full" not in set(df["policy"]):
-        return out + ["Ours: no full-cache run to compare with."]
-    gated = retention_gate(df, gate)
-    valid = passing(gated, "bucket")
-    out += beyond_model(gated, gate, "retention bucket")
-    kept = df[df["bucket"].isin(valid)]
-    if kept.empty:
-        return out + ["Ours: no bucket passes the validity gate: no verdict on retention."]
-    claims = retention_claims(df, gate)
-    tested = ([f"Ours, finding 5 (as deployed): {line}." for line in claims.context]
-              + [f"Ours, finding 5 (as deployed): {c.line()}." for c in claims.claims]
-              + [f"Ours, finding 5: {name}: untested." for name in claims.untested])
-    return out + per_protocol(_retention, kept) + tested
-
-
-def _retention(df: pd.DataFrame) -> list[str]:
-    """The shares retained, described (a verdict is finding 5's, below)."""
-    item, cluster, stratum = retention_design(df)
-    d = budgeted(df).assign(correct=df["correct"].astype(float))
-    full = d[d["policy"] == "full"]
-    level = 1 - stats.ALPHA  # a description of the full cache's score, not a tested statement: unadjusted
-    if set(item) <= set(df.columns):
-        units = full[cluster].drop_duplicates().shape[0]
-        low, high = stats.mean_interval(full, "correct", cluster, stratum, level=level)
-        # the methods' floor (stats.resolution): a bootstrap of conversations all answered alike has no spread
-        floor, mean = stats.resolution(units, level), full["correct"].mean()
-        low, high = max(min(low, mean - floor), 0.0), min(max(high, mean + floor), 1.0)
-        how = (f"in {units} conversations; {level * 100:g} % interval {low:.0%}-{high:.0%}, conversations resampled "
-               f"within buckets, no narrower than {units} conversations resolve")
-    else:
-        low, high = wilson(full["correct"].sum(), len(full))
-        how = f"{level * 100:g} % interval {low:.0%}-{high:.0%}, Wilson"
-    out = [f"Ours: {len(full)} questions per policy; the full cache answers {full['correct'].mean():.0%} ({how})."]
-    for (policy, budget), g in d[d["policy"] != "full"].groupby(["policy", "budget"]):
-        used = (f"; attending {g['kv_share_attended'].median():.0%} of the KV"
-                if "kv_share_attended" in g and g["kv_share_attended"].notna().any() else "")
-        out.append(f"Ours: {policy}{role(df, policy)} at budget {budget:g} answers {g['correct'].mean():.0%}{used}.")
-    by_bucket = df.groupby(["bucket", "policy"])["correct"].mean().unstack()
-    for bucket, row in by_bucket.iterrows():
-        out.append(f"Ours: bucket {bucket}: " + ", ".join(f"{p} {v:.0%}" for p, v in row.items()) + ".")
-    return out

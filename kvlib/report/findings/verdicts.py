@@ -11,15 +11,16 @@ from collections import Counter
 import pandas as pd
 
 from kvlib.report import stats
-from kvlib.report.accuracy_findings import MARGIN, UNTESTED, Claims, retention_claims
+from kvlib.report.accuracy.paper_beside import accuracy_claims
+from kvlib.report.accuracy.paper_tasks import paper_rows
+from kvlib.report.claims import MARGIN, UNTESTED, Claims
+from kvlib.report.findings.throughput_claims import one_memory, throughput_claims
 from kvlib.report.gate import GATE
+from kvlib.report.measures import outside_label
 from kvlib.report.pages import FINDINGS as FINDINGS_FAMILY
-from kvlib.report.paper_accuracy import paper_rows
-from kvlib.report.paper_accuracy_beside import accuracy_claims
 from kvlib.report.provenance import models
+from kvlib.report.retention import claims as retention_claims
 from kvlib.report.study_rows import StudyRows
-from kvlib.report.tables import outside_label
-from kvlib.report.throughput_claims import one_memory, throughput_claims
 
 CONFIRMED, REFUTED, INCONCLUSIVE = stats.CONFIRMED, stats.REFUTED, stats.INCONCLUSIVE
 NOT_TESTABLE = "not testable on this machine"
@@ -260,7 +261,7 @@ def _host_memory_finding(df: pd.DataFrame) -> tuple[str, str]:
 
 
 def _claims_finding(claims: Claims, level: float) -> tuple[str, str]:
-    """A finding read from its declared claims (kvlib.report.accuracy_findings): its sizes' reach, then each claim."""
+    """A finding read from its declared claims (kvlib.report.claims): its sizes' reach, then each claim."""
     if claims.unanswered:
         return claims.unanswered
     parts = claims.context + [c.line() for c in claims.claims] + [f"{name}: {UNTESTED}" for name in claims.untested]

@@ -8,10 +8,10 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 import pandas as pd
 
+from kvlib.report.accuracy.paper_tasks import ALPHA, PAPER_TASKS, paper_rows, reading_model
 from kvlib.report.figure_style import policy_colours, set_style
-from kvlib.report.paper_accuracy import ALPHA, PAPER_TASKS, paper_rows, reading_model
+from kvlib.report.measures import wilson
 from kvlib.report.provenance import suptitle
-from kvlib.report.tables import wilson
 
 TITLES = {"piqa": "PIQA", "copa": "COPA", "winogrande": "WinoGrande", "hellaswag": "HellaSwag",
           "openbookqa": "OpenBookQA", "boolq": "BoolQ"}
@@ -74,7 +74,7 @@ def fig7(df: pd.DataFrame):
     key = [plt.Line2D([], [], color="black", lw=6, alpha=0.2, label="full cache (band: 95 % Wilson)"),
            plt.Line2D([], [], color="grey", ls="--", label="chance (guessing)")]
     key += [plt.Line2D([], [], color=palette[n], marker="o", label=n) for n in lines]
-    drawn = paper_rows(df)  # the model the points read (kvlib.report.paper_accuracy.reading_model), with its machine
+    drawn = paper_rows(df)  # the model the points read (kvlib.report.accuracy.paper_tasks.reading_model), with its machine
     model = reading_model(drawn)
     drawn = drawn[drawn["model"] == model] if model is not None else drawn
     suptitle(fig, drawn, title="Fig. 7 from the rows: accuracy against KV budget, protocol one_pass"

@@ -12,9 +12,9 @@ from kvlib.report.choose.evidence import evidence_for
 from kvlib.report.drop_words import signed_pp
 from kvlib.report.figure_style import GB, set_style
 from kvlib.report.gate import GATE
+from kvlib.report.measures import decode_spread
 from kvlib.report.provenance import titled
 from kvlib.report.study_rows import StudyRows
-from kvlib.report.tables import decode_spread
 
 
 def overview(rows: StudyRows, gate: float | None = None):

@@ -24,13 +24,12 @@ import pandas as pd
 
 from kvlib.policies import REGISTRY
 from kvlib.report import stats
-from kvlib.report.accuracy_lines import role
-from kvlib.report.drop_words import change
+from kvlib.report.drop_words import change, role
 from kvlib.report.figure_style import policy_colours, set_style
 from kvlib.report.gate import GATE, passing_units
+from kvlib.report.measures import accuracy_item
 from kvlib.report.pages import ACCURACY
 from kvlib.report.provenance import suptitle
-from kvlib.report.tables import accuracy_item
 
 HYBRIDS = ("duo", "adakv", "pyramidkv")
 UNIFORM = ("h2o", "snapkv", "streaming")
