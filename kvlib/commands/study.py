@@ -16,6 +16,10 @@ def add_parser(sub) -> None:
     study.add_argument("--publish", action="store_true",
                        help="then publish the results and the executed chapters as the profile's reference book "
                             "(reference/<profile>/) and, for the book's profile, README's verdict table")
+    study.add_argument("--from-reference", action="store_true",
+                       help="start from the published reference's rows (reference/<profile>/): they go to "
+                            "results/<profile>/ and only what they lack is computed; with --publish, the reference's "
+                            "chapters executed again by this checkout's code from the same rows")
     study.add_argument("--policies", nargs="+", default=None,
                        help="only these policies / backends (e.g. every kvlib policy where vLLM is not installed); "
                             "the book then shows what is stored and says what is missing")
@@ -53,5 +57,5 @@ def handle(args) -> int:
         raise UserError("--address, --gpus-per-point and --cpus-per-point need --executor ray")
     run_study(args.profile, args.experiments, force=args.force, build=args.build, policies=args.policies,
               notebooks=not args.compute_only, executor=executor, device=args.device, toy=args.toy,
-              publish=args.publish, workers=args.workers or untimed_workers())
+              publish=args.publish, workers=args.workers or untimed_workers(), from_reference=args.from_reference)
     return 0

@@ -12,7 +12,13 @@ from kvlib.report.figure_style import GB, policy_colours, set_style
 from kvlib.report.measures import decode_kernels, decode_spread, geometric_mean, kernel_note, outside_label, same_kernel
 from kvlib.report.opening import NOTHING
 from kvlib.report.provenance import suptitle
-from kvlib.report.timing import best_and_next, describe, disturbed_note, led, oom_line, per_machine, timing_rule_line
+from kvlib.report.timing import (
+    best_and_next,
+    describe,
+    led,
+    oom_line,
+    page_lines,
+)
 from kvlib.report.timing_figures import throughput
 
 
@@ -38,8 +44,7 @@ def _batch(x) -> str:
 
 
 def lines(df: pd.DataFrame) -> list[str]:
-    return [f"Paper: {paper.BATCH_SCALING}"] + per_machine(_batch_scaling, df) + [timing_rule_line(df)] \
-        + disturbed_note(df)
+    return page_lines(paper.BATCH_SCALING, _batch_scaling, df)
 
 
 def _batch_scaling(df: pd.DataFrame) -> list[str]:

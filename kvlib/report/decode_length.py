@@ -11,7 +11,7 @@ from kvlib.report.figure_style import set_style
 from kvlib.report.measures import decode_spread, geometric_mean
 from kvlib.report.opening import NOTHING
 from kvlib.report.provenance import titled
-from kvlib.report.timing import best_and_next, describe, disturbed_note, led, per_machine, timing_rule_line
+from kvlib.report.timing import best_and_next, describe, led, page_lines
 from kvlib.report.timing_figures import throughput
 
 
@@ -36,8 +36,7 @@ def lead(df: pd.DataFrame) -> str:
 
 
 def lines(df: pd.DataFrame) -> list[str]:
-    return [f"Paper: {paper.DECODE_LENGTH}"] + per_machine(_decode_length, df) + [timing_rule_line(df)] \
-        + disturbed_note(df)
+    return page_lines(paper.DECODE_LENGTH, _decode_length, df)
 
 
 def _decode_length(df: pd.DataFrame) -> list[str]:

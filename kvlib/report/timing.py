@@ -99,3 +99,9 @@ def disturbed_note(df: pd.DataFrame) -> list[str]:
             f"10 % of the CPU, twice in a row ({', '.join(sorted(d['policy'].unique()))}); they are kept and flagged "
             f"`disturbed` in the results.")
     return [note]
+
+
+def page_lines(claim: str, lines_of, df: pd.DataFrame) -> list[str]:
+    """A timing chapter's sentences: the paper's claim, ours per kind of machine (lines_of), how its timings are read,
+    and the runs disturbed while they were timed."""
+    return [f"Paper: {claim}"] + per_machine(lines_of, df) + [timing_rule_line(df)] + disturbed_note(df)

@@ -11,7 +11,13 @@ from kvlib.report.figure_style import set_style
 from kvlib.report.measures import geometric_mean, outside_label, ttft_spread
 from kvlib.report.opening import NOTHING
 from kvlib.report.provenance import titled
-from kvlib.report.timing import best_and_next, describe, disturbed_note, led, oom_line, per_machine, timing_rule_line
+from kvlib.report.timing import (
+    best_and_next,
+    describe,
+    led,
+    oom_line,
+    page_lines,
+)
 
 
 def lead(df: pd.DataFrame) -> str:
@@ -35,7 +41,7 @@ def _tokens(x) -> str:
 
 
 def lines(df: pd.DataFrame) -> list[str]:
-    return [f"Paper: {paper.TTFT}"] + per_machine(_ttft, df) + [timing_rule_line(df)] + disturbed_note(df)
+    return page_lines(paper.TTFT, _ttft, df)
 
 
 def _ttft(df: pd.DataFrame) -> list[str]:

@@ -24,6 +24,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from kvlib.errors import UserError
 from kvlib.paths import machine_limits, read_from, repo_root
 from kvlib.study import results
 from kvlib.study.experiments import experiment, names
@@ -117,6 +118,27 @@ def save(profile: str, gate: float) -> Path:
         "verdicts": verdicts[["finding", "verdict", "numbers", "model"]].to_dict(orient="records"),
     }, indent=1) + "\n")
     return out
+
+
+def unpack(profile: str) -> int:
+    """The reference book's rows back in results/<profile>/ as the units they were, its machine's limits beside them,
+    so that a run computes only what the reference lacks: its chapters executed, and republished, by this checkout's
+    code from the very rows published (`kvlib study --from-reference`). Refused where results/<profile>/ holds rows
+    already: a profile's rows never mix this machine's with the reference's. Returns the units written."""
+    if about(profile) is None:
+        raise UserError(f"reference/{profile}/ is not published: there is nothing to start from")
+    if any((repo_root() / "results" / profile).glob("*/*.parquet")):
+        raise UserError(f"results/{profile}/ holds rows already: starting from the reference would mix them with its "
+                        f"rows; move results/{profile}/ aside first")
+    units = 0
+    for name in names():
+        published = load(profile, name)
+        for (key, repeat), rows in (published.groupby(["point_hash", "repeat"]) if not published.empty else []):
+            results.write_unit(profile, name, key, int(repeat), rows.reset_index(drop=True))
+            units += 1
+    if (folder(profile) / "machine.json").exists():  # the limits of the machine that timed the rows, not this one's
+        shutil.copy(folder(profile) / "machine.json", machine_limits(profile))
+    return units
 
 
 def save_chapters(profile: str) -> None:

@@ -27,12 +27,14 @@ def load_profile(name_or_path: str, device: str | None = None, toy: bool = False
 
 def run_study(profile: str, experiments: list[str] | None = None, force: bool = False, build: bool = False,
               policies: list[str] | None = None, notebooks: bool = True, executor: Executor | None = None,
-              device: str | None = None, toy: bool = False, publish: bool = False, workers: int = 1) -> None:
+              device: str | None = None, toy: bool = False, publish: bool = False, workers: int = 1,
+              from_reference: bool = False) -> None:
     """device, toy: the profile on another device or at its toy size, its results in a folder of their own
     (kvlib.study.overrides); results only, since the book's notebooks read a profile by its file's name.
     publish: then publish the results and the executed chapters as the profile's reference book, and README's verdict
     section from it (kvlib.study.reference). workers: processes an untimed experiment's units share
-    (kvlib.study.executor.Processes)."""
+    (kvlib.study.executor.Processes). from_reference: first put the published reference's rows in results/<profile>/
+    (kvlib.study.reference.unpack), so that only what it lacks is computed."""
     prof = load_profile(profile, device, toy)
     if prof.name != load_profile(profile).name and (notebooks or build):
         raise UserError("--device and --toy store results only: add --compute-only (the book's notebooks read a "
@@ -40,6 +42,8 @@ def run_study(profile: str, experiments: list[str] | None = None, force: bool = 
     if publish and (not notebooks or experiments or policies):
         raise UserError("--publish publishes the whole profile and the chapters the run executes from it: drop "
                         "--compute-only, --experiments and --policies")
+    if from_reference:
+        print(f"{prof.name}: {reference.unpack(prof.name)} units from reference/{prof.name}/", flush=True)
     names = experiments or [e for e in experiment_names() if e in prof.experiments]
     if said := estimate.announce(prof.name, {n: units_to_compute(prof, n, force, policies) for n in names
                                              if n in prof.experiments}, measure):

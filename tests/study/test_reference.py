@@ -120,6 +120,29 @@ def test_the_published_book_stands_in_only_where_nothing_was_run(published):
     assert ("reads the reference book's results" in note) == (not results_here)
 
 
+def test_a_run_from_the_reference_starts_from_its_units_and_never_mixes_them_with_rows_here(tmp_path, monkeypatch):
+    from kvlib.errors import UserError
+
+    for module in (kvlib.paths, reference, reference.results):
+        monkeypatch.setattr(module, "repo_root", lambda: tmp_path)
+    with pytest.raises(UserError, match="not published"):
+        reference.unpack("p")
+    rows = pd.DataFrame({"point_hash": ["a", "a", "b"], "repeat": [0, 1, 0], "ttft_s": [1.0, 2.0, 3.0],
+                         "tokens": [np.array([1, 2]), np.array([3]), np.array([4, 5])]})
+    (tmp_path / "reference" / "p" / "results").mkdir(parents=True)
+    (tmp_path / "reference" / "p" / "reference.json").write_text("{}")
+    (tmp_path / "reference" / "p" / "machine.json").write_text('{"threads": 2}')
+    reference._write_rows(rows, tmp_path / "reference" / "p" / "results" / "ttft.parquet")
+    assert reference.unpack("p") == 3
+    unit = pd.read_parquet(tmp_path / "results" / "p" / "ttft" / "a-r1.parquet")
+    assert unit["ttft_s"].tolist() == [2.0] and unit["tokens"][0].tolist() == [3]
+    assert sorted(p.name for p in (tmp_path / "results" / "p" / "ttft").glob("*.parquet")) == [
+        "a-r0.parquet", "a-r1.parquet", "b-r0.parquet"]
+    assert json.loads(kvlib.paths.machine_limits("p").read_text()) == {"threads": 2}  # the machine that timed them
+    with pytest.raises(UserError, match="holds rows already"):
+        reference.unpack("p")
+
+
 def test_publishing_needs_the_chapters_the_run_executes():
     from kvlib.errors import UserError
     from kvlib.study import run_study
