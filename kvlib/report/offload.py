@@ -73,7 +73,7 @@ def _tiers(row: pd.Series) -> str:
     return ", ".join(f"{(0 if pd.isna(n) else n) / GIB:.2f} GiB on the {tier}" for tier, n in held.items())
 
 
-def answer(df: pd.DataFrame) -> str:
+def lead(df: pd.DataFrame) -> str:
     """Who completes at the experiment's device capacity (with its memory per tier), and each offloading runner's
     decode throughput from the KV all off the device on the host to all of it on disk, against the rate the disk's
     measured read rate alone allows. Descriptions of measured values; no ranking."""

@@ -1,6 +1,6 @@
 """What the timing chapters (TTFT, batch scaling, decode length, serving) share: a lead naming the best runner and the
 next with the timing rule's interval, ratios described with it, the rule said once, rows read per kind of machine.
-None ranks: a ranking is a claim of the findings' declared family (kvlib.report.findings_page.verdicts)."""
+None ranks: a ranking is a claim of the findings' declared family (kvlib.report.findings.verdicts)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from kvlib.report import stats
 from kvlib.report.measures import geometric_mean, machine_kind
 
 
-def best_and_next(runs: dict[str, pd.DataFrame], value: str, higher: bool) -> tuple[str, str | None, stats.TimingComparison
-                                                                             | None]:
+def best_and_next(runs: dict[str, pd.DataFrame], value: str,
+                  higher: bool) -> tuple[str, str | None, stats.TimingComparison | None]:
     """The runner with the best geometric mean of `value`, the next, and the first against the next."""
     centres = {k: geometric_mean(g[value]) for k, g in runs.items()}
     ranked = sorted(centres, key=lambda k: centres[k], reverse=higher)
@@ -21,8 +21,7 @@ def best_and_next(runs: dict[str, pd.DataFrame], value: str, higher: bool) -> tu
     return first, second, stats.compare_timings(stats.by_round(runs[first], value), stats.by_round(runs[second], value))
 
 
-def led(first: str, second: str | None, c: stats.TimingComparison | None, claim: str, figure: str,
-         what: str) -> str:
+def led(first: str, second: str | None, c: stats.TimingComparison | None, claim: str, figure: str, what: str) -> str:
     """The chapter's lead, worded by the comparison's verdict: `first` `claim` (e.g. "decodes fastest") only where the
     timing rule tells it from the runner-up; else the two are named as not told apart, at the repeats there were."""
     if c is None:

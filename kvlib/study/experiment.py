@@ -18,7 +18,6 @@ import pandas as pd
 
 from kvlib.errors import UserError
 from kvlib.models.random_weights import CAVEAT
-from kvlib.report.gate import GATE
 from kvlib.report.opening import opening
 from kvlib.study.checks import Check
 
@@ -44,19 +43,19 @@ class Experiment:
     short: str | None = None  # how a sentence names it; else its name in words
     # what each workload value means, for the profile guide, where the guide's table of shared keys has no line for it
     meanings: dict[str, str] = field(default_factory=dict)
-    # its chapter's opening: (rows) -> its lead sentences (its chapter module's `lead`: kvlib.report.ttft, ...), or
-    # (rows, gate) where it reads the validity gate (a task counts only where the full cache passes it); and the page's
-    # error rate said under it
+    # its chapter's opening: (rows[, gate]) -> its lead sentences (its chapter module's `lead`: kvlib.report.ttft,
+    # ...; a chapter that reads the validity gate takes it second: a task counts only where the full cache passes it);
+    # and the page's error rate said under it
     lead: Callable | None = None
-    reads_gate: bool = False
     error_rate: str = ""
     findings: tuple[int, ...] = ()  # the paper's findings its rows test (the findings page links them to its chapter)
     # its rows of the methods page's table of sizes: (profile's name, its spec of the experiment) -> table rows
     sizes: Callable[[str, dict], list[str]] | None = None
 
-    def answer(self, rows: pd.DataFrame, gate: float = GATE) -> str:
-        """Its chapter's opening sentences, as Markdown (kvlib.report.opening)."""
-        lead = self.lead(rows, gate) if self.reads_gate else self.lead(rows)
+    def answer(self, rows: pd.DataFrame, gate: float | None = None) -> str:
+        """Its chapter's opening sentences, as Markdown (kvlib.report.opening); `gate`: the profile's validity gate,
+        for a chapter whose lead reads one (else its lead's default, kvlib.report.gate.GATE)."""
+        lead = self.lead(rows) if gate is None else self.lead(rows, gate)
         return opening(lead, rows, self.error_rate)
 
     @property

@@ -5,7 +5,7 @@ the full cache runs out of, what an offloaded runner still completes, with its m
 from kvlib.memory.disk import read_bandwidth
 from kvlib.models.workloads import prompt_of_length
 from kvlib.policies.flexgen import default_offload_dir
-from kvlib.report import offload as offload_report
+from kvlib.report import offload as chapter
 from kvlib.report.pages import TIMING
 from kvlib.study.checks import positive_int
 from kvlib.study.experiment import Experiment, register
@@ -30,4 +30,4 @@ EXPERIMENT = register(Experiment(
     "offload", "Offloading: FlexGen's memory hierarchy", run_point, timed=True,
     workload={"batch_size": positive_int, "prompt_tokens": positive_int, "max_new_tokens": positive_int},
     required=("batch_size", "prompt_tokens", "max_new_tokens"),
-    lead=offload_report.answer, error_rate=TIMING.statement()))
+    lead=chapter.lead, error_rate=TIMING.statement()))

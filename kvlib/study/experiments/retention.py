@@ -50,4 +50,4 @@ EXPERIMENT = register(Experiment(
               "conversations": optional(source), "lockstep": positive_int,
               "answer_tokens": optional(positive_int), "protocol": one_or_list(one_of(*DECODED))},
     required=("query_turns", "buckets", "per_bucket"),
-    lead=chapter.lead, reads_gate=True, findings=(5,), sizes=sizes, error_rate=FINDINGS.borrowed("finding 5")))
+    lead=chapter.lead, findings=(5,), sizes=sizes, error_rate=FINDINGS.borrowed("finding 5")))
