@@ -133,7 +133,9 @@ def unpack(profile: str) -> int:
     units = 0
     for name in names():
         published = load(profile, name)
-        for (key, repeat), rows in (published.groupby(["point_hash", "repeat"]) if not published.empty else []):
+        if published.empty:  # an experiment the profile does not run
+            continue
+        for (key, repeat), rows in published.groupby(["point_hash", "repeat"]):
             results.write_unit(profile, name, key, int(repeat), rows.reset_index(drop=True))
             units += 1
     if (folder(profile) / "machine.json").exists():  # the limits of the machine that timed the rows, not this one's
