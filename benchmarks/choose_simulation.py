@@ -1,7 +1,7 @@
 """The chooser's two error rates, simulated through kvlib's own functions (issue 64; the fast checks are
 tests/report/test_choose_best.py and tests/projection/test_power_rule.py):
 
-1. equal runners: how often `kvlib choose` (kvlib.report.choose.choose, on batch-scaling rows of 10 rounds, each round
+1. equal runners: how often `kvlib choose` (kvlib.report.choose.workload.choose, on batch-scaling rows of 10 rounds, each round
    a machine-wide factor and each run its own noise) names a winner, i.e. calls some rival slower, against the decode
    share of its error rate;
 2. the "about N items would resolve it" rule: the chance that stats.paired_drop settles it at N binary items if the
@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from kvlib.report.choose import choose
+from kvlib.report.choose.workload import choose
 from kvlib.report.pages import CHOOSER
 
 ROUNDS = 10

@@ -72,7 +72,8 @@ def _check_flags(args, workload: list[int | None]) -> None:
 def handle(args) -> int:
     from dataclasses import asdict
 
-    from kvlib.report.choose import choose, choose_serving
+    from kvlib.report.choose.serving import choose_serving
+    from kvlib.report.choose.workload import choose
     from kvlib.report.study_rows import StudyRows
     from kvlib.study import load_profile, stored
 
@@ -96,7 +97,7 @@ def handle(args) -> int:
                                      args.max_accuracy_drop, args.device_memory_gb, gate,
                                      rank_lossy=args.max_accuracy_drop is not None)
     if args.hardware is not None:
-        from kvlib.report.choose import choose_projected
+        from kvlib.report.choose.projected import choose_projected
 
         # first: asked for another machine, the user reads its projection before this machine's measurements
         answers = {"projected": choose_projected(args.model or MODEL, args.hardware, args.prompt_tokens, args.batch,

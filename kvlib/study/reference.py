@@ -241,7 +241,7 @@ CHOOSE_EXAMPLE = {"prompt_tokens": 1024, "batch": 16, "output_tokens": 16, "max_
 
 def readme_choose(profile: str) -> str:
     """README's `kvlib choose` example: a workload on the book's grid, and the answer the reference book gives."""
-    from kvlib.report.choose import choose
+    from kvlib.report.choose.workload import choose
     from kvlib.report.study_rows import StudyRows
     from kvlib.study import load_profile
 

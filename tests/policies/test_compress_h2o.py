@@ -14,7 +14,7 @@ from kvlib.engine import Engine
 from kvlib.engine.scheduler import RunSettings, Sequence
 from kvlib.errors import UserError
 from kvlib.policies import available, make_policy
-from kvlib.report import serving as report
+from kvlib.report.serving import compression, sentences
 from kvlib.study.experiments import serving
 from kvlib.study.kept import Kept
 from kvlib.study.point import Point
@@ -92,7 +92,7 @@ def test_the_serving_experiment_compresses_where_paged_preempts_and_lists_whom(o
             assert got == lossless  # whom it did not compress decodes as paged does
     frame = pd.DataFrame([{**point(on_tiny, r).columns(), **row} for r, row in (("paged", paged),
                                                                                 ("compress_h2o", mine))])
-    agree = report.request_agreement(frame)
+    agree = compression.request_agreement(frame)
     others = agree[(agree["policy"] == "compress_h2o") & ~agree["compressed"]]
     assert len(agree) == 4 and (others["agreement"] == 1.0).all()
 
@@ -138,10 +138,10 @@ def rows():
 
 
 def test_agreement_is_position_by_position_over_the_longer_output():
-    assert report.agreement([1, 2, 3, 4], [1, 2, 3, 4]) == 1.0
-    assert report.agreement([1, 9, 3, 4], [1, 2, 3, 4]) == 0.75  # not cut at the first difference
-    assert report.agreement([1, 2], [1, 2, 3, 4]) == 0.5  # a missing token is a different one
-    assert report.agreement([2, 3, 4, 5], [1, 2, 3, 4]) == 0.0  # shifted by one: no position agrees
+    assert compression.agreement([1, 2, 3, 4], [1, 2, 3, 4]) == 1.0
+    assert compression.agreement([1, 9, 3, 4], [1, 2, 3, 4]) == 0.75  # not cut at the first difference
+    assert compression.agreement([1, 2], [1, 2, 3, 4]) == 0.5  # a missing token is a different one
+    assert compression.agreement([2, 3, 4, 5], [1, 2, 3, 4]) == 0.0  # shifted by one: no position agrees
 
 
 @pytest.mark.parametrize("through_parquet", [False, True])
@@ -150,7 +150,7 @@ def test_the_compressed_requests_are_read_against_paged_on_the_same_trace(tmp_pa
     if through_parquet:  # as the results store gives them back: arrays, not lists
         df.to_parquet(tmp_path / "rows.parquet", index=False)
         df = pd.read_parquet(tmp_path / "rows.parquet")
-    agree = report.request_agreement(df).set_index(["policy", "request_rate", "request"]).sort_index()
+    agree = compression.request_agreement(df).set_index(["policy", "request_rate", "request"]).sort_index()
     assert "vllm (real)" not in agree.index.get_level_values("policy")  # another engine's kernels
     assert agree.loc[("compress_h2o", 1.0, 0), "agreement"] == 0.75 and agree.loc[("compress_h2o", 1.0, 0),
                                                                                   "compressed"]
@@ -158,7 +158,7 @@ def test_the_compressed_requests_are_read_against_paged_on_the_same_trace(tmp_pa
     assert not agree.loc[("compress_h2o", 2.0, 1), "compressed"]
     assert "paged" not in agree.index.get_level_values("policy")  # the reference, not read against itself
     assert not agree.loc["h2o", "compressed"].any()
-    table = report.compression_table(df)
+    table = compression.compression_table(df)
     compressed, others = "tokens as paged's: compressed requests", "tokens as paged's: the others"
     assert table.loc[("1", "compress_h2o"), compressed] == "0.75"
     assert table.loc[("2", "compress_h2o"), compressed] == "0.5"  # (0.75 + 0.25) / 2
@@ -167,7 +167,7 @@ def test_the_compressed_requests_are_read_against_paged_on_the_same_trace(tmp_pa
     assert table.loc[("1", "paged"), "preemptions"] == "4" and table.loc[("2", "compress_h2o"),
                                                                          "requests compressed"] == "2"
     assert table.loc[("1", "vllm (real)"), compressed] == "" and table.loc[("1", "vllm (real)"), others] == ""
-    text = "\n".join(report.lines(df))
+    text = "\n".join(sentences.lines(df))
     assert ("compress_h2o at 2 requests/s: 2 of 3 requests compressed (3 compressions, each keeping 50% of a "
             "request's entries on average), 0 preemptions against 8 of paged's; goodput 0.9 against 0.5 requests/s, "
             "p99 TTFT 1.2 against 3 s; output tokens equal to paged's, position by position: 50.0% over the 2 "
@@ -177,7 +177,7 @@ def test_the_compressed_requests_are_read_against_paged_on_the_same_trace(tmp_pa
 
 def test_the_compression_sentences_say_how_many_replays_they_rest_on():
     df = pd.concat([rows(), rows().assign(repeat=1)], ignore_index=True)
-    text = "\n".join(report.compression_lines(df))
+    text = "\n".join(compression.compression_lines(df))
     assert "the medians of 2 replays" in text and "50.0% over the 4 compressed" in text
 
 

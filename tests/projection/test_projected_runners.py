@@ -142,7 +142,7 @@ def test_the_projected_answer_is_valid_json_where_a_row_lacks_a_figure():
     import json
     from dataclasses import asdict
 
-    from kvlib.report.choose import choose_projected
+    from kvlib.report.choose.projected import choose_projected
 
     answer = choose_projected("llama-3.1-8b", "h100_sxm", 8192, 4, 256, profile="embedded", device_limit_gb=18.0,
                               systems=SYSTEMS)

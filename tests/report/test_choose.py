@@ -4,8 +4,8 @@ import pandas as pd
 import pytest
 from chooser_frames import frames
 
-from kvlib.report.choose import by_question, choose, largest_workload, read_at, regimes
-from kvlib.report.choose.regimes import REGIME
+from kvlib.report.choose.regimes import REGIME, by_question, largest_workload, regimes
+from kvlib.report.choose.workload import choose, read_at
 from kvlib.report.study_rows import StudyRows
 
 GIB = 2**30

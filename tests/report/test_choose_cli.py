@@ -8,7 +8,7 @@ import pytest
 from chooser_frames import frames
 
 from kvlib import cli
-from kvlib.report.choose import choose
+from kvlib.report.choose.workload import choose
 from kvlib.report.study_rows import StudyRows
 
 

@@ -1,7 +1,7 @@
 """`kvlib choose --hardware NAME --model NAME`: a workload projected where no measurement exists, said so."""
 
 from kvlib.cli import main
-from kvlib.report.choose import choose_projected
+from kvlib.report.choose.projected import choose_projected
 
 
 def test_a_projected_choice_names_each_runner_its_bound_and_its_memory():

@@ -22,7 +22,7 @@ from kvlib.report.accuracy import tables as accuracy_tables
 from kvlib.report.accuracy.fig7 import fig7
 from kvlib.report.findings.overview import overview
 from kvlib.report.provenance import provenance, sentence
-from kvlib.report.serving import latency_vs_rate, memory_vs_rate
+from kvlib.report.serving.figures import latency_vs_rate, memory_vs_rate
 from kvlib.report.study_rows import StudyRows
 from kvlib.study import experiment
 

@@ -9,7 +9,7 @@ import pytest
 from chapter_rows import SYNTHETIC, serving_frame  # tests/helpers
 from serving_cases import VALUES
 
-from kvlib.report import serving as report
+from kvlib.report.serving import figures, sentences, sustained, tables
 from kvlib.study.experiments import serving
 from kvlib.study.kept import Kept
 from kvlib.study.point import Point
@@ -133,7 +133,7 @@ def test_a_smoke_point_runs_end_to_end_on_smollm2(tmp_path, monkeypatch):
 # ---- the report, on synthetic frames ---------------------------------------------------------------------------------
 
 def test_the_highest_sustained_rate_is_measured_and_never_beyond_the_grid():
-    rates = report.sustained_rates(SYNTHETIC)
+    rates = sustained.sustained_rates(SYNTHETIC)
     assert rates["paged"].rate == 1.0 and not rates["paged"].at_least  # 95 % passes, 50 % fails
     assert rates["h2o"].rate == 2.0 and rates["h2o"].at_least  # 90 % passes at the top: "at least"
     assert rates["h2o"].text() == "at least 2 requests/s"
@@ -144,37 +144,37 @@ def test_the_highest_sustained_rate_is_measured_and_never_beyond_the_grid():
 
 def test_repeats_pass_on_their_median_share():
     repeats = serving_frame({("paged", 1.0): 0.95}).loc[[0, 0, 0]].assign(slo_attainment=[0.95, 0.5, 0.92])
-    assert report.passes(repeats)
-    assert not report.passes(repeats.assign(slo_attainment=[0.5, 0.5, 0.95]))
+    assert sustained.passes(repeats)
+    assert not sustained.passes(repeats.assign(slo_attainment=[0.5, 0.5, 0.95]))
 
 
 def test_the_tables_show_every_point_and_oom():
-    table = report.serving_table(SYNTHETIC)
+    table = tables.serving_table(SYNTHETIC)
     assert len(table) == 12
     assert (table.loc[("snapkv", "1")] == "OOM").all()  # (rates shown to 3 figures, as every cell)
     assert table.loc[("h2o", "2"), "within SLO"] == "0.9"
-    views = report.serving_views(SYNTHETIC)  # the same cells, in three narrower tables
+    views = tables.serving_views(SYNTHETIC)  # the same cells, in three narrower tables
     assert sorted(c for v in views.values() for c in v.columns) == sorted(table.columns)
     assert all(v.index.equals(table.index) for v in views.values())
-    traces = report.trace_table(SYNTHETIC.assign(trace_sha=SYNTHETIC["request_rate"].astype(str), prompt_tokens_total=99,
+    traces = tables.trace_table(SYNTHETIC.assign(trace_sha=SYNTHETIC["request_rate"].astype(str), prompt_tokens_total=99,
                                                  output_tokens_total=9, trace_span_s=3.0))
     assert traces.loc["one trace for all"].all() and (traces.loc["runners"] == 4).all()
-    assert list(report.trace_table(SYNTHETIC.assign(request_rate=SYNTHETIC["request_rate"] / 3, trace_sha="t",
+    assert list(tables.trace_table(SYNTHETIC.assign(request_rate=SYNTHETIC["request_rate"] / 3, trace_sha="t",
                                                     prompt_tokens_total=99, output_tokens_total=9, trace_span_s=3.0)
                                    ).columns) == sorted({f"{r / 3:.3g}" for r in SYNTHETIC["request_rate"]}, key=float)
-    closing = report.sustained_table(SYNTHETIC)
+    closing = tables.sustained_table(SYNTHETIC)
     assert list(closing.index[:2]) == ["h2o", "paged"]  # the highest sustained rate first
     assert closing.loc["paged", "preemptions there"] == "0"  # at 1 request/s, where paged still sustains
 
 
 def test_the_pool_line_is_vllms_rule_at_the_rows_capacity():
     rows = SYNTHETIC.assign(device_weights_peak_bytes=538060032, device_weights_packed_peak_bytes=113246208)
-    assert report.pool_mib(rows) == pytest.approx((0.9 * 0.75 * 2**30 - 651306240) / 2**20, abs=1e-3)
-    assert report.pool_mib(SYNTHETIC) is None  # no weights booked: no line
+    assert figures.pool_mib(rows) == pytest.approx((0.9 * 0.75 * 2**30 - 651306240) / 2**20, abs=1e-3)
+    assert figures.pool_mib(SYNTHETIC) is None  # no weights booked: no line
 
 
 def test_the_sentences_say_whether_compression_bought_capacity():
-    text = "\n".join(report.lines(SYNTHETIC))
+    text = "\n".join(sentences.lines(SYNTHETIC))
     assert "at least 90% of the requests" in text
     assert ("h2o against paged at 2 requests/s: peak KV 20.0 against 64.0 MiB, up to 12 against 4 requests running, "
             "0 against 3 preemptions") in text
@@ -186,7 +186,7 @@ def test_the_sentences_say_whether_compression_bought_capacity():
 # ---- the chooser learns serving ----------------------------------------------------------------------------------------
 
 def test_the_chooser_reads_who_meets_the_slo_at_a_rate_interpolated_never_extrapolated():
-    from kvlib.report.choose import choose_serving
+    from kvlib.report.choose.serving import choose_serving
 
     c = choose_serving(SYNTHETIC, pd.DataFrame(), 1.5, slo_ttft_s=0.3, slo_tpot_s=0.1)
     assert c.capacity_gb == 0.75
@@ -203,7 +203,7 @@ def test_the_chooser_reads_who_meets_the_slo_at_a_rate_interpolated_never_extrap
 
 
 def test_the_serving_chooser_keeps_to_the_memory_and_accuracy_asked():
-    from kvlib.report.choose import choose_serving
+    from kvlib.report.choose.serving import choose_serving
 
     assert not choose_serving(SYNTHETIC, pd.DataFrame(), 1.0, 1.0, device_memory_gb=0.5).meets  # measured at 0.75
     assert choose_serving(SYNTHETIC, pd.DataFrame(), 1.0, 1.0, device_memory_gb=2.0).meets  # more memory: more blocks
