@@ -344,13 +344,25 @@ def run_experiment(profile: Profile, experiment: str, force: bool = False, progr
                            rows.assign(round_slot=slots[(point.key, repeat)]))
         bar.update(1)
 
-    if executor is None and not timed and len(todo) > 1:
-        workers = min(workers, len(todo), untimed_workers(worker_gib(p for p, _ in todo)))  # as memory holds them
-        if workers > 1:
-            from kvlib.study.estimate import unit_weight
+    parts = [(executor or Serial(), todo)]
+    if executor is None and not timed:
+        from kvlib.study.estimate import unit_weight
 
-            executor = Processes(workers, affinity=declaration.order, weight=unit_weight(profile.name, experiment))
+        weight = unit_weight(profile.name, experiment)
+        parts = [(Processes(n, affinity=declaration.order, weight=weight) if n > 1 else Serial(), part)
+                 for n, part in memory_parts(todo, workers)]
     try:
-        (executor or Serial()).run(todo, run_metadata(profile.name), done)
+        for run, part in parts:
+            run.run(part, run_metadata(profile.name), done)
     finally:
         bar.close()
+
+
+def memory_parts(todo: list[Unit], workers: int) -> list[tuple[int, list[Unit]]]:
+    """An untimed experiment's units split by how many workers the memory holds for their model, each part with
+    its workers (at most `workers`, at most a unit each), in the order the units come: a profile whose largest
+    model runs alone still computes its small models' units two at a time."""
+    parts: dict[int, list[Unit]] = {}
+    for unit in todo:
+        parts.setdefault(min(workers, untimed_workers(worker_gib([unit[0]]))), []).append(unit)
+    return [(min(n, len(part)), part) for n, part in parts.items()]
