@@ -1,9 +1,9 @@
 """The chooser's two error rates, simulated through kvlib's own functions (issue 64; the fast checks are
 tests/report/test_choose_best.py and tests/projection/test_power_rule.py):
 
-1. equal runners: how often `kvlib choose` (kvlib.report.choose.workload.choose, on batch-scaling rows of 10 rounds, each round
-   a machine-wide factor and each run its own noise) names a winner, i.e. calls some rival slower, against the decode
-   share of its error rate;
+1. equal runners: how often `kvlib choose` (kvlib.report.choose.workload.choose, on batch-scaling rows of 10 rounds,
+   each round a machine-wide factor and each run its own noise) names a winner, i.e. calls some rival slower, against
+   the decode share of its error rate;
 2. the "about N items would resolve it" rule: the chance that stats.paired_drop settles it at N binary items if the
    measured shares of items lost and gained held, worked out exactly over the counts N items can give.
 
