@@ -242,13 +242,14 @@ WORKER_GIB = 8.0  # an accuracy worker of the embedded book: a small model and i
 WEIGHT_COPIES = 2.2
 
 
-def worker_gib(points: Iterable[Point]) -> float:
+def worker_gib(points: Iterable[Point], held: Callable[[Point], float] | None = None) -> float:
     """The memory one worker needs for these points: WORKER_GIB, or more where a point's model is an embedded one
-    whose fp32 weights, WEIGHT_COPIES times over, are larger."""
+    whose fp32 weights, WEIGHT_COPIES times over, and what the worker holds beside them for the point (`held`, the
+    experiment's `held_gib`) are larger."""
     from kvlib.models.embedded import EMBEDDED_MODELS
 
-    sizes = [EMBEDDED_MODELS[p.model].parameters * 4 * WEIGHT_COPIES / 2**30 for p in points
-             if p.model in EMBEDDED_MODELS]
+    sizes = [(EMBEDDED_MODELS[p.model].parameters * 4 * WEIGHT_COPIES / 2**30 if p.model in EMBEDDED_MODELS else 0)
+             + (held(p) if held else 0) for p in points]
     return max([WORKER_GIB, *sizes])
 
 
@@ -350,7 +351,7 @@ def run_experiment(profile: Profile, experiment: str, force: bool = False, progr
 
         weight = unit_weight(profile.name, experiment)
         parts = [(Processes(n, affinity=declaration.order, weight=weight) if n > 1 else Serial(), part)
-                 for n, part in memory_parts(todo, workers)]
+                 for n, part in memory_parts(todo, workers, declaration.held_gib)]
     try:
         for run, part in parts:
             run.run(part, run_metadata(profile.name), done)
@@ -358,11 +359,12 @@ def run_experiment(profile: Profile, experiment: str, force: bool = False, progr
         bar.close()
 
 
-def memory_parts(todo: list[Unit], workers: int) -> list[tuple[int, list[Unit]]]:
-    """An untimed experiment's units split by how many workers the memory holds for their model, each part with
-    its workers (at most `workers`, at most a unit each), in the order the units come: a profile whose largest
-    model runs alone still computes its small models' units two at a time."""
+def memory_parts(todo: list[Unit], workers: int, held: Callable[[Point], float] | None = None
+                 ) -> list[tuple[int, list[Unit]]]:
+    """An untimed experiment's units split by how many workers the memory holds for each (worker_gib: its model and
+    what it holds beside), each part with its workers (at most `workers`, at most a unit each), in the order the
+    units come: a profile whose largest model runs alone still computes its small models' units two at a time."""
     parts: dict[int, list[Unit]] = {}
     for unit in todo:
-        parts.setdefault(min(workers, untimed_workers(worker_gib([unit[0]]))), []).append(unit)
+        parts.setdefault(min(workers, untimed_workers(worker_gib([unit[0]], held))), []).append(unit)
     return [(min(n, len(part)), part) for n, part in parts.items()]

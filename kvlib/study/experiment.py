@@ -40,6 +40,9 @@ class Experiment:
     trained_only: bool = False
     # an untimed experiment's units run in this order (executor.Processes keeps a key's units on one worker)
     order: Callable | None = None
+    # (Point) -> GiB a worker holds for the point beside its model's weights (accuracy: the prefill store its protocol
+    # fills): how many workers share the machine's memory (executor.worker_gib)
+    held_gib: Callable | None = None
     short: str | None = None  # how a sentence names it; else its name in words
     # what each workload value means, for the profile guide, where the guide's table of shared keys has no line for it
     meanings: dict[str, str] = field(default_factory=dict)

@@ -74,7 +74,7 @@ WORKLOAD = {
     "ruler": "RULER's `max_seq_lengths`, `items` and `max_gen_toks` (kvlib.evaluation.ruler)",
     "offline_tasks": "the offline tasks' sizes: recall lengths, items, choices, depths; perplexity documents, tokens",
     "prefill_store_gb": "memory for the recorded dense prefills that every policy adopts instead of its own; default: "
-                        "none (each policy prefills)",
+                        "a quarter of the machine's memory (the one-pass protocol records none)",
     "query_turns": "the turns after the fact at which retention asks for it",
     "buckets": "conversation lengths in tokens, [low, high] each",
     "per_bucket": "conversations per bucket",

@@ -97,6 +97,19 @@ def test_a_worker_holds_its_largest_model_so_fewer_fit_where_a_model_is_large():
 
 
 
+
+def test_a_worker_holds_what_its_experiment_says_it_holds_beside_the_model():
+    from kvlib.study.experiments import accuracy
+
+    def at(**values):
+        return study.point.Point("accuracy", "full", {}, {"task": "kvlib_recall", **values}, "smollm2-135m")
+
+    held = accuracy.EXPERIMENT.held_gib
+    weights = 134_515_008 * 4 * executor.WEIGHT_COPIES / 2**30
+    assert executor.worker_gib([at(prefill_store_gb=16)], held) == pytest.approx(weights + 16)  # the store it fills
+    assert executor.worker_gib([at(prefill_store_gb=16, protocol="one_pass")], held) == executor.WORKER_GIB  # none
+    assert executor.worker_gib([at(prefill_store_gb=16)]) == executor.WORKER_GIB  # an experiment that holds nothing
+
 def test_a_large_model_runs_alone_while_the_small_models_units_still_share_the_cores(monkeypatch):
     monkeypatch.setattr(executor, "untimed_workers", lambda gib: 2 if gib <= executor.WORKER_GIB else 1)
     units = [(study.point.Point("accuracy", "full", {}, {"task": "piqa", "i": i}, model), 0)

@@ -16,7 +16,7 @@ makes every policy adopt the same record of an item: one recording pass an item 
 
 import weakref
 
-from kvlib.engine.prefill_record import PrefillStore
+from kvlib.engine.prefill_record import PrefillStore, default_store_bytes
 from kvlib.evaluation import KVLibLM
 from kvlib.evaluation.ruler import RULER_TASKS, evaluate_ruler
 from kvlib.evaluation.tasks import evaluate, write_offline_tasks
@@ -56,6 +56,15 @@ def order(point) -> tuple:
     reads."""
     runner = runner_class(point.runner)
     return point.values["task"], point.values.get("prefill", runner.preferred_prefill)
+
+
+def held_gib(point) -> float:
+    """What a worker holds for this point beside its model: the prefill store, which the one-pass protocol never
+    fills (it scores without the engine)."""
+    if point.values.get("protocol") == ONE_PASS:
+        return 0.0
+    gb = point.values.get("prefill_store_gb")
+    return default_store_bytes() / 2**30 if gb is None else gb
 
 
 def run_point(point, kept) -> list[dict]:
@@ -149,4 +158,4 @@ EXPERIMENT = register(Experiment(
               "limit": optional(positive_int), "ruler": optional(RULER), "offline_tasks": optional(OFFLINE_TASKS),
               "prefill_store_gb": optional(positive_number)},
     required=("task",),
-    lead=chapter.lead, findings=(4,), sizes=sizes, error_rate=ACCURACY.statement()))
+    lead=chapter.lead, findings=(4,), sizes=sizes, error_rate=ACCURACY.statement(), held_gib=held_gib))
