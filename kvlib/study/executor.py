@@ -349,12 +349,14 @@ def run_experiment(profile: Profile, experiment: str, force: bool = False, progr
     if executor is None and not timed:
         from kvlib.study.estimate import unit_weight
 
-        weight = unit_weight(profile.name, experiment)
+        split = memory_parts(todo, workers, declaration.held_gib)
+        weight = unit_weight(profile.name, experiment) if any(n > 1 for n, _ in split) else None
         parts = [(Processes(n, affinity=declaration.order, weight=weight) if n > 1 else Serial(), part)
-                 for n, part in memory_parts(todo, workers, declaration.held_gib)]
+                 for n, part in split]
+    meta = run_metadata(profile.name)
     try:
         for run, part in parts:
-            run.run(part, run_metadata(profile.name), done)
+            run.run(part, meta, done)
     finally:
         bar.close()
 

@@ -96,8 +96,6 @@ def test_a_worker_holds_its_largest_model_so_fewer_fit_where_a_model_is_large():
     assert executor.untimed_workers(large) <= executor.untimed_workers(executor.WORKER_GIB)
 
 
-
-
 def test_a_worker_holds_what_its_experiment_says_it_holds_beside_the_model():
     from kvlib.study.experiments import accuracy
 
@@ -110,6 +108,7 @@ def test_a_worker_holds_what_its_experiment_says_it_holds_beside_the_model():
     assert executor.worker_gib([at(prefill_store_gb=16, protocol="one_pass")], held) == executor.WORKER_GIB  # none
     assert executor.worker_gib([at(prefill_store_gb=16)]) == executor.WORKER_GIB  # an experiment that holds nothing
 
+
 def test_a_large_model_runs_alone_while_the_small_models_units_still_share_the_cores(monkeypatch):
     monkeypatch.setattr(executor, "untimed_workers", lambda gib: 2 if gib <= executor.WORKER_GIB else 1)
     units = [(study.point.Point("accuracy", "full", {}, {"task": "piqa", "i": i}, model), 0)
@@ -118,6 +117,7 @@ def test_a_large_model_runs_alone_while_the_small_models_units_still_share_the_c
     assert [(n, [p.values["i"] for p, _ in part]) for n, part in parts] == [(2, [0, 2, 3]), (1, [1])]
     assert [n for n, _ in executor.memory_parts(units, workers=1)] == [1]  # never more than asked
     assert [n for n, _ in executor.memory_parts(units[:1], workers=2)] == [1]  # never more than a unit each
+
 
 def test_a_worker_ends_when_its_study_is_killed_alone(tmp_path):
     import os
