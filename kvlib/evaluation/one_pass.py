@@ -28,12 +28,13 @@ class Counter:
     def __init__(self):
         self.attended = self.visible = 0
         self.rows: slice | None = None  # the current pass's scored query rows
+        self.weight = 1  # the requests the current pass scores
 
     def add(self, keep: torch.Tensor) -> None:
         rows = keep[..., self.rows, :]
-        self.attended += int(rows.sum())
+        self.attended += int(rows.sum()) * self.weight
         self.visible += int(torch.ones(rows.shape[-2:], dtype=torch.bool).tril(self.rows.start).sum()) * \
-            rows.shape[0] * rows.shape[1]
+            rows.shape[0] * rows.shape[1] * self.weight
 
     @property
     def share(self) -> float | None:
@@ -50,23 +51,31 @@ def check(policy) -> None:
 def score(loaded, policy, requests: list[tuple[list[int], list[int]]], counter: Counter | None = None
           ) -> list[tuple[float, bool]]:
     """(log-likelihood of the continuation, whether greedy decoding gives it) per (context, continuation) request,
-    each one masked pass of context + continuation (left-truncated to the model's context, as lm-eval's `hf` model)."""
+    each one masked pass of context + continuation (left-truncated to the model's context, as lm-eval's `hf` model).
+
+    Requests that feed the model the same tokens and score from the same row share one pass (a question's one-token
+    choices, as BoolQ's " no" and " yes"), as lm-eval's `hf` model shares them: a pass is a function of its tokens,
+    so each request's figures are those of a pass of its own, and the counter counts the shared pass once for each."""
     check(policy)
-    results = []
+    passes: dict[tuple[tuple[int, ...], int], list[int]] = {}
+    for i, (context, continuation) in enumerate(requests):
+        if not continuation:
+            raise UserError("lm-eval asked to score an empty continuation")
+        whole = (context + continuation)[-(loaded.spec.max_context + 1):]
+        first = len(whole) - 1 - len(continuation)  # the row that predicts the continuation's first token
+        passes.setdefault((tuple(whole[:-1]), first), []).append(i)
+    results: list[tuple[float, bool] | None] = [None] * len(requests)
     with torch.inference_mode(), policy.one_pass_session():
-        for context, continuation in requests:
-            if not continuation:
-                raise UserError("lm-eval asked to score an empty continuation")
-            whole = (context + continuation)[-(loaded.spec.max_context + 1):]
-            ids = torch.tensor([whole[:-1]], device=loaded.device)
-            first = len(whole) - 1 - len(continuation)  # the row that predicts the continuation's first token
+        for (fed, first), members in passes.items():
+            ids = torch.tensor([fed], device=loaded.device)
             if counter is not None:
-                counter.rows = slice(first, ids.shape[1])
+                counter.rows, counter.weight = slice(first, ids.shape[1]), len(members)
             logits = loaded.model(input_ids=ids, use_cache=False, one_pass=(policy, counter)).logits[0, first:]
             logprobs = torch.log_softmax(logits.float(), dim=-1)
-            target = torch.tensor(continuation, device=logprobs.device)
-            results.append((float(logprobs.gather(-1, target[:, None]).sum()),
-                            bool((logprobs.argmax(dim=-1) == target).all())))
+            for i in members:
+                target = torch.tensor(requests[i][1], device=logprobs.device)
+                results[i] = (float(logprobs.gather(-1, target[:, None]).sum()),
+                              bool((logprobs.argmax(dim=-1) == target).all()))
     return results
 
 

@@ -101,6 +101,25 @@ def test_the_flexgen_rule_keeps_about_twice_the_seen_rules_share(scored):
     assert flexgen == pytest.approx(2 * seen, rel=0.25)
 
 
+def test_requests_fed_the_same_tokens_share_one_pass_and_score_as_each_alone(smollm):
+    policy = make_policy("h2o", budget=0.2, budget_rule="flexgen")
+    Engine(smollm, policy)
+    # two one-token choices of one context (fed the same tokens), a longer request, the first choice again
+    requests = [(CONTEXT, [500]), (CONTEXT, [501]), (CONTEXT[:60], CONTINUATION), (CONTEXT, [500])]
+    alone, alone_counter = [], one_pass.Counter()
+    for request in requests:
+        alone += one_pass.score(smollm, policy, [request], alone_counter)
+    passes, counter = [], one_pass.Counter()
+    hook = smollm.model.register_forward_pre_hook(lambda *_: passes.append(1))
+    try:
+        shared = one_pass.score(smollm, policy, requests, counter)
+    finally:
+        hook.remove()
+    assert len(passes) == 2
+    assert shared == alone and shared[0] != shared[1]
+    assert (counter.attended, counter.visible) == (alone_counter.attended, alone_counter.visible)
+
+
 def test_a_policy_without_an_official_rule_is_refused_before_the_model_loads():
     with pytest.raises(UserError, match="no official one-pass accuracy rule.*one_pass runs .*h2o"):
         KVLibLM(pretrained="no-such-model", policy="streaming", protocol="one_pass")
