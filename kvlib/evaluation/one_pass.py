@@ -70,7 +70,8 @@ def score(loaded, policy, requests: list[tuple[list[int], list[int]]], counter: 
             ids = torch.tensor([fed], device=loaded.device)
             if counter is not None:
                 counter.rows, counter.weight = slice(first, ids.shape[1]), len(members)
-            logits = loaded.model(input_ids=ids, use_cache=False, one_pass=(policy, counter)).logits[0, first:]
+            logits = loaded.model(input_ids=ids, use_cache=False, one_pass=(policy, counter),
+                                  logits_to_keep=ids.shape[1] - first).logits[0]
             logprobs = torch.log_softmax(logits.float(), dim=-1)
             for i in members:
                 target = torch.tensor(requests[i][1], device=logprobs.device)
