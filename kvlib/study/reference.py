@@ -7,9 +7,10 @@ reference/<profile>/
     reference.json                 the commit, date and machine, and the verdicts the findings page drew from them
     chapters/<chapter>.ipynb       the book's executed chapters, rendered where the repository is browsed
 
-`kvlib study --profile embedded --build --publish` writes it (and README's verdict section) from results/<profile>/ and
-the notebooks the build executed. Where a profile has never been run on this checkout, its notebooks read the
-reference instead of computing: opening one shows the published numbers, and `kvlib study` computes this machine's.
+`kvlib study --profile embedded --build --publish` writes it from results/<profile>/ and the notebooks the build
+executed (and README's sections from every published book: kvlib.study.readme). Where a profile has never been run on
+this checkout, its notebooks read the reference instead of computing: opening one shows the published numbers, and
+`kvlib study` computes this machine's.
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ import pyarrow.parquet as pq
 from kvlib.errors import UserError
 from kvlib.paths import machine_limits, read_from, repo_root
 from kvlib.study import results
-from kvlib.study.experiments import experiment, names
+from kvlib.study.experiments import names
 
+VERDICT_FIELDS = ["finding", "verdict", "numbers", "model", "sample_n", "sample_of"]  # of each, in reference.json
 JSON_COLUMNS = b"kvlib_json_columns"  # parquet metadata: the object columns, stored as JSON text
-README_PROFILE = "embedded"  # README shows the reference book of the profile `make book` builds
+README_PROFILE = "embedded"  # the book of the profile `make book` builds: README's choose example, its checks
 
 
 def folder(profile: str) -> Path:
@@ -115,7 +117,7 @@ def save(profile: str, gate: float) -> Path:
         "machine": {"cpu": machine.get("machine_cpu"), "host": machine.get("machine_host"),
                     "threads": machine.get("threads"), "device": ", ".join(sorted(computed.device_name.dropna().unique())),
                     "torch": machine.get("torch_version")},
-        "verdicts": verdicts[["finding", "verdict", "numbers", "model"]].to_dict(orient="records"),
+        "verdicts": verdicts[VERDICT_FIELDS].to_dict(orient="records"),
     }, indent=1) + "\n")
     return out
 
@@ -169,123 +171,65 @@ def provenance(info: dict) -> str:
             f"({machine['host']}) at commit(s) {commits}")
 
 
+def published() -> list[str]:
+    """The profiles whose reference book is published: README's first, then by name."""
+    names_ = sorted(p.parent.name for p in (repo_root() / "reference").glob("*/reference.json"))
+    return sorted(names_, key=lambda profile: profile != README_PROFILE)
+
+
+def strongest(finding: int) -> tuple[str, dict] | None:
+    """The published reference book whose verdict on the finding rests on the most units (its claims' fewest,
+    `sample_n`), README's on a tie or where none counts any: its profile and verdict record. Chosen by the books'
+    sizes, never by what they found; None where no book ran the finding."""
+    from kvlib.report.findings.verdicts import NOT_RUN
+
+    ran = [(profile, record) for profile in published() for record in about(profile)["verdicts"]
+           if record["finding"] == finding and not record["verdict"].startswith(NOT_RUN)]
+    return max(ran, key=lambda book: book[1].get("sample_n") or 0, default=None)  # max keeps the first of a tie
+
+
 def reproduction_markdown(profile: str, verdicts: pd.DataFrame) -> str:
-    """The findings page's line on reproduction: which of this build's verdicts agree with the reference book's
-    (nothing where the profile has no reference; a note where the page reads the reference itself)."""
+    """The findings page's line on reproduction: which of this build's verdicts agree with each published reference
+    book's, its own profile's and the others' (nothing where the profile has no reference; where the page reads its
+    reference, or is it, the other books only)."""
     info = about(profile)
     if info is None:
         return ""
+    others = [p for p in published() if p != profile]
     if stands_in(profile):
-        return (f"*This page reads the reference book's results ({provenance(info)}), published with the "
+        lead = (f"*This page reads the reference book's results ({provenance(info)}), published with the "
                 f"repository: `kvlib study --profile {profile} --build` computes this machine's and then says which "
                 "verdicts agree with these.*")
-    if is_own_build(profile, info):
-        return (f"*This page is the reference book ({provenance(info)}): a rebuild on another machine says here which "
+    elif is_own_build(profile, info):
+        lead = (f"*This page is the reference book ({provenance(info)}): a rebuild on another machine says here which "
                 "of its verdicts agree with these.*")
-    theirs = {r["finding"]: r["verdict"] for r in info["verdicts"]}
-    lines = [f"**Reproduction.** These verdicts against the reference book's ({provenance(info)}):", "",
-             "| # | this build | the reference book | |", "|---|---|---|---|"]
+    else:
+        lead, others = f"**Reproduction.** These verdicts against the reference book's ({provenance(info)}):", \
+            [profile, *others]
+    if not others:
+        return lead
+    if others[0] != profile:
+        lead += f" Against the other published reference books ({'; '.join(provenance(about(p)) for p in others)}):"
+    return "\n".join([lead, "", _agreement_table(verdicts, others)])
+
+
+def _agreement_table(verdicts: pd.DataFrame, books: list[str]) -> str:
+    """| # | this build | each book's verdict | whether it agrees |; a finding one side did not run is not compared."""
+    from kvlib.report.findings.verdicts import NOT_RUN
+
+    theirs = {book: {r["finding"]: _word(r["verdict"]) for r in about(book)["verdicts"]} for book in books}
+    lines = ["| # | this build |" + "".join(f" the {book} reference book | |" for book in books),
+             "|---|---|" + "---|---|" * len(books)]
     for r in verdicts.itertuples():
-        ref = theirs.get(r.finding, "not in the reference")
-        same = "agrees" if _word(ref) == _word(r.verdict) else "**differs**"
-        lines.append(f"| {r.finding} | {_word(r.verdict)} | {_word(ref)} | {same} |")
+        ours, cells = _word(r.verdict), ""
+        for book in books:
+            ref = theirs[book].get(r.finding, NOT_RUN)
+            same = "-" if NOT_RUN in (ours, ref) else "agrees" if ref == ours else "**differs**"
+            cells += f" {'not run there' if ref == NOT_RUN else ref} | {same} |"
+        lines.append(f"| {r.finding} | {ours} |{cells}")
     return "\n".join(lines)
 
 
 def _word(verdict: str) -> str:
     """The verdict's word, without the numbers some verdicts carry after a colon."""
     return verdict.split(":")[0].strip()
-
-
-def models_sentence(profile: str) -> str:
-    """Which model each experiment of the reference ran, how its weights are stored and run, and what "device" means
-    there: read from its rows and its profile."""
-    from kvlib.models.embedded import EMBEDDED_MODELS
-    from kvlib.study import load_profile
-
-    frames = [(name, load(profile, name)) for name in names()]
-    by_model: dict[str, list[str]] = {}
-    for name, frame in frames:
-        for model in frame["model"].dropna().unique() if "model" in frame else ():
-            by_model.setdefault(model, []).append(experiment(name).label)
-    models = "; ".join(f"{EMBEDDED_MODELS[m].described if m in EMBEDDED_MODELS else m} for {', '.join(names)}"
-                       for m, names in by_model.items())
-    devices = sorted({d for _, frame in frames if "device_name" in frame for d in frame["device_name"].dropna()})
-    capacity = load_profile(profile).device_capacity_gb
-    device = (f"on the CPU, whose \"device memory\" is a configured {capacity:g} GB budget, not a GPU's"
-              if devices == ["cpu"] and capacity else f"on {', '.join(devices)}")
-    return f"Measured on {models}; {device}."
-
-
-def readme_verdicts(profile: str) -> str:
-    """README's first screen: the reference book's verdicts, its figure and where its pages are."""
-    from kvlib.report.findings.verdicts import FINDINGS, family_sentence, verdict_markdown
-
-    info = about(profile)
-    table = pd.DataFrame(info["verdicts"]).assign(paper=lambda d: d.finding.map(FINDINGS))
-    return "\n".join([
-        (f"**What the study found**, in the reference book ({provenance(info)}): the paper's five findings and our "
-         "verdicts, read from measurements by the rules of [the methods page](book/methods.md). Executed pages: "
-         f"[findings](reference/{profile}/chapters/findings.ipynb), [every chapter](reference/{profile}/chapters/); "
-         f"rows: [reference/{profile}/results/](reference/{profile}/results/). {models_sentence(profile)} "
-         f"{family_sentence()}"),
-        "",
-        verdict_markdown(table, error_rate=False),
-        "",
-        f"![The study's trade-off in one picture](book/figures/overview-{profile}.png)",
-    ])
-
-
-CHOOSE_EXAMPLE = {"prompt_tokens": 1024, "batch": 16, "output_tokens": 16, "max_accuracy_drop": 5.0}  # on the grids
-
-
-def readme_choose(profile: str) -> str:
-    """README's `kvlib choose` example: a workload on the book's grid, and the answer the reference book gives."""
-    from kvlib.report.choose.workload import choose
-    from kvlib.report.study_rows import StudyRows
-    from kvlib.study import load_profile
-
-    w = CHOOSE_EXAMPLE
-    answer = choose(StudyRows(lambda experiment: load(profile, experiment)), w["prompt_tokens"], w["batch"],
-                    w["output_tokens"], w["max_accuracy_drop"], None, load_profile(profile).validity_gate)
-    lines = answer.text().splitlines()
-    shown = [line for line in lines if line.startswith(CHOOSE_SHOWN)]
-    return "\n".join([
-        "```bash", (f".venv/bin/python -m kvlib choose --profile {profile} --prompt-tokens {w['prompt_tokens']} "
-                    f"--batch {w['batch']} --output-tokens {w['output_tokens']} "
-                    f"--max-accuracy-drop {w['max_accuracy_drop']:g}"),
-        "```", "", f"prints, from the reference book's rows ({provenance(about(profile))}), these lines among others:", "",
-        "```text", *shown, "```", "",
-        (f"The other {len(lines) - len(shown)} lines say what it ruled out and why, what it cannot tell at the items "
-         "measured, where the workload differs from the grid, and the answer's error rate; the reference book's "
-         f"[Which policy when](reference/{profile}/chapters/choose.ipynb) page gives its answers over the grid.")])
-
-
-# the lines of the answer README shows: the picks (the rest is on the chooser page)
-CHOOSE_SHOWN = ("Highest decode throughput:", "Lowest TTFT:", "Decode throughput of every qualifying policy:")
-
-
-SECTIONS = {"verdicts": readme_verdicts, "choose": readme_choose}
-
-
-def _markers(section: str) -> tuple[str, str]:
-    return f"<!-- generated by kvlib study --publish: {section} -->", f"<!-- end of {section} -->"
-
-
-def readme_section(section: str, profile: str) -> str:
-    start, end = _markers(section)
-    return f"{start}\n{SECTIONS[section](profile)}\n{end}"
-
-
-def write_readme(profile: str) -> Path:
-    """README's generated sections, from the profile's reference book."""
-    path = repo_root() / "README.md"
-    text = path.read_text()
-    for section in SECTIONS:
-        start, end = _markers(section)
-        at, to = text.find(start), text.find(end)
-        if at < 0 or to < 0:
-            raise ValueError(f"README.md lacks the markers of its {section} section ({start} ... {end})")
-        text = text[:at] + readme_section(section, profile) + text[to + len(end):]
-    path.write_text(text)
-    return path

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pandas as pd
 
 from kvlib.errors import UserError
-from kvlib.study import book, estimate, reference, results
+from kvlib.study import book, estimate, readme, reference, results
 from kvlib.study.executor import Executor, UnitsFailed, run_experiment, units_to_compute
 from kvlib.study.experiments import names as experiment_names
 from kvlib.study.limits import measure
@@ -66,8 +66,7 @@ def run_study(profile: str, experiments: list[str] | None = None, force: bool = 
         book.build()
     if publish:
         reference.save_chapters(prof.name)
-        if prof.name == reference.README_PROFILE:
-            reference.write_readme(prof.name)
+        readme.write()  # its verdicts read every published book, this one's included
 
 
 def stored(profile: str, experiment: str) -> pd.DataFrame:

@@ -13,7 +13,7 @@ from kvlib.study import banner, reference
 
 ROOT = Path(__file__).parents[2]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
-VERDICT_ROW = re.compile(r"^\|\s*(\d)\s*\|.*\|\s*\*\*([^*|]+)\*\*\s*\|(?:[^|*]*\|)?\s*$")  # a "measured with" column may follow
+VERDICT_ROW = re.compile(r"^\|\s*(\d)\s*\|.*?\|\s*\*\*([^*|]+)\*\*\s*\|(?:[^|*]*\|)*\s*$")  # other columns may follow
 
 
 def verdicts(markdown: str) -> dict[int, str]:

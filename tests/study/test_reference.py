@@ -9,7 +9,7 @@ import pytest
 
 import kvlib.paths
 from kvlib.report.study_rows import StudyRows
-from kvlib.study import load_profile, reference
+from kvlib.study import load_profile, readme, reference
 from kvlib.study.experiments import names
 
 PUBLISHED = reference.README_PROFILE
@@ -45,16 +45,17 @@ def test_the_published_verdicts_are_what_the_code_draws_from_the_published_rows(
 
     rows = StudyRows(lambda experiment: reference.load(PUBLISHED, experiment))
     table = verdict_table(rows, load_profile(PUBLISHED).validity_gate)
-    assert table[["finding", "verdict", "numbers", "model"]].to_dict(orient="records") == published["verdicts"]
+    assert table[reference.VERDICT_FIELDS].to_dict(orient="records") == published["verdicts"]
 
 
 def test_readme_shows_the_published_verdicts(published):
-    readme = (kvlib.paths.repo_root() / "README.md").read_text()
-    for section in reference.SECTIONS:
-        assert reference.readme_section(section, PUBLISHED) in readme, \
+    text = (kvlib.paths.repo_root() / "README.md").read_text()
+    for section in readme.SECTIONS:
+        assert readme.section_text(section) in text, \
             f"README's {section} section is stale: `kvlib study --build --publish` writes it"
-    for row in published["verdicts"]:
-        assert f"| **{row['verdict']}** |" in readme
+    for finding in range(1, 6):  # each from the published book that reads it with the most units
+        _, record = reference.strongest(finding)
+        assert f"| **{record['verdict']}** |" in text
 
 
 def test_the_published_pages_and_limits_are_there(published):
@@ -155,7 +156,7 @@ def test_publishing_needs_the_chapters_the_run_executes():
 def test_readme_names_each_model_its_verdicts_were_measured_on_and_what_device_means(published):
     from kvlib.models.embedded import EMBEDDED_MODELS
 
-    section = reference.readme_section("verdicts", PUBLISHED)
+    section = readme.section_text("verdicts")
     models = {m for name in names() for m in reference.load(PUBLISHED, name).get("model", [])}
     assert models and all(EMBEDDED_MODELS[m].described in section for m in models)
     assert "run in fp32" in section and "configured" in section
@@ -167,3 +168,55 @@ def test_the_published_chapters_name_no_build_machines_folder(published):
     for chapter in (reference.folder(PUBLISHED) / "chapters").glob("*.ipynb"):
         found = re.findall(r"(?<![\w.])/(?:root|home|work|tmp|usr|opt|Users)/[^\s\"']*", chapter.read_text())
         assert not found, (chapter.name, found[:3])
+
+
+@pytest.fixture
+def two_books(published, tmp_path, monkeypatch):
+    """The published book and a second one that ran only the accuracy and retention experiments, with more units:
+    finding 4's claims on 1,800 items (against the first book's 25), finding 5's on as many conversations as the
+    first book's."""
+    from kvlib.report.findings.verdicts import NOT_RUN
+
+    (tmp_path / "reference").mkdir()
+    (tmp_path / "reference" / PUBLISHED).symlink_to(reference.folder(PUBLISHED))
+    second = {**published, "profile": "confirmatory", "verdicts": [
+        {"finding": n, "verdict": NOT_RUN, "numbers": "", "model": None, "sample_n": None, "sample_of": None}
+        for n in (1, 2, 3)] + [
+        {**published["verdicts"][3], "verdict": "confirmed: all 8 claims confirmed", "sample_n": 1800,
+         "sample_of": "items"},
+        {**published["verdicts"][4], "verdict": "refuted: H2O loses more (1 of 3 claims refuted, 2 inconclusive)"}]}
+    (tmp_path / "reference" / "confirmatory").mkdir()
+    (tmp_path / "reference" / "confirmatory" / "reference.json").write_text(json.dumps(second))
+    monkeypatch.setattr(reference, "repo_root", lambda: tmp_path)
+    return second
+
+
+def test_each_finding_is_read_from_the_book_with_the_most_units_readmes_on_a_tie(published, two_books):
+    assert reference.published() == [PUBLISHED, "confirmatory"]
+    chosen = {n: reference.strongest(n)[0] for n in range(1, 6)}
+    assert chosen == {1: PUBLISHED, 2: PUBLISHED, 3: PUBLISHED, 4: "confirmatory", 5: PUBLISHED}
+    section = readme.verdicts_section()
+    rows = [line for line in section.splitlines() if line.startswith("| 4 |")]
+    assert "| **confirmed: all 8 claims confirmed** |" in rows[0]
+    assert "[confirmatory](reference/confirmatory/chapters/findings.ipynb) | 1,800 items |" in rows[0]
+    assert "this table reads 2 books, so the chance that any of its tested verdicts is wrong is at most 10%" in section
+    assert "reference/confirmatory/chapters/findings.ipynb" in section.split("\n")[0]
+
+
+def test_a_findings_page_says_which_verdicts_agree_with_every_published_book(published, two_books, monkeypatch):
+    monkeypatch.setattr(reference, "stands_in", lambda profile: False)
+    monkeypatch.setattr(reference, "is_own_build", lambda profile, info: False)
+    ours = pd.DataFrame(published["verdicts"])
+    text = reference.reproduction_markdown(PUBLISHED, ours)
+    assert f"the {PUBLISHED} reference book | | the confirmatory reference book | |" in text
+    rows = {line.split(" | ")[0]: line for line in text.splitlines() if line.startswith("| ") and line[2].isdigit()}
+    assert rows["| 1"].endswith("| agrees | not run there | - |")
+    word = published["verdicts"][3]["verdict"].split(":")[0]
+    assert rows["| 4"].endswith(f"| agrees | confirmed | {'agrees' if word == 'confirmed' else '**differs**'} |")
+    # the book's own build compares with the other book alone, and the other book's page with this one
+    monkeypatch.setattr(reference, "is_own_build", lambda profile, info: True)
+    text = reference.reproduction_markdown(PUBLISHED, ours)
+    assert text.startswith("*This page is the reference book (") and "Against the other published" in text
+    assert f"the {PUBLISHED} reference book" not in text and "the confirmatory reference book" in text
+    theirs = pd.DataFrame(two_books["verdicts"])
+    assert f"the {PUBLISHED} reference book" in reference.reproduction_markdown("confirmatory", theirs)

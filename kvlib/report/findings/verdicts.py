@@ -7,6 +7,7 @@ booked host memory), outside the page's family."""
 from __future__ import annotations
 
 from collections import Counter
+from typing import NamedTuple
 
 import pandas as pd
 
@@ -37,6 +38,15 @@ CHECK = "a check, not a tested claim"
 
 
 NOT_RUN = "not run in this profile"  # its experiment has no results here (the confirmatory profile runs two of five)
+
+
+class Reading(NamedTuple):
+    """A finding as its rows read: the verdict, the numbers behind it, and what its tested claims rest on, (units,
+    what a unit is: "items", "rounds"), the fewest of any claim (None for a check, or where nothing was tested)."""
+
+    verdict: str
+    numbers: str
+    sample: tuple[int, str] | None = None
 
 
 FINDINGS = {
@@ -75,25 +85,37 @@ def checks_sentence() -> str:
             f"fail as tested; they stand outside the family and spend none of its {FINDINGS_FAMILY.alpha:.0%}.")
 
 
-def family_sentence() -> str:
-    """README's sentence on the verdicts' error rate (the findings page says it above its table)."""
-    return (f"Findings 2, 4 and 5 are one family of tested claims: the chance that any of their verdicts is wrong is at "
-            f"most {FINDINGS_FAMILY.alpha:.0%}. " + checks_sentence())
+def family_sentence(books: int = 1) -> str:
+    """README's sentence on the verdicts' error rate (the findings page says it above its table), where its tested
+    verdicts come from `books` reference books, each its own family: their error rates add up."""
+    if books == 1:
+        rate = (f"Findings 2, 4 and 5 are one family of tested claims: the chance that any of their verdicts is wrong "
+                f"is at most {FINDINGS_FAMILY.alpha:.0%}. ")
+    else:
+        rate = (f"Findings 2, 4 and 5 are tested claims, one family in each reference book, the chance that any "
+                f"verdict of a family is wrong at most {FINDINGS_FAMILY.alpha:.0%}: this table reads {books} books, so "
+                f"the chance that any of its tested verdicts is wrong is at most {books * FINDINGS_FAMILY.alpha:.0%}. ")
+    return rate + checks_sentence()
 
 
 def verdict_table(rows: StudyRows, gate: float = GATE) -> pd.DataFrame:
     """One row per finding of the paper: our verdict (confirmed, refuted, inconclusive, not testable on this machine,
-    not run in this profile) and the numbers behind it. 1-3 from the systems experiments (OOM boundaries, the timing
-    rule's comparisons, booked host memory), 4 and 5 from the paired drops against the full cache where it passes the
-    validity gate."""
+    not run in this profile), the numbers behind it and what its tested claims rest on (`sample_n` `sample_of`: the
+    fewest units of any claim, "items", "conversations", "rounds"; none for a check). 1-3 from the systems
+    experiments (OOM boundaries, the timing rule's comparisons, booked host memory), 4 and 5 from the paired drops
+    against the full cache where it passes the validity gate."""
     found = [_prefill_finding(rows.ttft), _throughput_finding(rows.batch_scaling),
              _host_memory_finding(rows.batch_scaling), _accuracy_finding(rows.accuracy, gate),
              _retention_finding(rows.retention, gate)]
     read = [rows.ttft, rows.batch_scaling, rows.batch_scaling, paper_rows(rows.accuracy),
             rows.retention]  # the rows each verdict reads, whose model(s) it names
-    return pd.DataFrame([(n, FINDINGS[n], verdict, numbers, models(rows_read))
-                         for n, ((verdict, numbers), rows_read) in enumerate(zip(found, read), 1)],
-                        columns=["finding", "paper", "verdict", "numbers", "model"])
+    table = pd.DataFrame([(n, FINDINGS[n], r.verdict, r.numbers, models(rows_read))
+                          for n, (r, rows_read) in enumerate(zip(found, read), 1)],
+                         columns=["finding", "paper", "verdict", "numbers", "model"])
+    # (object columns: a check has no sample, and None stays None in reference.json)
+    table["sample_n"] = pd.Series([r.sample[0] if r.sample else None for r in found], dtype=object)
+    table["sample_of"] = pd.Series([r.sample[1] if r.sample else None for r in found], dtype=object)
+    return table
 
 
 def _paper_claim(paper: str) -> str:
@@ -106,12 +128,19 @@ def verdict_markdown(table: pd.DataFrame, error_rate: bool = True) -> str:
     outside it (`error_rate`: False where the table is shown away from its page, as README does), then the paper's
     claim and our verdict, one line each; the numbers follow per finding (`evidence_markdown`)."""
     lines = ([FINDINGS_FAMILY.statement() + " " + checks_sentence(), ""] if error_rate else [])
-    named = "model" in table
-    lines += ["| # | the paper | our verdict |" + (" measured with |" if named else ""),
-              "|---|---|---|" + ("---|" if named else "")]
+    named, booked = "model" in table, "reference" in table
+    lines += ["| # | the paper | our verdict |" + (" measured with |" if named else "")
+              + (" reference book | sample |" if booked else ""),
+              "|---|---|---|" + ("---|" if named else "") + ("---|---|" if booked else "")]
     lines += [f"| {r.finding} | {_paper_claim(r.paper)} | **{r.verdict}** |" + (f" {r.model or '-'} |" if named else "")
+              + (f" {r.reference} | {sample_text(r.sample_n, r.sample_of)} |" if booked else "")
               for r in table.itertuples()]
     return "\n".join(lines)
+
+
+def sample_text(n, of) -> str:
+    """What a verdict's tested claims rest on, as its table says it: "500 items", or "-" for a check."""
+    return f"{int(n):,} {of}" if n is not None and not pd.isna(n) else "-"
 
 
 def evidence_markdown(table: pd.DataFrame, chapters: dict[int, tuple[str, str]]) -> str:
@@ -177,9 +206,9 @@ def _check(results: list[str]) -> str:
     return f"{word}: {CHECK}"
 
 
-def _prefill_finding(df: pd.DataFrame) -> tuple[str, str]:
+def _prefill_finding(df: pd.DataFrame) -> Reading:
     if df.empty or "prefill" not in df:
-        return NOT_RUN, "the TTFT experiment has no results"
+        return Reading(NOT_RUN, "the TTFT experiment has no results")
     oom = df["oom"].astype(bool)
     full_oom = df[oom & (df["prefill"] == "full")]
     lengths = sorted(df["prompt_tokens"].unique())
@@ -188,8 +217,8 @@ def _prefill_finding(df: pd.DataFrame) -> tuple[str, str]:
            f"~10K tokens")
     if full_oom.empty:
         longest = df.loc[df["prefill"] == "full", "prompt_tokens"].max()
-        return (f"{INCONCLUSIVE}: {CHECK}", (f"full-matrix prefill completed every length of the grid (up to "
-                f"{longest:,} tokens); {why}"))
+        return Reading(f"{INCONCLUSIVE}: {CHECK}", (f"full-matrix prefill completed every length of the grid (up to "
+                       f"{longest:,} tokens); {why}"))
     boundary = int(full_oom["prompt_tokens"].min())
     capacity = df["device_capacity_gb"].dropna().iloc[0] if "device_capacity_gb" in df and \
         df["device_capacity_gb"].notna().any() else None
@@ -204,18 +233,18 @@ def _prefill_finding(df: pd.DataFrame) -> tuple[str, str]:
         claims.append(CONFIRMED if rescued else REFUTED)
         parts.append(f"{policy} with {rescue} prefill {'completes' if rescued else 'also runs out'} at "
                      f"{int(g['prompt_tokens'].max()):,} tokens")
-    return _check(claims), "; ".join(parts + [why])
+    return Reading(_check(claims), "; ".join(parts + [why]))
 
 
-def _throughput_finding(df: pd.DataFrame) -> tuple[str, str]:
+def _throughput_finding(df: pd.DataFrame) -> Reading:
     if df.empty:
-        return NOT_RUN, "the batch-scaling experiment has no results"
+        return Reading(NOT_RUN, "the batch-scaling experiment has no results")
     outside = outside_label(df)
     if outside is None:
-        return NOT_TESTABLE, "no vLLM rows (the real vLLM did not run here)"
+        return Reading(NOT_TESTABLE, "no vLLM rows (the real vLLM did not run here)")
     family = throughput_claims(df)
     if not family.claims and not family.untested:
-        return INCONCLUSIVE, "vLLM, H2O and InfiniGen did not run"
+        return Reading(INCONCLUSIVE, "vLLM, H2O and InfiniGen did not run")
     share = FINDINGS_FAMILY.share("finding 2")
     verdicts = stats.settle(family.claims, share) if family.claims else []
     parts = family.notes + [f"{c.name}: {c.ratio:.2f}x, p = {c.p_value:.3f}: {v}"
@@ -236,41 +265,43 @@ def _throughput_finding(df: pd.DataFrame) -> tuple[str, str]:
         parts.append(f"{outside} / infinigen an order of magnitude: {NO_BUS}")
         verdicts.append(NOT_TESTABLE)
     cannot = "; it cannot be confirmed at the configured capacity" if family.unconfirmable else ""
-    return (_verdict(verdicts, refuted_as) + cannot,
-            f"decode throughput at batch {family.batch} (TTFT where named): " + "; ".join(parts))
+    sample = (int(n), "rounds" if paired else "repeats a side") if family.claims else None
+    return Reading(_verdict(verdicts, refuted_as) + cannot,
+                   f"decode throughput at batch {family.batch} (TTFT where named): " + "; ".join(parts), sample)
 
 
-def _host_memory_finding(df: pd.DataFrame) -> tuple[str, str]:
+def _host_memory_finding(df: pd.DataFrame) -> Reading:
     """Booked bytes are the same every run (the ledger), so no repeats are needed to read them; and InfiniGen keeps
     its cache in a host tier that H2O does not have, so the finding holds by construction: a check."""
     if df.empty or "host_peak_bytes" not in df:
-        return NOT_RUN, "the batch-scaling experiment has no results"
+        return Reading(NOT_RUN, "the batch-scaling experiment has no results")
     d = df[~df["oom"].astype(bool)]
     peaks = d.groupby(["policy", "batch_size"])["host_peak_bytes"].median()
     if "infinigen" not in peaks or "h2o" not in peaks or peaks["infinigen"].size < 2:
-        return f"{INCONCLUSIVE}: {CHECK}", "InfiniGen or H2O ran at fewer than two batch sizes"
+        return Reading(f"{INCONCLUSIVE}: {CHECK}", "InfiniGen or H2O ran at fewer than two batch sizes")
     ig, h2o = peaks["infinigen"], peaks["h2o"]
     small, large = ig.index.min(), ig.index.max()
     grows = ig[large] > ig[small]
     h2o_small = large in h2o and h2o[large] < ig[large]
     h2o_text = f"H2O's {h2o[large] / 2**30:.3f} GiB at batch {large}" if large in h2o else "H2O not at that batch"
-    return _check([CONFIRMED if grows and h2o_small else REFUTED]), (
+    return Reading(_check([CONFIRMED if grows and h2o_small else REFUTED]), (
         f"InfiniGen's host peak {ig[small] / 2**30:.3f} GiB at batch {small}, {ig[large] / 2**30:.3f} GiB at batch "
         f"{large}; {h2o_text} (booked bytes, the same every run); {CHECK}: InfiniGen keeps its cache in a host tier "
-        f"and H2O has none, so it holds by construction")
+        f"and H2O has none, so it holds by construction"))
 
 
-def _claims_finding(claims: Claims, level: float) -> tuple[str, str]:
+def _claims_finding(claims: Claims, level: float) -> Reading:
     """A finding read from its declared claims (kvlib.report.claims): its sizes' reach, then each claim."""
     if claims.unanswered:
-        return claims.unanswered
+        return Reading(*claims.unanswered)
     parts = claims.context + [c.line() for c in claims.claims] + [f"{name}: {UNTESTED}" for name in claims.untested]
     n = len(claims.claims) + len(claims.untested)
     refuted_as = [c.refuted_as for c in claims.claims if c.verdict == REFUTED]
     verdict = _verdict(claims.verdicts, refuted_as)
     if _combined(claims.verdicts) == INCONCLUSIVE:
         verdict = "; ".join([verdict, *claims.limits, *filter(None, [_sizes(claims)])])
-    return verdict, "; ".join(parts) + f"; {n} claims, each interval at {level:.2%}"
+    sample = (int(min(c.drop.clusters for c in claims.claims)), claims.claims[0].units) if claims.claims else None
+    return Reading(verdict, "; ".join(parts) + f"; {n} claims, each interval at {level:.2%}", sample)
 
 
 def _sizes(claims: Claims) -> str | None:
@@ -287,11 +318,11 @@ def _sizes(claims: Claims) -> str | None:
             f"+-{MARGIN * 100:g} pp")
 
 
-def _accuracy_finding(df: pd.DataFrame, gate: float) -> tuple[str, str]:
+def _accuracy_finding(df: pd.DataFrame, gate: float) -> Reading:
     level = FINDINGS_FAMILY.level("finding 4")
     return _claims_finding(accuracy_claims(df, gate, level), level)
 
 
-def _retention_finding(df: pd.DataFrame, gate: float) -> tuple[str, str]:
+def _retention_finding(df: pd.DataFrame, gate: float) -> Reading:
     level = FINDINGS_FAMILY.level("finding 5")
     return _claims_finding(retention_claims(df, gate, level), level)
