@@ -19,6 +19,7 @@ import json
 import shutil
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -186,6 +187,30 @@ def strongest(finding: int) -> tuple[str, dict] | None:
     ran = [(profile, record) for profile in published() for record in about(profile)["verdicts"]
            if record["finding"] == finding and not record["verdict"].startswith(NOT_RUN)]
     return max(ran, key=lambda book: book[1].get("sample_n") or 0, default=None)  # max keeps the first of a tie
+
+
+class Borrowed(NamedTuple):
+    """The rows a reading reads, at their book's validity gate; `note` names the book where they are not the
+    profile's own."""
+
+    rows: pd.DataFrame
+    gate: float
+    note: str | None = None
+
+
+def rows_for(profile: str, experiment: str, rows: pd.DataFrame, gate: float, reads) -> Borrowed:
+    """The rows a reading (`reads(rows)`: whether it can read them) reads: the profile's own where it can, else the
+    first other published book's it can, said so (the embedded book runs one model within its hour, the confirmatory
+    book's size arms three)."""
+    from kvlib.study import load_profile
+
+    if not reads(rows):
+        for book in published():
+            if book != profile and reads(theirs := load(book, experiment)):
+                return Borrowed(theirs, load_profile(book).validity_gate,
+                                f"This section reads the {book} reference book's rows ({provenance(about(book))}), at "
+                                f"its validity gate: this profile's rows cannot give it.")
+    return Borrowed(rows, gate)
 
 
 def reproduction_markdown(profile: str, verdicts: pd.DataFrame) -> str:

@@ -88,6 +88,14 @@ def test_a_model_of_unknown_size_is_left_off_the_axis():
     df = frame([0.3, 0.0])
     df.loc[df["model"] == "qwen2.5-coder-0.5b", "model"] = "meta-llama/Llama-3.1-8B"
     assert sizes.trend(df, 0.7, "h2o") is None
+    assert not sizes.has_sizes(df)
+
+
+def test_rows_have_sizes_from_two_models_of_known_size_with_a_full_cache():
+    assert sizes.has_sizes(frame([0.3, 0.0])) and not sizes.has_sizes(frame([0.3]))
+    two = frame([0.3, 0.0])
+    assert not sizes.has_sizes(two[(two["model"] == MODELS[0]) | (two["policy"] != "full")])
+    assert not sizes.has_sizes(pd.DataFrame())
 
 
 def test_the_trend_stands_beside_finding_4s_verdict_never_in_it():

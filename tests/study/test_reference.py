@@ -220,3 +220,20 @@ def test_a_findings_page_says_which_verdicts_agree_with_every_published_book(pub
     assert f"the {PUBLISHED} reference book" not in text and "the confirmatory reference book" in text
     theirs = pd.DataFrame(two_books["verdicts"])
     assert f"the {PUBLISHED} reference book" in reference.reproduction_markdown("confirmatory", theirs)
+
+
+def test_a_reading_this_profiles_rows_cannot_give_reads_another_books_and_names_it(two_books, tmp_path):
+    reads = lambda rows: "model" in rows and rows["model"].nunique() >= 2
+    theirs = pd.DataFrame({"model": ["smollm2-135m", "qwen2.5-coder-1.5b"], "correct": [1.0, 0.0]})
+    (tmp_path / "reference" / "confirmatory" / "results").mkdir()
+    reference._write_rows(theirs, tmp_path / "reference" / "confirmatory" / "results" / "accuracy.parquet")
+    ours = pd.DataFrame({"model": ["smollm2-135m"] * 2, "correct": [1.0, 1.0]})
+    borrowed = reference.rows_for(PUBLISHED, "accuracy", ours, 0.5, reads)
+    pd.testing.assert_frame_equal(borrowed.rows, theirs)
+    assert borrowed.gate == load_profile("confirmatory").validity_gate
+    assert borrowed.note.startswith("This section reads the confirmatory reference book's rows (confirmatory profile")
+    both = pd.concat([ours, theirs])
+    own = reference.rows_for(PUBLISHED, "accuracy", both, 0.5, reads)
+    assert own.rows is both and own.gate == 0.5 and own.note is None
+    alone = reference.rows_for("confirmatory", "accuracy", ours, 0.5, reads)  # no other book can give it either
+    assert alone.rows is ours and alone.note is None

@@ -47,6 +47,14 @@ def parameters(model: str) -> int | None:
     return entry.parameters if entry else None
 
 
+def has_sizes(df: pd.DataFrame) -> bool:
+    """Whether the rows hold the paper's tasks' full cache on two models of known size or more: a trend to read."""
+    d = paper_rows(df)
+    if d.empty or "model" not in d:
+        return False
+    return sum(parameters(str(m)) is not None for m in d.loc[d["policy"] == "full", "model"].dropna().unique()) >= 2
+
+
 def sized_rows(df: pd.DataFrame, gate: float) -> tuple[pd.DataFrame, list[str]]:
     """The paper's tasks' one-pass rows of the models of known size that ran the full cache, on the tasks whose full
     cache passes the gate on every one of them; and those tasks."""
