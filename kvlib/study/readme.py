@@ -58,13 +58,12 @@ def verdicts_section() -> str:
     pages = "; ".join(f"[findings](reference/{b}/chapters/findings.ipynb), [every chapter](reference/{b}/chapters/), "
                       f"rows [reference/{b}/results/](reference/{b}/results/)" for b in books)
     if len(books) == 1:
-        where = f"in the reference book ({reference.provenance(reference.about(books[0]))})"
+        where = f"in the reference book ({reference.provenances(books)})"
         models = models_sentence(books[0])
     else:
-        where = ("in the published reference books (" + "; ".join(reference.provenance(reference.about(b))
-                                                                 for b in books)
-                 + "), each finding from the book whose rows give its tested claims the most units (a check from "
-                   f"the {reference.README_PROFILE} book; column *reference book*)")
+        where = (f"in the published reference books ({reference.provenances(books)}), each finding from the book "
+                 f"whose rows give its tested claims the most units (a check from the {reference.README_PROFILE} book; "
+                 "column *reference book*)")
         models = " ".join(f"The {b} book: {models_sentence(b)}" for b in books)
     return "\n".join([
         (f"**What the study found**, {where}: the paper's five findings and our verdicts, read from measurements by "

@@ -221,21 +221,26 @@ def reproduction_markdown(profile: str, verdicts: pd.DataFrame) -> str:
     if info is None:
         return ""
     others = [p for p in published() if p != profile]
+    if not stands_in(profile) and not is_own_build(profile, info):
+        books = [profile, *others]
+        whose = "the reference book's" if len(books) == 1 else "the published reference books'"
+        return "\n".join([f"**Reproduction.** These verdicts against {whose} ({provenances(books)}):", "",
+                          _agreement_table(verdicts, books)])
     if stands_in(profile):
         lead = (f"*This page reads the reference book's results ({provenance(info)}), published with the "
                 f"repository: `kvlib study --profile {profile} --build` computes this machine's and then says which "
                 "verdicts agree with these.*")
-    elif is_own_build(profile, info):
+    else:
         lead = (f"*This page is the reference book ({provenance(info)}): a rebuild on another machine says here which "
                 "of its verdicts agree with these.*")
-    else:
-        lead, others = f"**Reproduction.** These verdicts against the reference book's ({provenance(info)}):", \
-            [profile, *others]
     if not others:
         return lead
-    if others[0] != profile:
-        lead += f" Against the other published reference books ({'; '.join(provenance(about(p)) for p in others)}):"
-    return "\n".join([lead, "", _agreement_table(verdicts, others)])
+    return "\n".join([f"{lead} Against the other published reference books ({provenances(others)}):", "",
+                      _agreement_table(verdicts, others)])
+
+
+def provenances(books: list[str]) -> str:
+    return "; ".join(provenance(about(book)) for book in books)
 
 
 def _agreement_table(verdicts: pd.DataFrame, books: list[str]) -> str:
