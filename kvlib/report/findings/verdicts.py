@@ -41,8 +41,8 @@ NOT_RUN = "not run in this profile"  # its experiment has no results here (the c
 
 
 class Reading(NamedTuple):
-    """A finding as its rows read: the verdict, the numbers behind it, and what its tested claims rest on, (units,
-    what a unit is: "items", "rounds"), the fewest of any claim (None for a check, or where nothing was tested)."""
+    """A finding as its rows read: the verdict, the numbers behind it, and what its tested claims rest on: (units,
+    what a unit is: "items", "rounds"), the fewest of any claim; None for a check, or where nothing was tested."""
 
     verdict: str
     numbers: str
