@@ -47,22 +47,25 @@ def parameters(model: str) -> int | None:
     return entry.parameters if entry else None
 
 
+def _sized_models(d: pd.DataFrame) -> set:
+    """The models of known size that ran the full cache on the paper's tasks (`d`: paper_rows)."""
+    if d.empty or "model" not in d:
+        return set()
+    return {m for m in d.loc[d["policy"] == "full", "model"].dropna().unique() if parameters(str(m)) is not None}
+
+
 def has_sizes(df: pd.DataFrame) -> bool:
     """Whether the rows hold the paper's tasks' full cache on two models of known size or more: a trend to read."""
-    d = paper_rows(df)
-    if d.empty or "model" not in d:
-        return False
-    return sum(parameters(str(m)) is not None for m in d.loc[d["policy"] == "full", "model"].dropna().unique()) >= 2
+    return len(_sized_models(paper_rows(df))) >= 2
 
 
 def sized_rows(df: pd.DataFrame, gate: float) -> tuple[pd.DataFrame, list[str]]:
     """The paper's tasks' one-pass rows of the models of known size that ran the full cache, on the tasks whose full
     cache passes the gate on every one of them; and those tasks."""
     d = paper_rows(df)
-    if d.empty or "model" not in d:
-        return d.iloc[0:0], []
-    d = d[d["model"].map(lambda m: parameters(str(m)) is not None)]
-    d = d[d["model"].isin(d.loc[d["policy"] == "full", "model"].unique())]
+    d = d[d["model"].isin(_sized_models(d))] if "model" in d else d.iloc[0:0]
+    if d.empty:
+        return d, []
     gated = accuracy_gate(d, gate)
     everywhere = gated.groupby("task")["model"].nunique() == d["model"].nunique()
     tasks = [t for t in PAPER_TASKS if t in passing(gated, "task") and everywhere.get(t, False)]
