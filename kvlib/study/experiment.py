@@ -55,10 +55,11 @@ class Experiment:
     # its rows of the methods page's table of sizes: (profile's name, its spec of the experiment) -> table rows
     sizes: Callable[[str, dict], list[str]] | None = None
 
-    def answer(self, rows: pd.DataFrame, gate: float | None = None) -> str:
+    def answer(self, rows: pd.DataFrame, gate: float | None = None, **reads) -> str:
         """Its chapter's opening sentences, as Markdown (kvlib.report.opening); `gate`: the profile's validity gate,
-        for a chapter whose lead reads one (else its lead's default, kvlib.report.gate.GATE)."""
-        lead = self.lead(rows) if gate is None else self.lead(rows, gate)
+        for a chapter whose lead reads one (else its lead's default, kvlib.report.gate.GATE); `reads`: what else its
+        lead reads (accuracy's: `sizes`, the rows its size section reads)."""
+        lead = self.lead(rows, **reads) if gate is None else self.lead(rows, gate, **reads)
         return opening(lead, rows, self.error_rate)
 
     @property

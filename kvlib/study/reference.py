@@ -190,12 +190,13 @@ def strongest(finding: int) -> tuple[str, dict] | None:
 
 
 class Borrowed(NamedTuple):
-    """The rows a reading reads, at their book's validity gate; `note` names the book where they are not the
+    """The rows a reading reads, at their book's validity gate; `book` and `note` name the book where they are not the
     profile's own."""
 
     rows: pd.DataFrame
     gate: float
     note: str | None = None
+    book: str | None = None
 
 
 def rows_for(profile: str, experiment: str, rows: pd.DataFrame, gate: float, reads) -> Borrowed:
@@ -209,7 +210,7 @@ def rows_for(profile: str, experiment: str, rows: pd.DataFrame, gate: float, rea
             if book != profile and reads(theirs := load(book, experiment)):
                 return Borrowed(theirs, load_profile(book).validity_gate,
                                 f"This section reads the {book} reference book's rows ({provenance(about(book))}), at "
-                                f"its validity gate: this profile's rows cannot give it.")
+                                f"its validity gate: this profile's rows cannot give it.", book)
     return Borrowed(rows, gate)
 
 

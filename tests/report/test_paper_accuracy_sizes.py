@@ -9,10 +9,12 @@ import pandas as pd
 import pytest
 from paper_rows import NAN, paper_frame  # tests/helpers
 
+from kvlib.report.accuracy import lines
 from kvlib.report.accuracy import paper_sizes as sizes
 from kvlib.report.accuracy.paper_beside import accuracy_claims
 from kvlib.report.accuracy.paper_tasks import paper_rows, reading_model
 from kvlib.report.stats.slope import slope
+from kvlib.study.reference import Borrowed
 
 MODELS = ("smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b")
 TASKS = ("piqa", "winogrande", "copa")
@@ -116,3 +118,15 @@ def test_the_figure_names_each_model_on_its_axis():
     assert labels == ["SmolLM2-135M\n0.13B", "Qwen2.5-Coder-0.5B\n0.49B", "Qwen2.5-Coder-1.5B\n1.5B"]
     assert [ax.get_title() for ax in fig.axes] == ["budget 0.5", "budget 0.1"]
     assert sizes.plot(frame([0.2], items=100), 0.7) is None
+
+
+def test_the_chapters_lead_carries_what_its_size_section_reads_another_books_rows_named():
+    """One model's rows say nothing of size; where the size section reads another book's three (reference.rows_for),
+    the lead carries that book's trend toward 8B and names it."""
+    ours = frame([0.2])
+    assert "neither direction" in lines.lead(ours, 0.7)
+    theirs = Borrowed(frame([0.30, 0.15, 0.0]), 0.7, "its note", "confirmatory")
+    said = lines.lead(ours, 0.5, sizes=theirs)
+    assert "From the confirmatory reference book's rows" in said and "shrinks with model size" in said
+    assert sizes.carry(theirs.rows, 0.7) in said and "neither direction" not in said
+    assert lines.lead(ours, 0.7, sizes=Borrowed(ours, 0.7)) == lines.lead(ours, 0.7)  # its own rows: no book named

@@ -22,10 +22,12 @@ from kvlib.report.pages import ACCURACY
 H2O_VS_INFINIGEN = "h2o vs infinigen"
 
 
-def lead(df: pd.DataFrame, gate: float = GATE) -> str:
+def lead(df: pd.DataFrame, gate: float = GATE, sizes=None) -> str:
+    """`sizes`: the rows the size reading reads (kvlib.study.reference.rows_for: another published book's where these
+    hold one model), so that the lead carries toward 8B what the chapter's size section shows; None: these rows."""
     if df.empty:
         return NOTHING
-    out = [_paper_tasks_lead(df, gate)] if not paper_rows(df, None).empty else []
+    out = [_paper_tasks_lead(df, gate, sizes)] if not paper_rows(df, None).empty else []
     drops = multiple_choice_drops(df, gate)  # the objects the page's reading prints (the book's own tasks)
     tasks = sorted({task for task, _, _ in drops})
     if not tasks:
@@ -51,15 +53,21 @@ def _drops_text(drops: dict, who: tuple[str, ...]) -> str:
                      if policy in who)
 
 
-def _paper_tasks_lead(df: pd.DataFrame, gate: float) -> str:
+def _paper_tasks_lead(df: pd.DataFrame, gate: float, sizes) -> str:
     """Finding 4's task-average drops on the paper's six tasks, described (its verdicts are the findings page's)."""
     claims = accuracy_claims(df, gate)
     if claims.unanswered:
         return f"The paper's six tasks give no reading here: {claims.unanswered[1]}."
     drops = [f"{c.name}: {described(c.drop)}" for c in claims.claims if "average" in c.name or "near" in c.name]
     return ("On the paper's six tasks (the official harnesses' one-pass protocol, averaged over the tasks the full "
-            "cache passes; the verdicts are the findings page's): " + "; ".join(drops) + ". "
-            + paper_sizes.carry(df, gate))
+            "cache passes; the verdicts are the findings page's): " + "; ".join(drops) + ". " + _carried(df, gate, sizes))
+
+
+def _carried(df: pd.DataFrame, gate: float, sizes) -> str:
+    if sizes is None or sizes.book is None:
+        return paper_sizes.carry(df, gate)
+    return (f"From the {sizes.book} reference book's rows, as the size section below reads them (this profile's hold "
+            f"one model): {paper_sizes.carry(sizes.rows, sizes.gate)}")
 
 
 def accuracy_rule(drops: dict, section: str, resampled: str = "items resampled") -> list[str]:
