@@ -66,8 +66,8 @@ def _paper_tasks_lead(df: pd.DataFrame, gate: float, sizes) -> str:
 def _carried(df: pd.DataFrame, gate: float, sizes) -> str:
     if sizes is None or sizes.book is None:
         return paper_sizes.carry(df, gate)
-    return (f"From the {sizes.book} reference book's rows, as the size section below reads them (this profile's hold "
-            f"one model): {paper_sizes.carry(sizes.rows, sizes.gate)}")
+    return (f"From the {sizes.book} reference book's rows, as the size section below reads them (this profile's do not "
+            f"hold two models of known size): {paper_sizes.carry(sizes.rows, sizes.gate)}")
 
 
 def accuracy_rule(drops: dict, section: str, resampled: str = "items resampled") -> list[str]:
