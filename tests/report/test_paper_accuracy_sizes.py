@@ -100,6 +100,16 @@ def test_rows_have_sizes_from_two_models_of_known_size_with_a_full_cache():
     assert not sizes.has_sizes(pd.DataFrame())
 
 
+def test_the_size_section_reads_its_own_rows_where_they_hold_a_trend_or_the_papers_model():
+    """Another book's small-model trend is borrowed only where these rows hold neither: on the paper's own model the
+    section says so, instead of carrying the small models' trend to it."""
+    assert sizes.reads_own(frame([0.3, 0.0])) and not sizes.reads_own(frame([0.3]))
+    llama = frame([0.2]).assign(model="meta-llama/Llama-3.1-8B-Instruct")
+    assert sizes.reads_own(llama) and not sizes.has_sizes(llama)
+    assert sizes.carry(llama, 0.7).startswith("These rows read the paper's tasks on its own model")
+    assert not sizes.reads_own(pd.DataFrame())
+
+
 def test_the_trend_stands_beside_finding_4s_verdict_never_in_it():
     df = frame([0.30, 0.15, 0.0])
     claims = accuracy_claims(df, 0.7)

@@ -59,6 +59,17 @@ def has_sizes(df: pd.DataFrame) -> bool:
     return len(_sized_models(paper_rows(df))) >= 2
 
 
+def _is_paper_model(model: str) -> bool:
+    return PAPER_MODEL.lower() in model.lower()
+
+
+def reads_own(df: pd.DataFrame) -> bool:
+    """Whether the size section reads these rows rather than another book's: they hold a trend, or the paper's own
+    model (whose losses need no small models' trend carried to them)."""
+    d = paper_rows(df)
+    return has_sizes(df) or ("model" in d and any(_is_paper_model(str(m)) for m in d["model"].dropna().unique()))
+
+
 def sized_rows(df: pd.DataFrame, gate: float) -> tuple[pd.DataFrame, list[str]]:
     """The paper's tasks' one-pass rows of the models of known size that ran the full cache, on the tasks whose full
     cache passes the gate on every one of them; and those tasks."""
@@ -174,7 +185,7 @@ def carry(df: pd.DataFrame, gate: float, level: float = LEVEL) -> str:
     models = sorted({str(m) for m in d["model"].dropna()}, key=lambda m: parameters(m) or math.inf) \
         if "model" in d else []
     trends = [t for t in (trend(df, gate, p, level) for p in POLICIES) if t is not None]
-    if not trends and any(PAPER_MODEL.lower() in m.lower() for m in models):
+    if not trends and any(_is_paper_model(m) for m in models):
         return f"These rows read the paper's tasks on its own model, {PAPER_MODEL}: no size is carried across."
     if not trends:
         held = ", ".join(model_name(m) for m in models) or "no recorded model"
