@@ -2,12 +2,13 @@
 worker process its own: kvlib.study.executor) and hands it to every point's `run_point(point, kept)`, so that no
 experiment keeps state of its own between points, and a test hands a point a fresh one.
 
-It keeps the models loaded (the last two), each point's untimed run (the timing protocol's warm-up,
+It keeps the models loaded (the last two; one beside a store, as kvlib.study.executor.worker_gib counts a worker), each point's untimed run (the timing protocol's warm-up,
 kvlib.study.experiments.common.warm_then_timed) and what an experiment builds or measures once for many points (the
 accuracy experiment's prefill store, the offload experiment's disk read rate)."""
 
 from __future__ import annotations
 
+import gc
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import TypeVar
@@ -33,6 +34,13 @@ class Kept:
                 self.models.popitem(last=False)
         self.models.move_to_end(key)
         return self.models[key]
+
+    def only(self, loaded: LoadedModel) -> None:
+        """Drop every model but `loaded`: a worker's memory holds one model beside what an experiment stores for it
+        (a 1.5B model kept beside a 16 GB prefill store for a small one filled a 24 GB machine)."""
+        for key in [key for key, model in self.models.items() if model is not loaded]:
+            del self.models[key]
+        gc.collect()
 
     def get(self, key: object, make: Callable[[], T]) -> T:
         """What `make()` returned the first time this key was asked for."""

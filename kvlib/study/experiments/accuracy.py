@@ -42,10 +42,13 @@ from kvlib.study.runners import runner_class
 
 def prefill_store(kept, loaded, max_gb: float | None = None) -> PrefillStore:
     """This process's store for this model: one for every point of it, a fresh one when the model changes (the last
-    model's records are then dropped with it; the store does not keep its model loaded)."""
+    model's records are then dropped with it; the store does not keep its model loaded), the process's other models
+    dropped before it fills."""
     max_bytes = None if max_gb is None else int(max_gb * 2**30)
     held = kept.once.get(PrefillStore)  # (the model it serves, its store)
     if held is None or held[0]() is not loaded.model or (max_bytes is not None and held[1].max_bytes != max_bytes):
+        kept.once.pop(PrefillStore, None)  # the last store's records go before the next fills
+        kept.only(loaded)
         held = kept.once[PrefillStore] = (weakref.ref(loaded.model), PrefillStore(max_bytes))
     return held[1]
 
