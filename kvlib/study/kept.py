@@ -2,9 +2,10 @@
 worker process its own: kvlib.study.executor) and hands it to every point's `run_point(point, kept)`, so that no
 experiment keeps state of its own between points, and a test hands a point a fresh one.
 
-It keeps the models loaded (the last two; one beside a store, as kvlib.study.executor.worker_gib counts a worker), each point's untimed run (the timing protocol's warm-up,
-kvlib.study.experiments.common.warm_then_timed) and what an experiment builds or measures once for many points (the
-accuracy experiment's prefill store, the offload experiment's disk read rate)."""
+It keeps the models loaded (the last two; one beside a store, as kvlib.study.executor.worker_gib counts a worker),
+each point's untimed run (the timing protocol's warm-up, kvlib.study.experiments.common.warm_then_timed) and what an
+experiment builds or measures once for many points (the accuracy experiment's prefill store, the offload
+experiment's disk read rate)."""
 
 from __future__ import annotations
 

@@ -47,7 +47,6 @@ def prefill_store(kept, loaded, max_gb: float | None = None) -> PrefillStore:
     max_bytes = None if max_gb is None else int(max_gb * 2**30)
     held = kept.once.get(PrefillStore)  # (the model it serves, its store)
     if held is None or held[0]() is not loaded.model or (max_bytes is not None and held[1].max_bytes != max_bytes):
-        kept.once.pop(PrefillStore, None)  # the last store's records go before the next fills
         kept.only(loaded)
         held = kept.once[PrefillStore] = (weakref.ref(loaded.model), PrefillStore(max_bytes))
     return held[1]
