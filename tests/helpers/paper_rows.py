@@ -18,7 +18,7 @@ SHARES = {("h2o", 0.1, "flexgen", NAN): 0.2}  # kv_share_attended measured (else
 
 
 def paper_frame(items=300, full_share=0.8, points=None, tasks=PAPER_TASKS, sizes=None, full_shares=None, seed=0,
-                model="smollm2-135m", protocol="one_pass"):
+                model="smollm2-135m", protocol="one_pass", shares=None):
     """Rows of the accuracy experiment for the paper's tasks: one per item per grid point. A point's loss is exact
     (the first round(share x items) items the full cache had right, lost), so a known drop is the drop."""
     rng = np.random.default_rng(seed)
@@ -37,7 +37,7 @@ def paper_frame(items=300, full_share=0.8, points=None, tasks=PAPER_TASKS, sizes
             else:
                 scores = full.copy()
                 scores[np.flatnonzero(full)[:round(loss * n)]] = 0.0
-            kept = SHARES.get((policy, budget, rule, alpha), budget)
+            kept = (SHARES | (shares or {})).get((policy, budget, rule, alpha), budget)
             rows += [{**base, "policy": policy, "budget": budget, "budget_rule": rule, "alpha": alpha, "doc_id": i,
                       "correct": scores[i], "correct_norm": NAN, "kv_share_attended": kept} for i in range(n)]
     return pd.DataFrame(rows)

@@ -110,10 +110,34 @@ def test_equal_share_and_strict_lines_stand_beside():
     frame = pd.concat([paper_frame(), paper_frame(protocol="strict", points={("h2o", 0.5, "flexgen", NAN): 1.0})])
     claims = accuracy_claims(frame, 0.7)
     text = "; ".join(claims.context)
-    assert "at equal entries (H2O flexgen at budget 0.1 attends 20.0%" in text and "at budget 0.2" in text
+    assert ("(H2O flexgen at budget 0.1 attended 20.0% of the causal entries, task average, measured; InfiniGen's "
+            "shares measured too): against InfiniGen at equal entries (alpha inf, budget 0.2: 20.0%), -10.0 pp") in text
     assert "protocol strict) of the same tasks, h2o at budget 0.5, task average: -80.0 pp" in text
     assert named(claims, "h2o at budget 0.5").verdict == CONFIRMED  # strict's -80 pp is beside, not in it
     assert "smollm2-135m" in text and "16-60x smaller" in text and "4-bit GGUF" in text
+
+
+def test_without_an_equal_share_infinigen_brackets_h2os():
+    """H2O at 0.1 attends 25 %: no InfiniGen point within 5 % of it, so the two around it, each at its measured share."""
+    claims = accuracy_claims(paper_frame(shares={("h2o", 0.1, "flexgen", NAN): 0.25}), 0.7)
+    line = next(c for c in claims.context if "H2O flexgen at budget 0.1 attended 25.0%" in c)
+    assert "equal entries" not in line
+    # InfiniGen at alpha inf, 0.2 (20 %) lost 5 % of the items, H2O 15 %; InfiniGen at alpha 5, 0.3 (30 %) 1 %
+    assert "against InfiniGen on no more entries (alpha inf, budget 0.2: 20.0%), -10.0 pp" in line
+    assert "against InfiniGen on more entries (alpha 5, budget 0.3: 30.0%), -14.0 pp" in line
+
+
+def test_every_claim_names_the_share_its_policy_attended():
+    """InfiniGen's official rule caps no row where int(budget x tokens) is 0: a short task's items attend every entry
+    at 0.04, and the claim read there says so."""
+    shares = {("infinigen", 0.04, NAN, 5.0): 1.0}
+    frame = paper_frame(tasks=("piqa", "copa"), shares=shares)
+    frame.loc[(frame["policy"] == "infinigen") & (frame["budget"] == 0.04) & (frame["task"] == "piqa"),
+              "kv_share_attended"] = 0.1
+    claims = accuracy_claims(frame, 0.7)
+    assert "attended 55% of the causal entries, 10% to 100% by task" in named(claims, "infinigen at a 2-4 %").name
+    assert "attended 10% of the causal entries)" in named(claims, "infinigen at budget 0.1").name
+    assert "H2O attended 20% of the causal entries, InfiniGen attended 10%" in named(claims, "H2O loses more").name
 
 
 def test_book_task_rows_never_enter_finding_4s_verdict():

@@ -64,13 +64,13 @@ def test_finding_4_is_eight_claims_on_the_paper_tasks_averaged_over_tasks():
     come out either way."""
     word, numbers = verdict({"accuracy": accuracy_rows()}, 4)
     assert word == CONFIRMED, numbers
-    assert "h2o at budget 0.5 near the full cache (+-5 pp, task average): +0.0 pp" in numbers and "8 claims" in numbers
-    assert "infinigen at budget 0.1 loses ~6 pp on the task average (inside 1-11 pp)" in numbers
+    assert "h2o at budget 0.5 near the full cache (+-5 pp, task average; attended 50% of the causal entries): +0.0 pp" in numbers and "8 claims" in numbers
+    assert "infinigen at budget 0.1 loses ~6 pp on the task average (inside 1-11 pp; attended 10%" in numbers
     # InfiniGen loses nothing at 0.1: 1,800 items establish it loses under 1 pp, refuting ~6 pp; 50 a task cannot
     word, numbers = verdict({"accuracy": accuracy_rows(infinigen_lost_at_01=0.0)}, 4)
-    assert word == REFUTED and "on the task average (inside 1-11 pp): +0.0 pp" in numbers, numbers
+    assert word == REFUTED and "(inside 1-11 pp; attended 10% of the causal entries): +0.0 pp" in numbers, numbers
     word, numbers = verdict({"accuracy": accuracy_rows(items=50, infinigen_lost_at_01=0.0, h2o_lost_at_01=0.3)}, 4)
-    assert "on the task average (inside 1-11 pp): +0.0 pp, interval -2.9 to +2.9: equivalent (300 items), " \
+    assert "(inside 1-11 pp; attended 10% of the causal entries): +0.0 pp, interval -2.9 to +2.9: equivalent (300 items), " \
         "inconclusive" in numbers, numbers
     # InfiniGen loses 25 pp at 0.1: far past ~6 pp
     assert verdict({"accuracy": accuracy_rows(infinigen_lost_at_01=0.25, h2o_lost_at_01=0.5)}, 4)[0] == REFUTED
@@ -91,7 +91,7 @@ def test_finding_4_is_refuted_at_budget_05_only_by_a_loss_its_own_line_establish
                  "correct"] = 0.0
         found, numbers = verdict({"accuracy": rows}, 4)
         assert found == word, numbers
-        line = numbers.split("h2o at budget 0.5 near the full cache (+-5 pp, task average): -100.0 pp")[1]
+        line = numbers.split("(+-5 pp, task average; attended 50% of the causal entries): -100.0 pp")[1]
         assert line.split(";")[0].endswith(", refuted" if items == 60 else ", inconclusive"), line
 
 
@@ -279,9 +279,9 @@ def test_finding_4_confirms_a_small_real_extra_loss_of_h2o():
     index = pd.MultiIndex.from_frame(rows.loc[h2o, keys])
     rows.loc[h2o, "correct"] = np.where(index.isin(lost), 0.0, infinigen.reindex(index).to_numpy())
     _, numbers = verdict({"accuracy": rows}, 4)
-    assert "H2O loses more than InfiniGen at budget 0.1 (task average of H2O's change from InfiniGen): -3.0 pp, " \
-           "interval" in numbers, numbers
-    line = numbers.split("H2O loses more than InfiniGen at budget 0.1")[1].split(";")[0]
+    assert "(task average of H2O's change from InfiniGen; H2O attended 20% of the causal entries, InfiniGen attended " \
+           "10% of the causal entries): -3.0 pp, interval" in numbers, numbers
+    line = numbers.split("H2O loses more than InfiniGen at budget 0.1")[1].split("entries): ")[1].split(";")[0]
     assert line.endswith("lower (2400 items), confirmed"), line  # inside +-5 pp, yet a loss
 
 

@@ -67,6 +67,25 @@ def described(drop: stats.Drop) -> str:
     return f"{signed_pp(drop.drop)} pp, interval {signed_pp(drop.high)} to {signed_pp(drop.low)}"
 
 
+def share(at: pd.DataFrame) -> float:
+    """The share of the causal entries a point's scored rows attended (measured), averaged over tasks as the drops are;
+    nan where the rows do not record it."""
+    if "kv_share_attended" not in at or at["kv_share_attended"].isna().all():
+        return math.nan
+    return float(at.groupby("task")["kv_share_attended"].mean().mean())
+
+
+def attended(at: pd.DataFrame, who: str = "") -> str:
+    """What a point attended, for its claim's words: the task average of its measured share and, where the tasks
+    differ, their range (InfiniGen's official rule caps no row of an item where int(budget x tokens) is 0: a short
+    item at a 2-4 % budget attends every entry)."""
+    if math.isnan(mean := share(at)):
+        return f"{who}share attended not recorded"
+    by_task = at.groupby("task")["kv_share_attended"].mean()
+    spread = f", {by_task.min():.0%} to {by_task.max():.0%} by task" if by_task.max() - by_task.min() >= 0.01 else ""
+    return f"{who}attended {mean:.0%} of the causal entries{spread}"
+
+
 def paper_rows(df: pd.DataFrame, protocol: str | None = PROTOCOL) -> pd.DataFrame:
     """The paper's six tasks' rows, budgeted; under `protocol` where the rows record one (None: every protocol)."""
     d = df[df["task"].isin(PAPER_TASKS)] if "task" in df else df.iloc[0:0]
@@ -126,7 +145,8 @@ def _most_tasks(d: pd.DataFrame, policy: str, tasks: list[str], level: float) ->
     verdict = CONFIRMED if within > k / 2 else REFUTED if beyond >= k / 2 else INCONCLUSIVE
     average = stats.task_average_drop(full, at, "correct", ITEM, level=level)
     name = (f"{policy} at budget {MODERATE:g} within {WITHIN * 100:g} pp on most tasks ({within} of {k} gated tasks' "
-            f"drops with their interval below {WITHIN * 100:g} pp, {beyond} above; each at {each:.2%}; task average)")
+            f"drops with their interval below {WITHIN * 100:g} pp, {beyond} above; each at {each:.2%}; task average; "
+            f"{attended(at)})")
     lines = [f"{policy} at budget {MODERATE:g}, {t}: {described(dr)}" for t, dr in drops.items()]
     return (DropClaim(name, average, verdict, "items", f"{NAMES[policy]} at budget {MODERATE:g} loses more than "
                       f"{WITHIN * 100:g} pp on at least half the tasks"), lines)
@@ -145,7 +165,7 @@ def _chance_claim(d: pd.DataFrame, policy: str, level: float) -> DropClaim | Non
     drop = stats.task_average(at["correct"] - at["chance"].astype(float), at["task"], means["correct"],
                               means["chance"], level)
     return DropClaim(f"{policy} at a 2-4 % budget approaches random guessing (budget {budgets[0]:g}: its task "
-                     f"average less the tasks' average chance rate, within +-{MARGIN * 100:g} pp)", drop,
+                     f"average less the tasks' average chance rate, within +-{MARGIN * 100:g} pp; {attended(at)})", drop,
                      near_baseline(drop), "items",
                      f"{NAMES[policy]} at budget {budgets[0]:g} stays more than {MARGIN * 100:g} pp above guessing")
 
@@ -163,7 +183,8 @@ def _core_claims(d: pd.DataFrame, level: float) -> tuple[list[DropClaim], list[s
             untested.append(f"{policy} at budget 0.5 near the full cache (no {policy} rows at 0.5)")
             continue
         dr = drop(full, at)
-        claims.append(DropClaim(f"{policy} at budget 0.5 near the full cache (+-{MARGIN * 100:g} pp, task average)",
+        claims.append(DropClaim(f"{policy} at budget 0.5 near the full cache (+-{MARGIN * 100:g} pp, task average; "
+                                f"{attended(at)})",
                                 dr, near_baseline(dr), "items", side(dr, -MARGIN, MARGIN, f"{NAMES[policy]} at 0.5")))
     ig, h2o = point(d, "infinigen", 0.1), point(d, "h2o", 0.1)
     low, high = INFINIGEN_ACCURACY_DROP - MARGIN, INFINIGEN_ACCURACY_DROP + MARGIN
@@ -171,14 +192,15 @@ def _core_claims(d: pd.DataFrame, level: float) -> tuple[list[DropClaim], list[s
         untested.append(f"{CLAIMS[2]} (no InfiniGen rows at alpha {ALPHA:g}, budget 0.1)")
     else:
         dr = drop(full, ig)
-        claims.append(DropClaim(f"{CLAIMS[2]} (inside {low * 100:g}-{high * 100:g} pp)", dr,
+        claims.append(DropClaim(f"{CLAIMS[2]} (inside {low * 100:g}-{high * 100:g} pp; {attended(ig)})", dr,
                                 in_range(dr, INFINIGEN_ACCURACY_DROP, INFINIGEN_ACCURACY_DROP), "items",
                                 side(dr, low, high, "InfiniGen at budget 0.1")))
     if ig.empty or h2o.empty:
         untested.append(f"{CLAIMS[3]} (H2O under {RULE} or InfiniGen at alpha {ALPHA:g} did not run at 0.1)")
     else:
         dr = as_difference(drop(ig, h2o))
-        claims.append(DropClaim(f"{CLAIMS[3]} (task average of H2O's change from InfiniGen)", dr, loses_more(dr),
+        claims.append(DropClaim(f"{CLAIMS[3]} (task average of H2O's change from InfiniGen; {attended(h2o, 'H2O ')}, "
+                                f"{attended(ig, 'InfiniGen ')})", dr, loses_more(dr),
                                 "items", "H2O loses less than InfiniGen at budget 0.1, not more"))
     return claims, untested
 
