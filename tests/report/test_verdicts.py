@@ -92,7 +92,7 @@ def test_finding_4_is_refuted_at_budget_05_only_by_a_loss_its_own_line_establish
         found, numbers = verdict({"accuracy": rows}, 4)
         assert found == word, numbers
         line = numbers.split("(+-5 pp, task average; attended 50% of the causal entries): -100.0 pp")[1]
-        assert line.split(";")[0].endswith(", refuted" if items == 60 else ", inconclusive"), line
+        assert line.split("\n")[0].endswith(", refuted" if items == 60 else ", inconclusive"), line
 
 
 def test_finding_5_read_over_conversations():
@@ -281,7 +281,7 @@ def test_finding_4_confirms_a_small_real_extra_loss_of_h2o():
     _, numbers = verdict({"accuracy": rows}, 4)
     assert "(task average of H2O's change from InfiniGen; H2O attended 20% of the causal entries, InfiniGen attended " \
            "10% of the causal entries): -3.0 pp, interval" in numbers, numbers
-    line = numbers.split("H2O loses more than InfiniGen at budget 0.1")[1].split("entries): ")[1].split(";")[0]
+    line = numbers.split("H2O loses more than InfiniGen at budget 0.1")[1].split("entries): ")[1].split("\n")[0]
     assert line.endswith("lower (2400 items), confirmed"), line  # inside +-5 pp, yet a loss
 
 

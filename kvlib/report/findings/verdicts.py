@@ -40,6 +40,9 @@ CHECK = "a check, not a tested claim"
 NOT_RUN = "not run in this profile"  # its experiment has no results here (the confirmatory profile runs two of five)
 
 
+NUMBERS = "\n"  # between a finding's numbers, each one line of its evidence (a number's words may hold "; ")
+
+
 class Reading(NamedTuple):
     """A finding as its rows read: the verdict, the numbers behind it, and what its tested claims rest on: (units,
     what a unit is: "items", "rounds"), the fewest of any claim; None for a check, or where nothing was tested."""
@@ -157,7 +160,7 @@ def evidence_markdown(table: pd.DataFrame, chapters: dict[int, tuple[str, str]])
         out.append(f"### Finding {r.finding}: {r.verdict}\n\n*The paper:* {_paper_claim(r.paper)}."
                    + (f" *{label}:* {what}." if how else "")
                    + f" *From:* [{title}]({chapter}.ipynb).\n")
-        out += [f"- {part}" for part in r.numbers.split("; ")]
+        out += [f"- {part}" for part in r.numbers.split(NUMBERS)]
         out.append("")
     return "\n".join(out)
 
@@ -218,7 +221,7 @@ def _prefill_finding(df: pd.DataFrame) -> Reading:
     if full_oom.empty:
         longest = df.loc[df["prefill"] == "full", "prompt_tokens"].max()
         return Reading(f"{INCONCLUSIVE}: {CHECK}", (f"full-matrix prefill completed every length of the grid (up to "
-                       f"{longest:,} tokens); {why}"))
+                       f"{longest:,} tokens){NUMBERS}{why}"))
     boundary = int(full_oom["prompt_tokens"].min())
     capacity = df["device_capacity_gb"].dropna().iloc[0] if "device_capacity_gb" in df and \
         df["device_capacity_gb"].notna().any() else None
@@ -233,7 +236,7 @@ def _prefill_finding(df: pd.DataFrame) -> Reading:
         claims.append(CONFIRMED if rescued else REFUTED)
         parts.append(f"{policy} with {rescue} prefill {'completes' if rescued else 'also runs out'} at "
                      f"{int(g['prompt_tokens'].max()):,} tokens")
-    return Reading(_check(claims), "; ".join(parts + [why]))
+    return Reading(_check(claims), NUMBERS.join(parts + [why]))
 
 
 def _throughput_finding(df: pd.DataFrame) -> Reading:
@@ -267,7 +270,7 @@ def _throughput_finding(df: pd.DataFrame) -> Reading:
     cannot = "; it cannot be confirmed at the configured capacity" if family.unconfirmable else ""
     sample = (int(n), "rounds" if paired else "repeats a side") if family.claims else None
     return Reading(_verdict(verdicts, refuted_as) + cannot,
-                   f"decode throughput at batch {family.batch} (TTFT where named): " + "; ".join(parts), sample)
+                   f"decode throughput at batch {family.batch} (TTFT where named): " + NUMBERS.join(parts), sample)
 
 
 def _host_memory_finding(df: pd.DataFrame) -> Reading:
@@ -286,7 +289,7 @@ def _host_memory_finding(df: pd.DataFrame) -> Reading:
     h2o_text = f"H2O's {h2o[large] / 2**30:.3f} GiB at batch {large}" if large in h2o else "H2O not at that batch"
     return Reading(_check([CONFIRMED if grows and h2o_small else REFUTED]), (
         f"InfiniGen's host peak {ig[small] / 2**30:.3f} GiB at batch {small}, {ig[large] / 2**30:.3f} GiB at batch "
-        f"{large}; {h2o_text} (booked bytes, the same every run); {CHECK}: InfiniGen keeps its cache in a host tier "
+        f"{large}{NUMBERS}{h2o_text} (booked bytes, the same every run){NUMBERS}{CHECK}: InfiniGen keeps its cache in a host tier "
         f"and H2O has none, so it holds by construction"))
 
 
@@ -301,7 +304,7 @@ def _claims_finding(claims: Claims, level: float) -> Reading:
     if _combined(claims.verdicts) == INCONCLUSIVE:
         verdict = "; ".join([verdict, *claims.limits, *filter(None, [_sizes(claims)])])
     sample = (int(min(c.drop.clusters for c in claims.claims)), claims.claims[0].units) if claims.claims else None
-    return Reading(verdict, "; ".join(parts) + f"; {n} claims, each interval at {level:.2%}", sample)
+    return Reading(verdict, NUMBERS.join([*parts, f"{n} claims, each interval at {level:.2%}"]), sample)
 
 
 def _sizes(claims: Claims) -> str | None:
