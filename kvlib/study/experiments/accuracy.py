@@ -14,12 +14,13 @@ prefill alike together (`order`). A point's `prefill` (one mode for every policy
 makes every policy adopt the same record of an item: one recording pass an item instead of one per arithmetic.
 """
 
-import weakref
+import gc
 
 from kvlib.engine.prefill_record import PrefillStore, default_store_bytes
 from kvlib.evaluation import KVLibLM
 from kvlib.evaluation.ruler import RULER_TASKS, evaluate_ruler
 from kvlib.evaluation.tasks import evaluate, write_offline_tasks
+from kvlib.models import LoadedModel
 from kvlib.models.workloads import calibration_prompt
 from kvlib.report.accuracy import lines as chapter
 from kvlib.report.pages import ACCURACY
@@ -40,16 +41,24 @@ from kvlib.study.experiments.common import model_of
 from kvlib.study.runners import runner_class
 
 
-def prefill_store(kept, loaded, max_gb: float | None = None) -> PrefillStore:
-    """This process's store for this model: one for every point of it, a fresh one when the model changes (the last
-    model's records are then dropped with it; the store does not keep its model loaded), the process's other models
-    dropped before it fills."""
+def model_and_store(point, kept) -> tuple[LoadedModel, PrefillStore]:
+    """The point's model and this process's prefill store for it: one store for every point of a model. Where the
+    model changes, the last model's store is dropped before the new model loads (a 16 GB store of SmolLM2's kept while
+    Qwen2.5-Coder-1.5B loaded filled the 24 GB machine), and a fresh store drops the process's other models before it
+    fills: a worker holds one model beside its store, as kvlib.study.executor.worker_gib counts it."""
+    key = (point.model, point.device, point.weights)
+    max_gb = point.values.get("prefill_store_gb")
     max_bytes = None if max_gb is None else int(max_gb * 2**30)
-    held = kept.once.get(PrefillStore)  # (the model it serves, its store)
-    if held is None or held[0]() is not loaded.model or (max_bytes is not None and held[1].max_bytes != max_bytes):
+    held = kept.once.get(PrefillStore)  # (the model key it serves, its store)
+    if held is not None and (held[0] != key or (max_bytes is not None and held[1].max_bytes != max_bytes)):
+        del kept.once[PrefillStore]
+        held = None  # its last reference: the store's records are freed before the new model loads
+        gc.collect()
+    loaded = model_of(point, kept)
+    if held is None:
         kept.only(loaded)
-        held = kept.once[PrefillStore] = (weakref.ref(loaded.model), PrefillStore(max_bytes))
-    return held[1]
+        held = kept.once[PrefillStore] = (key, PrefillStore(max_bytes))
+    return loaded, held[1]
 
 
 def order(point) -> tuple:
@@ -71,12 +80,12 @@ def held_gib(point) -> float:
 
 def run_point(point, kept) -> list[dict]:
     v = point.values
-    loaded = model_of(point, kept)
+    loaded, store = model_and_store(point, kept)
     protocol = v.get("protocol", DEPLOYED)
     lm = KVLibLM(policy=point.runner, loaded=loaded, batch_size=v.get("batch_size", 8), protocol=protocol,
                  prefill=v.get("prefill"),
                  calibration=calibration_prompt(loaded, v.get("calibration_source")),
-                 prefill_store=prefill_store(kept, loaded, v.get("prefill_store_gb")), **point.settings)
+                 prefill_store=store, **point.settings)
     if v["task"] in RULER_TASKS:  # lm-eval's RULER: items sized per length (kvlib.evaluation.ruler)
         rows = evaluate_ruler(lm, v["task"], loaded.tokenizer.name_or_path, **(v.get("ruler") or {}))
         rows = [{**row, "protocol": protocol} for row in rows]
