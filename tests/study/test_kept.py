@@ -9,10 +9,6 @@ from kvlib.study import kept as kept_module
 from kvlib.study.experiments.accuracy import model_and_store
 
 
-class Model:  # weakref-able, as a torch module is
-    pass
-
-
 def point(model: str, store_gb: float = 1.0):
     return types.SimpleNamespace(experiment="accuracy", model=model, device=None, weights="pretrained",
                                  values={"prefill_store_gb": store_gb})
@@ -25,7 +21,7 @@ def test_a_prefill_store_keeps_its_model_alone(monkeypatch):
     def load_model(name, device=None, weights="pretrained"):
         held = process.once.get(PrefillStore)
         loads.append((name, held[0][0] if held else None))
-        return types.SimpleNamespace(name=name, model=Model())
+        return types.SimpleNamespace(name=name)
 
     monkeypatch.setattr(kept_module, "load_model", load_model)
     large = process.model("qwen2.5-coder-1.5b")
