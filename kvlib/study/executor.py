@@ -189,6 +189,7 @@ class Processes:
         from concurrent.futures import as_completed
 
         beside = {**meta, "unit_workers": self.workers}  # a unit's time is shared with the others'
+        _kept.release()  # this process waits while its workers compute: what it holds would sit beside theirs
         failures, futures, pools, lost = [], {}, [], []
         try:
             for lane in self.lanes(units):

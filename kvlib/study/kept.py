@@ -43,6 +43,14 @@ class Kept:
             del self.models[key]
         gc.collect()
 
+    def release(self) -> None:
+        """Drop every model and everything built once (an accuracy prefill store): worker processes are about to
+        compute, and each was counted the machine's whole memory (kvlib.study.executor.untimed_workers), none of it
+        for this process."""
+        self.models.clear()
+        self.once.clear()
+        gc.collect()
+
     def get(self, key: object, make: Callable[[], T]) -> T:
         """What `make()` returned the first time this key was asked for."""
         if key not in self.once:

@@ -36,3 +36,18 @@ def test_a_prefill_store_keeps_its_model_alone(monkeypatch):
     # the 1.5B model loaded again after SmolLM2's store was dropped, never beside it
     assert loads[-1] == ("qwen2.5-coder-1.5b", None), loads
     assert model_and_store(point("qwen2.5-coder-1.5b", 2.0), process)[1] is not other  # another size: a fresh store
+
+
+def test_a_process_holds_nothing_while_its_workers_compute(monkeypatch):
+    """The study's process waits while worker processes compute an untimed experiment's units, each counted the
+    machine's whole memory: a store and model it kept from its own units (the 1.5B model, SmolLM2's 16 GB store)
+    would sit beside them."""
+    from kvlib.study import executor
+
+    process = kept_module.Kept()
+    monkeypatch.setattr(kept_module, "load_model", lambda name, device=None, weights="pretrained":
+                        types.SimpleNamespace(name=name))
+    model_and_store(point("smollm2-135m"), process)
+    monkeypatch.setattr(executor, "_kept", process)
+    executor.Processes(2).run([], {}, lambda *args: None)
+    assert not process.models and not process.once
