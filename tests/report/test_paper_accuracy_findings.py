@@ -118,7 +118,8 @@ def test_equal_share_and_strict_lines_stand_beside():
 
 
 def test_without_an_equal_share_infinigen_brackets_h2os():
-    """H2O at 0.1 attends 25 %: no InfiniGen point within 5 % of it, so the two around it, each at its measured share."""
+    """H2O at 0.1 attends 25 %: no InfiniGen point within 5 % of it, so the two around it, each at its measured
+    share."""
     claims = accuracy_claims(paper_frame(shares={("h2o", 0.1, "flexgen", NAN): 0.25}), 0.7)
     line = next(c for c in claims.context if "H2O flexgen at budget 0.1 attended 25.0%" in c)
     assert "equal entries" not in line

@@ -64,14 +64,15 @@ def test_finding_4_is_eight_claims_on_the_paper_tasks_averaged_over_tasks():
     come out either way."""
     word, numbers = verdict({"accuracy": accuracy_rows()}, 4)
     assert word == CONFIRMED, numbers
-    assert "h2o at budget 0.5 near the full cache (+-5 pp, task average; attended 50% of the causal entries): +0.0 pp" in numbers and "8 claims" in numbers
+    assert "h2o at budget 0.5 near the full cache (+-5 pp, task average; attended 50% of the causal entries): +0.0 pp" \
+        in numbers and "8 claims" in numbers
     assert "infinigen at budget 0.1 loses ~6 pp on the task average (inside 1-11 pp; attended 10%" in numbers
     # InfiniGen loses nothing at 0.1: 1,800 items establish it loses under 1 pp, refuting ~6 pp; 50 a task cannot
     word, numbers = verdict({"accuracy": accuracy_rows(infinigen_lost_at_01=0.0)}, 4)
     assert word == REFUTED and "(inside 1-11 pp; attended 10% of the causal entries): +0.0 pp" in numbers, numbers
     word, numbers = verdict({"accuracy": accuracy_rows(items=50, infinigen_lost_at_01=0.0, h2o_lost_at_01=0.3)}, 4)
-    assert "(inside 1-11 pp; attended 10% of the causal entries): +0.0 pp, interval -2.9 to +2.9: equivalent (300 items), " \
-        "inconclusive" in numbers, numbers
+    assert "(inside 1-11 pp; attended 10% of the causal entries): +0.0 pp, interval -2.9 to +2.9: equivalent " \
+        "(300 items), inconclusive" in numbers, numbers
     # InfiniGen loses 25 pp at 0.1: far past ~6 pp
     assert verdict({"accuracy": accuracy_rows(infinigen_lost_at_01=0.25, h2o_lost_at_01=0.5)}, 4)[0] == REFUTED
     assert verdict({"accuracy": accuracy_rows(h2o_lost_at_01=0.06)}, 4)[0] != CONFIRMED  # H2O no worse

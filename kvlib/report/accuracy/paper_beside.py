@@ -1,10 +1,10 @@
 """Finding 4 whole: its verdict on the paper's tasks (kvlib.report.accuracy.paper_tasks) and, beside it, labelled and never
 pooled into it, the other readings: H2O under the paper's words' rule (`seen`: budget x tokens in all, where FlexGen's
 code keeps about twice that), InfiniGen at the share of the entries H2O attended, both measured ("H2O loses more" read
-at equal entries as well as at equal budget words), kvlib's deployed scoring of the same tasks (protocol `strict`), each task's own
-drops, the same drops on every model of the rows (kvlib.report.accuracy.paper_sizes: their trend with model size),
-and the book's own tasks (kvlib_recall, RULER), pooled item by item as the book reads them: its extension, not the
-paper's claim."""
+at equal entries as well as at equal budget words), kvlib's deployed scoring of the same tasks (protocol `strict`),
+each task's own drops, the same drops on every model of the rows (kvlib.report.accuracy.paper_sizes: their trend with
+model size), and the book's own tasks (kvlib_recall, RULER), pooled item by item as the book reads them: its
+extension, not the paper's claim."""
 
 from __future__ import annotations
 

@@ -67,21 +67,28 @@ def described(drop: stats.Drop) -> str:
     return f"{signed_pp(drop.drop)} pp, interval {signed_pp(drop.high)} to {signed_pp(drop.low)}"
 
 
+def _shares(at: pd.DataFrame) -> pd.Series:
+    """Each task's mean share of the causal entries a point's scored rows attended (measured); empty where the rows do
+    not record it."""
+    if "kv_share_attended" not in at:
+        return pd.Series(dtype=float)
+    return at.groupby("task")["kv_share_attended"].mean().dropna()
+
+
 def share(at: pd.DataFrame) -> float:
-    """The share of the causal entries a point's scored rows attended (measured), averaged over tasks as the drops are;
-    nan where the rows do not record it."""
-    if "kv_share_attended" not in at or at["kv_share_attended"].isna().all():
-        return math.nan
-    return float(at.groupby("task")["kv_share_attended"].mean().mean())
+    """A point's attended share averaged over tasks, as the drops are; nan where the rows do not record it."""
+    by_task = _shares(at)
+    return float(by_task.mean()) if not by_task.empty else math.nan
 
 
 def attended(at: pd.DataFrame, who: str = "") -> str:
     """What a point attended, for its claim's words: the task average of its measured share and, where the tasks
     differ, their range (InfiniGen's official rule caps no row of an item where int(budget x tokens) is 0: a short
     item at a 2-4 % budget attends every entry)."""
-    if math.isnan(mean := share(at)):
+    by_task = _shares(at)
+    if by_task.empty:
         return f"{who}share attended not recorded"
-    by_task = at.groupby("task")["kv_share_attended"].mean()
+    mean = by_task.mean()
     spread = f", {by_task.min():.0%} to {by_task.max():.0%} by task" if by_task.max() - by_task.min() >= 0.01 else ""
     return f"{who}attended {mean:.0%} of the causal entries{spread}"
 
@@ -165,8 +172,8 @@ def _chance_claim(d: pd.DataFrame, policy: str, level: float) -> DropClaim | Non
     drop = stats.task_average(at["correct"] - at["chance"].astype(float), at["task"], means["correct"],
                               means["chance"], level)
     return DropClaim(f"{policy} at a 2-4 % budget approaches random guessing (budget {budgets[0]:g}: its task "
-                     f"average less the tasks' average chance rate, within +-{MARGIN * 100:g} pp; {attended(at)})", drop,
-                     near_baseline(drop), "items",
+                     f"average less the tasks' average chance rate, within +-{MARGIN * 100:g} pp; {attended(at)})",
+                     drop, near_baseline(drop), "items",
                      f"{NAMES[policy]} at budget {budgets[0]:g} stays more than {MARGIN * 100:g} pp above guessing")
 
 

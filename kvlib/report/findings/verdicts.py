@@ -289,7 +289,8 @@ def _host_memory_finding(df: pd.DataFrame) -> Reading:
     h2o_text = f"H2O's {h2o[large] / 2**30:.3f} GiB at batch {large}" if large in h2o else "H2O not at that batch"
     return Reading(_check([CONFIRMED if grows and h2o_small else REFUTED]), (
         f"InfiniGen's host peak {ig[small] / 2**30:.3f} GiB at batch {small}, {ig[large] / 2**30:.3f} GiB at batch "
-        f"{large}{NUMBERS}{h2o_text} (booked bytes, the same every run){NUMBERS}{CHECK}: InfiniGen keeps its cache in a host tier "
+        f"{large}{NUMBERS}{h2o_text} (booked bytes, the same every run)"
+        f"{NUMBERS}{CHECK}: InfiniGen keeps its cache in a host tier "
         f"and H2O has none, so it holds by construction"))
 
 
