@@ -132,7 +132,8 @@ def wilson(correct: float, n: int, z: float = 1.96) -> tuple[float, float]:
     p = correct / n
     centre = (p + z * z / (2 * n)) / (1 + z * z / n)
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return max(centre - half, 0.0), min(centre + half, 1.0)
+    # at p = 0 or 1 the bound is p itself, which rounding misses by 1e-16 (an interval that excludes its own share)
+    return min(max(centre - half, 0.0), p), max(min(centre + half, 1.0), p)
 
 
 def budgeted(df: pd.DataFrame) -> pd.DataFrame:

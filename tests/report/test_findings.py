@@ -108,6 +108,14 @@ def test_wilson_interval(correct, n, low, high):
     assert measures.wilson(correct, n) == pytest.approx((low, high), abs=1e-3)
 
 
+@pytest.mark.parametrize("n", [20, 100, 300, 500, 540, 600])
+def test_wilson_interval_holds_its_share_at_the_ends(n):
+    """All correct or none: the interval's bound is the share itself (the accuracy figure's error bars are the
+    distances to the bounds, and rounding put 300 of 300's upper bound 1e-16 below 1)."""
+    assert measures.wilson(n, n)[1] == 1.0
+    assert measures.wilson(0, n)[0] == 0.0
+
+
 def test_one_recall_item_is_within_noise():
     """12 items: H2O one item behind InfiniGen is no finding; nine items behind is."""
     def rows(policy, correct, budget=0.1):
