@@ -98,8 +98,9 @@ def _compute_unit(point: Point, repeat: int, meta: dict) -> pd.DataFrame:
         compute_s += load.wall_s
         if not load.disturbed:
             break
+    finished = datetime.now(UTC).isoformat()
     return pd.DataFrame([{**point.columns(), **row, **meta, **machine(), "repeat": repeat, "attempts": attempt,
-                          "unit_compute_s": compute_s, **load.columns()} for row in rows])
+                          "unit_compute_s": compute_s, **load.columns(), "finished_at": finished} for row in rows])
 
 
 class UnitsFailed(UserError):
@@ -275,8 +276,7 @@ def run_metadata(profile: str) -> dict:
     machine = machine_metadata()
     return {"profile": profile, "kvlib_version": kvlib.__version__, "torch_version": machine["torch_version"],
             "transformers_version": machine["transformers_version"], "git_sha": sha,
-            "device_name": machine["device_name"], "cpu_threads": machine["cpu_threads"],
-            "finished_at": datetime.now(UTC).isoformat()}
+            "device_name": machine["device_name"], "cpu_threads": machine["cpu_threads"]}
 
 
 def rounds(points: list[Point], repeats: int, seed: str, shuffled: bool = True) -> list[tuple[Point, int, int]]:

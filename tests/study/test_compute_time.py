@@ -30,3 +30,25 @@ def test_a_unit_computed_beside_others_counts_its_share_of_the_wall_time():
     rows = pd.DataFrame({"experiment": ["accuracy"] * 3, "runner": ["full", "h2o", "h2o"], "point_hash": ["a", "b", "c"],
                          "repeat": [0, 0, 0], "unit_compute_s": [120.0, 60.0, 60.0], "unit_workers": [2, 2, None]})
     assert unit_times(rows)["unit_compute_s"].tolist() == [60.0, 30.0, 60.0]  # serial units: their own time
+
+
+def test_each_unit_is_stamped_when_it_finished_not_when_its_run_began(monkeypatch):
+    """A reference book's "computed on" and its span read `finished_at`: stamped at the run's start, every unit of a
+    two-day run said it finished the first day."""
+    import time
+    from datetime import datetime
+    from types import SimpleNamespace
+
+    from kvlib.study import executor
+
+    began = {}
+
+    def run_point(point, kept):
+        time.sleep(0.01)
+        began["unit"] = datetime.now().astimezone().isoformat()
+        return [{"score": 1.0}]
+
+    monkeypatch.setattr(executor, "declared", lambda name: SimpleNamespace(timed=False, run_point=run_point))
+    meta = executor.run_metadata("p")
+    row = executor._compute_unit(SimpleNamespace(experiment="stand_in", columns=lambda: {"runner": "full"}), 0, meta)
+    assert pd.Timestamp(row["finished_at"].iloc[0]) >= pd.Timestamp(began["unit"])
