@@ -146,9 +146,10 @@ def unpack(profile: str) -> int:
     return units
 
 
-def save_chapters(profile: str) -> None:
-    """The chapters the build executed (book/executed/), into the profile's published reference book."""
-    for chapter in sorted((repo_root() / "book" / "executed").glob("*.ipynb")):
+def save_chapters(profile: str, chapters: list[Path]) -> None:
+    """The chapters this run executed, into the profile's published reference book: never all of book/executed/,
+    which keeps chapters another profile's build executed (the embedded book's TTFT page in the confirmatory book)."""
+    for chapter in chapters:
         shutil.copy(chapter, folder(profile) / "chapters" / chapter.name)
 
 

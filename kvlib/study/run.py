@@ -58,14 +58,15 @@ def run_study(profile: str, experiments: list[str] | None = None, force: bool = 
         raise UnitsFailed([f for exc in failed for f in exc.failures], sum(exc.total for exc in failed))
     if publish:  # before the chapters: the findings page then reads itself as the reference book it becomes
         reference.save(prof.name, prof.validity_gate)
+    executed = []
     if notebooks:  # the chapters of the experiments run, and those that read every experiment
-        for chapter in [c for c in book.CHAPTERS if c in names or c not in experiment_names()]:
-            book.execute(chapter, prof.name)
+        executed = [book.execute(chapter, prof.name) for chapter in book.CHAPTERS
+                    if chapter in names or chapter not in experiment_names()]
         book.write_overview(prof.name, prof.validity_gate)
     if build:
         book.build()
     if publish:
-        reference.save_chapters(prof.name)
+        reference.save_chapters(prof.name, executed)
         readme.write()  # its verdicts read every published book, this one's included
 
 

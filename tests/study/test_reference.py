@@ -153,6 +153,39 @@ def test_publishing_needs_the_chapters_the_run_executes():
             run_study("smoke", publish=True, **partial)
 
 
+def test_a_published_book_holds_the_chapters_its_run_executed_and_no_other_profiles(tmp_path, monkeypatch):
+    """book/executed/ keeps the chapters of whichever profile executed them last: publishing a profile without a
+    TTFT experiment must not carry the embedded build's TTFT page into its book."""
+    import yaml
+
+    from kvlib.study import book, run
+
+    monkeypatch.setenv("KVLIB_ROOT", str(tmp_path))
+    (tmp_path / "params").mkdir()
+    (tmp_path / "params" / "p.yaml").write_text(yaml.safe_dump({"model": "smollm2-135m", "experiments": {
+        "accuracy": {"policies": ["full"], "grid": {"task": ["copa"]}}}}))
+    executed = tmp_path / "book" / "executed"
+    executed.mkdir(parents=True)
+    (executed / "ttft.ipynb").write_text("another profile's page")
+
+    def execute(chapter, profile):
+        (executed / f"{chapter}.ipynb").write_text(profile)
+        return executed / f"{chapter}.ipynb"
+
+    monkeypatch.setattr(run, "run_experiment", lambda *a, **k: None)
+    monkeypatch.setattr(run.estimate, "announce", lambda *a: None)
+    monkeypatch.setattr(book, "execute", execute)
+    monkeypatch.setattr(book, "write_overview", lambda *a: None)
+    monkeypatch.setattr(reference, "save", lambda profile, gate: (reference.folder(profile) / "chapters").mkdir(
+        parents=True))
+    monkeypatch.setattr(readme, "write", lambda: None)
+    run.run_study("p", publish=True)
+    published = sorted(p.stem for p in (reference.folder("p") / "chapters").glob("*.ipynb"))
+    assert published == sorted(c for c in book.CHAPTERS if c == "accuracy" or c not in names())
+    assert "ttft" not in published
+    assert all((reference.folder("p") / "chapters" / f"{c}.ipynb").read_text() == "p" for c in published)
+
+
 def test_readme_names_each_model_its_verdicts_were_measured_on_and_what_device_means(published):
     from kvlib.models.embedded import EMBEDDED_MODELS
 
