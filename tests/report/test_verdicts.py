@@ -359,4 +359,8 @@ def test_findings_1_and_3_are_checks_outside_the_family():
     evidence = verdicts.evidence_markdown(table, finding_chapters())
     assert "*Checked, not a tested claim:* where full-matrix prefill runs out" in evidence
     assert "*Tested:* as one family of claims, Holm" in evidence
+    # no rows: every finding not run, and none points to a chapter its book would not hold
+    assert set(table.verdict) == {verdicts.NOT_RUN} and "*From:*" not in evidence
+    run = verdicts.evidence_markdown(table.assign(verdict="inconclusive"), finding_chapters())
+    assert "*From:* [Time to first token](ttft.ipynb)." in run
     assert family_sentence().startswith("Findings 2, 4 and 5 are one family of tested claims")

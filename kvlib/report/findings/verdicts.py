@@ -159,7 +159,8 @@ def evidence_markdown(table: pd.DataFrame, chapters: dict[int, tuple[str, str]])
         what = how.removeprefix("checked, not a tested claim" if checked else "tested").strip(": ")
         out.append(f"### Finding {r.finding}: {r.verdict}\n\n*The paper:* {_paper_claim(r.paper)}."
                    + (f" *{label}:* {what}." if how else "")
-                   + f" *From:* [{title}]({chapter}.ipynb).\n")
+                   # a finding the profile did not run has no chapter in its book to point to
+                   + ("" if r.verdict.startswith(NOT_RUN) else f" *From:* [{title}]({chapter}.ipynb).") + "\n")
         out += [f"- {part}" for part in r.numbers.split(NUMBERS)]
         out.append("")
     return "\n".join(out)
