@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import nbformat
+import yaml
 
 from kvlib.study.experiments import names
 from kvlib.study.results import repo_root
@@ -85,11 +86,35 @@ def write_profile_guide() -> Path:
     return path
 
 
-def build() -> None:
+def executed_for(profile: str) -> list[str]:
+    """The executed chapters (book/executed/) that read `profile`, by the parameters papermill recorded in each:
+    the folder keeps each chapter as whichever profile's build executed it last."""
+    out = []
+    for path in sorted((repo_root() / "book" / "executed").glob("*.ipynb")):
+        parameters = nbformat.read(path, as_version=4).metadata.get("papermill", {}).get("parameters", {})
+        if parameters.get("profile") == profile:
+            out.append(path.stem)
+    return out
+
+
+def toc_for(profile: str) -> Path:
+    """book/_toc.yml with only the profile's executed chapters (a profile without a TTFT experiment has no TTFT page,
+    and must not show another profile's), written beside the build (book/_build/)."""
+    root = repo_root() / "book"
+    toc = yaml.safe_load((root / "_toc.yml").read_text())
+    own = {f"executed/{chapter}" for chapter in executed_for(profile)}
+    toc["chapters"] = [c for c in toc["chapters"] if not c["file"].startswith("executed/") or c["file"] in own]
+    out = root / "_build" / f"_toc-{profile}.yml"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(yaml.safe_dump(toc, sort_keys=False))
+    return out
+
+
+def build(profile: str) -> None:
     from kvlib.study import methods_figures
 
     write_fidelity()
     write_profile_guide()
     methods_figures.write()
-    subprocess.run(["jupyter-book", "build", str(repo_root() / "book")], check=True,
+    subprocess.run(["jupyter-book", "build", str(repo_root() / "book"), "--toc", str(toc_for(profile))], check=True,
                    env={**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})

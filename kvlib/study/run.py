@@ -64,7 +64,7 @@ def run_study(profile: str, experiments: list[str] | None = None, force: bool = 
                     if chapter in names or chapter not in experiment_names()]
         book.write_overview(prof.name, prof.validity_gate)
     if build:
-        book.build()
+        book.build(prof.name)
     if publish:
         reference.save_chapters(prof.name, executed)
         readme.write()  # its verdicts read every published book, this one's included
