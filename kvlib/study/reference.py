@@ -108,19 +108,32 @@ def save(profile: str, gate: float) -> Path:
     limits = machine_limits(profile)
     if limits.exists():
         shutil.copy(limits, out / "machine.json")
-    computed = pd.concat([f[["finished_at", "git_sha", "device_name"]] for f in published.values() if "git_sha" in f])
-    machine = json.loads(limits.read_text()) if limits.exists() else {}
+    about_run = ["finished_at", "git_sha", "device_name", "machine_cpu", "machine_host", "cpu_threads", "unit_workers",
+                 "torch_version"]
+    computed = pd.concat([f[[c for c in about_run if c in f]] for f in published.values() if "git_sha" in f])
     (out / "reference.json").write_text(json.dumps({
         "profile": profile, "published_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "published_from": results.commit(),
         "computed_between": [computed.finished_at.min(), computed.finished_at.max()],
         "computed_at_commits": sorted(computed.git_sha.dropna().unique().tolist()),
-        "machine": {"cpu": machine.get("machine_cpu"), "host": machine.get("machine_host"),
-                    "threads": machine.get("threads"), "device": ", ".join(sorted(computed.device_name.dropna().unique())),
-                    "torch": machine.get("torch_version")},
+        "machine": _machine(json.loads(limits.read_text()) if limits.exists() else {}, computed),
         "verdicts": verdicts[VERDICT_FIELDS].to_dict(orient="records"),
     }, indent=1) + "\n")
     return out
+
+
+def _machine(limits: dict, rows: pd.DataFrame) -> dict:
+    """The machine a book was computed on: its measured limits where a timed experiment recorded them, else what its
+    rows say (a profile of untimed experiments only, as the confirmatory one: the threads its units used together)."""
+    def rows_say(column: str) -> str | None:
+        return (", ".join(sorted(rows[column].dropna().astype(str).unique())) or None) if column in rows else None
+
+    workers = rows["unit_workers"].fillna(1) if "unit_workers" in rows else 1
+    threads = (rows["cpu_threads"] * workers).max() if "cpu_threads" in rows else None
+    return {"cpu": limits.get("machine_cpu") or rows_say("machine_cpu"),
+            "host": limits.get("machine_host") or rows_say("machine_host"),
+            "threads": limits.get("threads") or (int(threads) if threads is not None and pd.notna(threads) else None),
+            "device": rows_say("device_name"), "torch": limits.get("torch_version") or rows_say("torch_version")}
 
 
 def unpack(profile: str) -> int:

@@ -40,12 +40,24 @@ def published():
     return info
 
 
-def test_the_published_verdicts_are_what_the_code_draws_from_the_published_rows(published):
+@pytest.mark.parametrize("book", reference.published())
+def test_the_published_verdicts_are_what_the_code_draws_from_the_published_rows(published, book):
     from kvlib.report.findings.verdicts import verdict_table
 
-    rows = StudyRows(lambda experiment: reference.load(PUBLISHED, experiment))
-    table = verdict_table(rows, load_profile(PUBLISHED).validity_gate)
-    assert table[reference.VERDICT_FIELDS].to_dict(orient="records") == published["verdicts"]
+    rows = StudyRows(lambda experiment: reference.load(book, experiment))
+    table = verdict_table(rows, load_profile(book).validity_gate)
+    assert table[reference.VERDICT_FIELDS].to_dict(orient="records") == reference.about(book)["verdicts"]
+
+
+def test_a_book_of_untimed_experiments_names_its_machine_from_its_rows():
+    """No timed experiment, no measured limits (machine.json): the machine is what the rows say, its threads those
+    its units used together (two one-thread workers: 2), never "a None-thread None"."""
+    rows = pd.DataFrame({"machine_cpu": ["Xeon", "Xeon"], "machine_host": ["vm", "vm"], "cpu_threads": [1, 2],
+                         "unit_workers": [2, None], "device_name": ["cpu", "cpu"], "torch_version": ["2.13", "2.13"]})
+    assert reference._machine({}, rows) == {"cpu": "Xeon", "host": "vm", "threads": 2, "device": "cpu",
+                                            "torch": "2.13"}
+    measured = {"machine_cpu": "EPYC", "machine_host": "box", "threads": 16, "torch_version": "2.13"}
+    assert reference._machine(measured, rows)["threads"] == 16
 
 
 def test_readme_shows_the_published_verdicts(published):
