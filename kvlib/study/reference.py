@@ -132,7 +132,7 @@ def _machine(limits: dict, rows: pd.DataFrame) -> dict:
     threads = (rows["cpu_threads"] * workers).max() if "cpu_threads" in rows else None
     return {"cpu": limits.get("machine_cpu") or rows_say("machine_cpu"),
             "host": limits.get("machine_host") or rows_say("machine_host"),
-            "threads": limits.get("threads") or (int(threads) if threads is not None and pd.notna(threads) else None),
+            "threads": limits.get("threads") or (int(threads) if pd.notna(threads) else None),
             "device": rows_say("device_name"), "torch": limits.get("torch_version") or rows_say("torch_version")}
 
 
