@@ -12,12 +12,21 @@ from pathlib import Path
 import nbformat
 import yaml
 
-from kvlib.study.experiments import names
+from kvlib.study.experiments import experiment, names
 from kvlib.study.results import repo_root
 
 # a chapter an experiment, then those that read every experiment
 CHAPTERS = (*names(), "paper_scale", "choose", "findings")
 HIDDEN = {"parameters", "injected-parameters"}
+
+
+def chapters_for(run: list[str], experiments: list[str]) -> list[str]:
+    """The chapters a build executes: those of the experiments it ran (run), and those that read across experiments
+    where the profile (experiments) has what they read: the chooser answers from timings, so a profile without a
+    timed experiment gets none (its page would be tables of dashes)."""
+    timed = any(experiment(e).timed for e in experiments)
+    return [chapter for chapter in CHAPTERS if chapter in run
+            or chapter not in names() and (chapter != "choose" or timed)]
 
 
 def execute(notebook: str, profile: str) -> Path:
@@ -51,9 +60,10 @@ def for_reading(path: Path) -> None:
     nbformat.write(nb, path)
 
 
-def write_overview(profile: str, validity_gate: float) -> Path:
+def write_overview(profile: str, validity_gate: float) -> Path | None:
     """The findings page's overview figure as a PNG beside the book's sources (book/figures/overview-<profile>.png),
-    for the README and anyone who wants the study's answer in one picture; drawn from the stored results alone."""
+    for the README and anyone who wants the study's answer in one picture; drawn from the stored results alone. None,
+    and no file, where the profile has nothing to draw (no batch-scaling results)."""
     import matplotlib.pyplot as plt
 
     from kvlib.report.findings.overview import overview
@@ -62,7 +72,10 @@ def write_overview(profile: str, validity_gate: float) -> Path:
 
     out = repo_root() / "book" / "figures" / f"overview-{profile}.png"
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig = overview(StudyRows(lambda experiment: results.load(profile, experiment)), validity_gate)
+    fig = overview(StudyRows(lambda name: results.load(profile, name)), validity_gate)
+    if fig is None:
+        out.unlink(missing_ok=True)  # a figure left by an earlier run of other rows would stand for these
+        return None
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out

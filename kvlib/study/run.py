@@ -59,9 +59,8 @@ def run_study(profile: str, experiments: list[str] | None = None, force: bool = 
     if publish:  # before the chapters: the findings page then reads itself as the reference book it becomes
         reference.save(prof.name, prof.validity_gate)
     executed = []
-    if notebooks:  # the chapters of the experiments run, and those that read every experiment
-        executed = [book.execute(chapter, prof.name) for chapter in book.CHAPTERS
-                    if chapter in names or chapter not in experiment_names()]
+    if notebooks:
+        executed = [book.execute(chapter, prof.name) for chapter in book.chapters_for(names, prof.experiments)]
         book.write_overview(prof.name, prof.validity_gate)
     if build:
         book.build(prof.name)

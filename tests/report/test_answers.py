@@ -56,6 +56,12 @@ def test_the_overview_draws_every_runner_with_its_accuracy():
     assert fig.axes[1].get_ylabel() == "accuracy lost against the full cache (pp)"
 
 
+def test_a_profile_without_batch_scaling_gets_a_sentence_not_an_empty_overview(capsys):
+    """The confirmatory profile runs accuracy and retention alone: its findings page drew a pair of empty axes."""
+    assert overview(StudyRows(batch_scaling=pd.DataFrame(), accuracy=accuracy_rows())) is None
+    assert capsys.readouterr().out.startswith("No overview figure: this profile has no batch-scaling results")
+
+
 def test_the_overviews_names_cover_neither_each_other_nor_a_point_when_runners_crowd():
     rows = batch_rows()
     full = rows[rows["policy"] == "full"]

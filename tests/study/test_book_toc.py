@@ -8,6 +8,7 @@ import yaml
 
 from kvlib.paths import repo_root
 from kvlib.study import book
+from kvlib.study.profile import load_profile
 
 
 def test_a_profiles_book_lists_its_chapters_and_not_another_profiles(tmp_path, monkeypatch):
@@ -23,3 +24,10 @@ def test_a_profiles_book_lists_its_chapters_and_not_another_profiles(tmp_path, m
     everything = [c["file"] for c in yaml.safe_load((repo_root() / "book" / "_toc.yml").read_text())["chapters"]]
     assert [f for f in listed if not f.startswith("executed/")] == [f for f in everything
                                                                    if not f.startswith("executed/")]
+
+
+def test_a_profile_without_timings_gets_no_chooser_and_a_run_of_one_experiment_refreshes_the_pages_reading_it():
+    untimed = ["accuracy", "retention"]  # the confirmatory profile's
+    assert book.chapters_for(untimed, untimed) == ["accuracy", "retention", "paper_scale", "findings"]
+    embedded = load_profile("embedded", repo_root()).experiments
+    assert book.chapters_for(["accuracy"], embedded) == ["accuracy", "paper_scale", "choose", "findings"]

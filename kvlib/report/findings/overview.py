@@ -26,14 +26,16 @@ def overview(rows: StudyRows, gate: float | None = None):
     tested statements: no verdict rests on them, so they spend none of the page's error rate and stay at the
     unadjusted level, where the page's claims (and the chooser's answers) are at their families' levels; the title
     says so. Runners that keep and attend every entry lose nothing by construction; a lossy runner with no accuracy
-    measured is drawn hollow."""
-    set_style()
+    measured is drawn hollow. Without batch-scaling results there is no workload to draw: a sentence says so and no
+    figure comes back (an empty pair of axes would read as a chart of nothing)."""
     batch = rows.batch_scaling
-    fig, ax = plt.subplots(figsize=(10, 9))
     ok = batch[~batch["oom"].astype(bool)] if not batch.empty else batch
     if ok.empty:
-        ax.text(0.5, 0.5, "no batch-scaling results in this profile", ha="center", transform=ax.transAxes)
-        return fig
+        print("No overview figure: this profile has no batch-scaling results, so no runner has a throughput and "
+              "memory to place.")
+        return None
+    set_style()
+    fig, ax = plt.subplots(figsize=(10, 9))
     big = ok[ok["batch_size"] == ok["batch_size"].max()]
     evidence = evidence_for(rows.accuracy, big, gate=GATE if gate is None else gate)
     lossless = set(big.loc[big["lossless"].fillna(False).astype(bool), "policy"]) if "lossless" in big else set()
