@@ -259,8 +259,8 @@ def provenances(books: list[str]) -> str:
 
 
 def _agreement_table(verdicts: pd.DataFrame, books: list[str]) -> str:
-    """| # | this build | each book's verdict | whether this build agrees with it |; a finding one side did not run is not
-    compared."""
+    """| # | this build | each book's verdict | whether this build agrees with it |; a finding one side did not run
+    is not compared."""
     from kvlib.report.findings.verdicts import NOT_RUN
 
     theirs = {book: {r["finding"]: _word(r["verdict"]) for r in about(book)["verdicts"]} for book in books}
