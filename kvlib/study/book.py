@@ -71,11 +71,11 @@ def write_overview(profile: str, validity_gate: float) -> Path | None:
     from kvlib.study import results
 
     out = repo_root() / "book" / "figures" / f"overview-{profile}.png"
-    out.parent.mkdir(parents=True, exist_ok=True)
     fig = overview(StudyRows(lambda name: results.load(profile, name)), validity_gate)
     if fig is None:
         out.unlink(missing_ok=True)  # a figure left by an earlier run of other rows would stand for these
         return None
+    out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
