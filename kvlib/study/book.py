@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import nbformat
@@ -27,6 +28,16 @@ def chapters_for(run: list[str], experiments: list[str]) -> list[str]:
     timed = any(experiment(e).timed for e in experiments)
     return [chapter for chapter in CHAPTERS if chapter in run
             or chapter not in names() and (chapter != "choose" or timed)]
+
+
+def execute_all(chapters: list[str], profile: str) -> list[Path]:
+    """Each chapter executed (execute), as many at once as there are CPUs: a chapter is a kernel of its own that
+    reads results and draws, one core's work, so two cores build the book's chapters in about half the time. The
+    chapters that read every experiment (the longest) start first. Returns the executed copies in `chapters`' order."""
+    order = sorted(chapters, key=lambda chapter: chapter in names())
+    with ThreadPoolExecutor(max(1, min(len(os.sched_getaffinity(0)), len(chapters)))) as pool:
+        done = dict(zip(order, pool.map(lambda chapter: execute(chapter, profile), order)))
+    return [done[chapter] for chapter in chapters]
 
 
 def execute(notebook: str, profile: str) -> Path:

@@ -60,7 +60,7 @@ def run_study(profile: str, experiments: list[str] | None = None, force: bool = 
         reference.save(prof.name, prof.validity_gate)
     executed = []
     if notebooks:
-        executed = [book.execute(chapter, prof.name) for chapter in book.chapters_for(names, prof.experiments)]
+        executed = book.execute_all(book.chapters_for(names, prof.experiments), prof.name)
         book.write_overview(prof.name, prof.validity_gate)
     if build:
         book.build(prof.name)

@@ -31,3 +31,27 @@ def test_a_profile_without_timings_gets_no_chooser_and_a_run_of_one_experiment_r
     assert book.chapters_for(untimed, untimed) == ["accuracy", "retention", "paper_scale", "findings"]
     embedded = load_profile("embedded", repo_root()).experiments
     assert book.chapters_for(["accuracy"], embedded) == ["accuracy", "paper_scale", "choose", "findings"]
+
+
+def test_chapters_run_side_by_side_the_cross_experiment_ones_first_and_come_back_in_the_books_order(monkeypatch):
+    import threading
+    import time
+
+    started, running, most = [], [], [0]
+    lock = threading.Lock()
+
+    def execute(chapter, profile):
+        with lock:
+            started.append(chapter)
+            running.append(chapter)
+            most[0] = max(most[0], len(running))
+        time.sleep(0.05)
+        with lock:
+            running.remove(chapter)
+        return chapter
+
+    monkeypatch.setattr(book, "execute", execute)
+    monkeypatch.setattr(book.os, "sched_getaffinity", lambda pid: {0, 1})
+    chapters = ["ttft", "accuracy", "paper_scale", "choose", "findings"]
+    assert book.execute_all(chapters, "embedded") == chapters
+    assert set(started[:2]) == {"paper_scale", "choose"} and most[0] == 2
