@@ -96,3 +96,28 @@ def test_the_suggested_items_settle_it_four_times_in_five_on_binary_items(lost, 
     assert power >= 0.8, f"{needed} items settle it in {power:.1%}"
     assert realised_power(*shares, int(0.8 * needed), tolerance, level) < 0.8  # and no more than needed
     assert settled_share(needed, *shares, tolerance, level) == pytest.approx(power, abs=0.08)  # the rule's own model
+
+
+def test_a_drop_close_to_the_tolerance_is_said_to_need_more_than_the_largest_size_worked_out():
+    """2.5 % of items lost and 1.25 % gained, against 1.2 pp: about a million items. The search once doubled its way
+    there, each size's chance slower than the last (the exact sign test summed binomial coefficients: minutes at
+    10^5), and the chooser's page did not finish; now it stops at MOST_ITEMS and says so."""
+    from kvlib.report.choose.evidence import MOST_ITEMS, items_to_resolve
+
+    def drop(share):
+        return stats.Drop(reference=1.0, score=1 - share, drop=share, low=-0.05, high=0.08, items=80, clusters=80,
+                          level=0.95, paired=True, verdict=stats.INCONCLUSIVE)
+
+    assert items_for_power(drop(0.0125), 1.2, 0.025, 0.0125) is None
+    assert f"more than {MOST_ITEMS:,} items" in items_to_resolve(drop(0.0125), 1.2, 0.025, 0.0125)
+    assert "at the tolerance" in items_to_resolve(drop(0.012), 1.2, 0.025, 0.0125)
+    # and a size within it is still worked out: 1.25 pp against 1.0 needs some 47,000 at 95 %
+    assert 40_000 < items_for_power(drop(0.0125), 1.0, 0.025, 0.0125) <= MOST_ITEMS
+
+
+def test_the_sign_test_is_exact_where_it_can_be_summed_and_fast_where_it_cannot():
+    assert stats.sign_test_p(9, 0) == pytest.approx(2 / 2**9, rel=1e-12)
+    assert stats.sign_test_p(30, 12) == pytest.approx(2 * sum(math.comb(42, i) for i in range(13)) / 2**42, rel=1e-12)
+    # 60,000 against 59,000: the normal approximation's two-sided p (continuity-corrected), to three places
+    z = (60_000 - 59_000 - 1) / math.sqrt(119_000)
+    assert stats.sign_test_p(60_000, 59_000) == pytest.approx(math.erfc(z / math.sqrt(2)), rel=1e-3)

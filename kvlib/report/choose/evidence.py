@@ -47,6 +47,9 @@ class AccuracyEvidence:
 
 
 POWER = 0.8  # the chance the suggested size settles it, if the measured drop is the true one
+# the largest size the advice works out: ten times lm-eval's largest task here (HellaSwag, 10,042 items); a drop that
+# close to the tolerance is said to need more, not searched for (each size's chance takes longer the larger it is)
+MOST_ITEMS = 100_000
 
 
 def items_for_power(drop: stats.Drop, tolerance: float, lost: float, gained: float, power: float = POWER
@@ -55,15 +58,20 @@ def items_for_power(drop: stats.Drop, tolerance: float, lost: float, gained: flo
     measured shares of items lost (the full cache right, the policy wrong) and gained held. The measured half-width
     is no guide: at the book's sizes it is mostly the floor (kvlib.report.stats.resolution, z^2 / (n + z^2)), which
     falls as 1 / n, not 1 / sqrt(n). So the chance is worked out at each size over the counts of items lost and
-    gained that size could give (`settled_share`), and the smallest size found that reaches `power` is returned."""
-    if abs(drop.drop * 100 - tolerance) < 1e-9:
+    gained that size could give (`settled_share`), and the smallest size found that reaches `power` is returned;
+    None where no size up to MOST_ITEMS does (a drop at the tolerance: none ever would)."""
+    if _at_tolerance(drop, tolerance):
         return None
     return _items_for_power(lost, gained, tolerance, drop.level, power)
 
 
+def _at_tolerance(drop: stats.Drop, tolerance: float) -> bool:
+    return abs(drop.drop * 100 - tolerance) < 1e-9
+
+
 @lru_cache(maxsize=1024)  # the regimes table asks the same of each policy at every workload
-def _items_for_power(lost: float, gained: float, tolerance: float, level: float, power: float) -> int:
-    return stats.smallest_passing(lambda n: settled_share(n, lost, gained, tolerance, level) >= power)
+def _items_for_power(lost: float, gained: float, tolerance: float, level: float, power: float) -> int | None:
+    return stats.smallest_passing(lambda n: settled_share(n, lost, gained, tolerance, level) >= power, MOST_ITEMS)
 
 
 def settled_share(items: int, lost: float, gained: float, tolerance: float, level: float) -> float:
@@ -123,9 +131,12 @@ def _sign_threshold(gained: int, alpha: float) -> int:
 def items_to_resolve(drop: stats.Drop, tolerance: float, lost: float, gained: float) -> str:
     if math.isnan(lost) or math.isnan(gained):
         return "the shares of items lost and gained were not read, so no number of items is suggested"
+    if _at_tolerance(drop, tolerance):
+        return "no number of items would: the measured drop is at the tolerance"
     needed = items_for_power(drop, tolerance, lost, gained)
     if needed is None:
-        return "no number of items would: the measured drop is at the tolerance"
+        return (f"more than {MOST_ITEMS:,} items would be needed for {POWER:.0%} power, if the measured shares of "
+                f"items lost and gained held: the measured drop is that close to the tolerance")
     return (f"about {needed:,} items would resolve it with {POWER:.0%} power, if the measured shares of items lost "
             f"and gained held")
 
