@@ -30,7 +30,8 @@ def led(first: str, second: str | None, c: stats.TimingComparison | None, claim:
     versus = f"{c.ratio:.2f}x {second}'s {what} ({interval})"
     if c.verdict in (stats.LARGER, stats.SMALLER):
         return f"{first} {claim} ({figure}), {versus}"
-    told = "not distinguishable" if c.judged else f"not told apart at {min(c.n_a, c.n_b)} repeats"
+    n = min(c.n_a, c.n_b)
+    told = "not distinguishable" if c.judged else f"not told apart at {n} repeat{'s' * (n != 1)}"
     return f"{first} and {second} are {told}: {first} {figure}, {versus}"
 
 

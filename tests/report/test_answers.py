@@ -32,6 +32,8 @@ def test_a_lead_is_worded_by_its_verdict():
     two = batch_rows()
     two = two[two["repeat"] < 2]  # 2 rounds: no interval at all
     assert "are not told apart at 2 repeats" in experiment("batch_scaling").answer(two)
+    one = batch_rows()
+    assert "are not told apart at 1 repeat:" in experiment("batch_scaling").answer(one[one["repeat"] < 1])
 
 
 def test_accuracy_opens_with_the_paired_drops_of_the_papers_two_methods():
