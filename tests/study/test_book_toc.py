@@ -51,7 +51,8 @@ def test_chapters_run_side_by_side_the_cross_experiment_ones_first_and_come_back
         return chapter
 
     monkeypatch.setattr(book, "execute", execute)
-    monkeypatch.setattr(book.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(book.os, "cpu_count", lambda: 2)
     chapters = ["ttft", "accuracy", "paper_scale", "choose", "findings"]
     assert book.execute_all(chapters, "embedded") == chapters
     assert set(started[:2]) == {"paper_scale", "choose"} and most[0] == 2
+    assert book.execute_all([], "embedded") == []
