@@ -80,7 +80,8 @@ def in_outside_process(fn, *args):
     raised here; a process that died is replaced at the next call."""
     global _outside_pool
     if _outside_pool is None:
-        _outside_pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        _outside_pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                                            initializer=_end_with_study, initargs=(os.getpid(),))
     try:
         return _outside_pool.submit(fn, *args).result()
     except BrokenProcessPool:
@@ -223,12 +224,16 @@ def _start_worker(threads: int, study_process: int) -> None:
 
     torch.set_num_threads(threads)
     _study_process = study_process
+    _end_with_study(study_process)
+
+
+def _end_with_study(study_process: int) -> None:
+    """A spawned process (a worker, the outside engines') ends with its study: a study killed alone (not its process
+    group, as Ctrl-C does) left them computing for nobody, each holding its model's memory (vLLM's: 3.8 GB)."""
     threading.Thread(target=_exit_with, args=(study_process,), daemon=True).start()
 
 
 def _exit_with(study_process: int) -> None:
-    """A worker ends with its study: a study killed alone (not its process group, as Ctrl-C does) left its workers
-    computing for nobody, each holding its model's memory."""
     while os.getppid() == study_process:
         time.sleep(2)
     os._exit(1)

@@ -24,10 +24,14 @@ def sleeps_and_says_where(point, repeat, meta) -> pd.DataFrame:
 
 
 def study_with_a_sleeping_worker(pid_file: str) -> None:
-    """A study process (run by a test as a script) whose one worker sleeps in its unit."""
+    """A study process (run by a test as a script) that has started the outside engines' process (vLLM's) and whose
+    two workers sleep in their units."""
+    from pathlib import Path
+
     from kvlib.study import executor
     from kvlib.study.point import Point
 
+    Path(f"{pid_file}.outside").write_text(str(executor.in_outside_process(os.getpid)))
     processes = executor.Processes(2)
     processes.in_worker = sleeps_and_says_where
     units = [(Point("accuracy", "full", {}, {"task": t, "pid_file": f"{pid_file}.{t}"}, "m"), 0) for t in "ab"]

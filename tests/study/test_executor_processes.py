@@ -119,7 +119,7 @@ def test_a_large_model_runs_alone_while_the_small_models_units_still_share_the_c
     assert [n for n, _ in executor.memory_parts(units[:1], workers=2)] == [1]  # never more than a unit each
 
 
-def test_a_worker_ends_when_its_study_is_killed_alone(tmp_path):
+def test_the_workers_and_the_outside_engines_process_end_when_their_study_is_killed_alone(tmp_path):
     import os
     import signal
     import subprocess
@@ -131,11 +131,12 @@ def test_a_worker_ends_when_its_study_is_killed_alone(tmp_path):
     script = (f"import sys; sys.path.insert(0, {str(helpers)!r}); from worker_units import study_with_a_sleeping_worker;"
               f" study_with_a_sleeping_worker({str(tmp_path / 'pid')!r})")
     study_process = subprocess.Popen([sys.executable, "-c", script])
+    names = ("a", "b", "outside")
     try:
         deadline = time.monotonic() + 120
-        while not all((tmp_path / f"pid.{t}").exists() for t in "ab") and time.monotonic() < deadline:
+        while not all((tmp_path / f"pid.{t}").exists() for t in names) and time.monotonic() < deadline:
             time.sleep(0.5)
-        workers = [int((tmp_path / f"pid.{t}").read_text()) for t in "ab"]
+        workers = [int((tmp_path / f"pid.{t}").read_text()) for t in names]
     finally:
         study_process.send_signal(signal.SIGKILL)  # the study alone, not its process group
         study_process.wait()
