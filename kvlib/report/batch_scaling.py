@@ -19,7 +19,7 @@ from kvlib.report.timing import (
     oom_line,
     page_lines,
 )
-from kvlib.report.timing_figures import throughput
+from kvlib.report.timing_figures import spread_words, throughput
 
 
 def lead(df: pd.DataFrame) -> str:
@@ -128,8 +128,7 @@ def figure(df: pd.DataFrame):
             sns.lineplot(d, x="batch_size", y=col, hue="policy", palette=policy_colours(d["policy"]), marker="o",
                          estimator=geometric_mean, errorbar=None, ax=ax, legend=False)
         ax.set(xlabel="batch size", ylabel=label)
-    suptitle(fig, df, title="Batch scaling (mixed-length prompts; geometric mean of repeats, bars: range of repeats "
-                            "and their steps)")
+    suptitle(fig, df, title=f"Batch scaling (mixed-length prompts; geometric mean of repeats, {spread_words(df)})")
     fig.tight_layout()
     # one legend beside the four panels: inside one, eleven runners covered its lines
     fig.legend(*axes.flat[0].get_legend_handles_labels(), loc="upper left", bbox_to_anchor=(1.0, 0.93),

@@ -12,7 +12,7 @@ from kvlib.report.measures import decode_spread, geometric_mean
 from kvlib.report.opening import NOTHING
 from kvlib.report.provenance import titled
 from kvlib.report.timing import best_and_next, describe, led, page_lines
-from kvlib.report.timing_figures import throughput
+from kvlib.report.timing_figures import spread_words, throughput
 
 
 def lead(df: pd.DataFrame) -> str:
@@ -56,6 +56,5 @@ def figure(df: pd.DataFrame):
     fig, ax = plt.subplots(figsize=(7, 4))
     throughput(df[~df["oom"]], "output_tokens", ax)
     ax.set(xlabel="output length (tokens)", ylabel="decode throughput (tokens/s)",
-           title=titled("Decode throughput vs output length (geometric mean, bars: range of repeats and their steps)",
-                        df))
+           title=titled(f"Decode throughput vs output length (geometric mean, {spread_words(df)})", df))
     return fig

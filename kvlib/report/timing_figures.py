@@ -35,6 +35,15 @@ def memory_components(df: pd.DataFrame, by: str, tier: str = "device", title: st
     return fig
 
 
+def spread_words(df: pd.DataFrame, steps: bool = True) -> str:
+    """What a timing figure's bars (`steps`: the repeats' and their decode steps') or band span, named with as many
+    repeats as the rows hold: one repeat has no range of repeats to show."""
+    n = int(df["repeat"].nunique()) if "repeat" in df and not df.empty else 1
+    if steps:
+        return f"bars: range of {n} repeats and their steps" if n > 1 else "1 repeat; bars: its steps' quartiles"
+    return f"band: range of {n} repeats" if n > 1 else "1 repeat: no band"
+
+
 def throughput(d: pd.DataFrame, by: str, ax, legend: bool = True) -> None:
     """Decode throughput vs `by`, one line per policy: the geometric mean over repeats, error bars spanning the repeats
     and each repeat's interquartile range of per-step throughput (kvlib.report.measures.decode_spread, as the findings

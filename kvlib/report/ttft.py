@@ -18,6 +18,7 @@ from kvlib.report.timing import (
     oom_line,
     page_lines,
 )
+from kvlib.report.timing_figures import spread_words
 
 
 def lead(df: pd.DataFrame) -> str:
@@ -104,7 +105,8 @@ def figure(df: pd.DataFrame):
         ax.scatter(oom["prompt_tokens"], [top] * len(oom), marker="x", color="crimson", s=80, label="OOM")
         ax.axhline(top, color="crimson", lw=0.5, ls=":")
     ax.set(xscale="log", yscale="log", xlabel="prompt length (tokens)", ylabel="time to first token (s)",
-           title=titled("TTFT vs prompt length (geometric mean, band: range of repeats; x = out of device memory)", df))
+           title=titled(f"TTFT vs prompt length (geometric mean, {spread_words(df, steps=False)}; x = out of device "
+                        "memory)", df))
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
     fig.tight_layout()
     return fig

@@ -82,6 +82,20 @@ def test_the_timing_figures_name_model_and_machine():
     assert f"{SHOWN} on {CPU}" not in title_text(batch_page.figure(batch_rows()))  # the rows record neither
 
 
+def test_the_timing_figures_name_the_repeats_their_bars_span_and_claim_no_range_of_one():
+    rows = measured(batch_rows())
+    ttft = rows.assign(prompt_tokens=rows["batch_size"] * 256, prefill="full", ttft_s=rows["batch_size"] * 0.1)
+    decode = rows.rename(columns={"batch_size": "output_tokens"})
+    once = [frame[frame["repeat"] == 0] for frame in (rows, ttft, decode)]
+    assert "bars: range of 8 repeats and their steps" in title_text(batch_page.figure(rows))
+    assert "band: range of 8 repeats" in title_text(ttft_page.figure(ttft))
+    assert "bars: range of 8 repeats and their steps" in title_text(decode_page.figure(decode))
+    titles = [title_text(batch_page.figure(once[0])), title_text(ttft_page.figure(once[1])),
+              title_text(decode_page.figure(once[2]))]
+    assert not any("range of" in t for t in titles), titles
+    assert "1 repeat: no band" in titles[1] and all("1 repeat; bars: its steps' quartiles" in t for t in titles[::2])
+
+
 def test_the_accuracy_figures_name_model_and_machine():
     own = measured(accuracy_rows()).assign(kv_share_attended=0.5, length=512)
     own["correct"] = own["correct"].where(own["doc_id"] % 7 > 0, 0.0)  # no perfect score: its interval is [x, 1]

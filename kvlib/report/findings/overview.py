@@ -15,6 +15,7 @@ from kvlib.report.gate import GATE
 from kvlib.report.measures import decode_spread
 from kvlib.report.provenance import titled
 from kvlib.report.study_rows import StudyRows
+from kvlib.report.timing_figures import spread_words
 
 
 def overview(rows: StudyRows, gate: float | None = None):
@@ -60,7 +61,7 @@ def overview(rows: StudyRows, gate: float | None = None):
     levels = {e.drop.level for ev in evidence.values() for e in ev}
     level = f"its {levels.pop() * 100:g} % interval" if len(levels) == 1 else "its interval"
     title = (f"Throughput, memory and accuracy at batch {int(big['batch_size'].iloc[0])}\n"
-             f"geometric mean; bars: range of repeats and steps\naccuracy: the paired drop"
+             f"geometric mean; {spread_words(big)}\naccuracy: the paired drop"
              + (f" on {next(iter(tasks))}" if len(tasks) == 1 else "") + f" and {level} (described, not tested: "
              "unadjusted)")
     ax.set(xlabel="device memory peak (GiB)", ylabel="decode throughput (tokens/s)",
