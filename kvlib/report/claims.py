@@ -19,6 +19,9 @@ INFINIGEN_ACCURACY_DROP = 0.06  # the paper: at budget 0.1 "InfiniGen loses ~6 p
 H2O_ACCURACY_DROP = (0.23 + 0.16) / 2  # the paper's H2O at 0.1: HellaSwag -23 pp, BoolQ -16 pp (no average given)
 NEAR = MARGIN / 2  # "near the full cache" has no figure in the paper: its reach is stated for half the margin
 UNTESTED = "untested"  # a declared claim these rows cannot test: it counts as inconclusive
+# a finding these rows cannot test for want of a full cache that passes its validity gate: the model and the number of
+# items decide that, not the machine (whose missing mechanisms "not testable on this machine" names)
+NO_VALID_BASELINE = "not testable on these rows (the full cache passes no validity gate)"
 NAMES = {"h2o": "H2O", "infinigen": "InfiniGen"}  # as a refutation's direction names them
 
 

@@ -14,6 +14,7 @@ import seaborn as sns
 from kvlib.report import paper, stats
 from kvlib.report.claims import (
     MARGIN,
+    NO_VALID_BASELINE,
     Claims,
     DropClaim,
     as_difference,
@@ -202,11 +203,11 @@ def claims(df: pd.DataFrame, gate: float, level: float = FINDINGS.level("finding
     if df.empty:
         return Claims([], [], ("not run in this profile", "the retention experiment has no results"))
     if "full" not in set(df["policy"]):
-        return Claims([], [], ("not testable on this machine", "the retention experiment has no full-cache results"))
+        return Claims([], [], (NO_VALID_BASELINE, "the retention experiment has no full-cache rows"))
     d = deployed_rows(df, gate)
     if d.empty:
-        return Claims([], [], ("not testable on this machine", (f"no context-length bucket passes the validity gate "
-                                                               f"({gate:.0%} with the full cache)")))
+        why = f"no context-length bucket passes the validity gate ({gate:.0%} with the full cache)"
+        return Claims([], [], (NO_VALID_BASELINE, why))
     budgets = _shared_budgets(d)
     if not budgets:
         return Claims([], [], (INCONCLUSIVE, "H2O and InfiniGen did not both run on a bucket that passes"))

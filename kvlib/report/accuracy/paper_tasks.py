@@ -29,6 +29,7 @@ from kvlib.report.claims import (
     MARGIN,
     NAMES,
     NEAR,
+    NO_VALID_BASELINE,
     Claims,
     DropClaim,
     as_difference,
@@ -228,7 +229,7 @@ def paper_claims(df: pd.DataFrame, gate: float, level: float) -> tuple[Claims, p
     if not tasks:
         why = ("no paper task's full cache passes the validity gate (above chance: the lower end of its 95 % Wilson "
                "interval): " + " ".join(left_out))
-        return Claims([], head, ("not testable on this machine", why)), d, []
+        return Claims([], head, (NO_VALID_BASELINE, why)), d, []
     d = d[d["task"].isin(tasks)]
     full = d[d["policy"] == "full"]
     head += [f"{t}: full cache {full.loc[full['task'] == t, 'correct'].mean():.1%} on "

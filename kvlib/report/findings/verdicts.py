@@ -102,8 +102,8 @@ def family_sentence(books: int = 1) -> str:
 
 
 def verdict_table(rows: StudyRows, gate: float = GATE) -> pd.DataFrame:
-    """One row per finding of the paper: our verdict (confirmed, refuted, inconclusive, not testable on this machine,
-    not run in this profile), the numbers behind it and what its tested claims rest on (`sample_n` `sample_of`: the
+    """One row per finding of the paper: our verdict (confirmed, refuted, inconclusive, not testable on this machine or
+    on these rows, not run in this profile), the numbers behind it and what its tested claims rest on (`sample_n` `sample_of`: the
     fewest units of any claim, "items", "conversations", "rounds"; none for a check). 1-3 from the systems
     experiments (OOM boundaries, the timing rule's comparisons, booked host memory), 4 and 5 from the paired drops
     against the full cache where it passes the validity gate."""
