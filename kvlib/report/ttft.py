@@ -97,7 +97,10 @@ def figure(df: pd.DataFrame):
     set_style()
     fig, ax = plt.subplots(figsize=(8, 4.5))
     ok = df[~df["oom"]]
-    sns.lineplot(ok, x="prompt_tokens", y="ttft_s", hue="policy", style="prefill", markers=True, dashes=True,
+    # no prefill mode drawn with an x (seaborn's second marker), which the title keeps for out of memory
+    marks = iter("os^Dv<>p")
+    sns.lineplot(ok, x="prompt_tokens", y="ttft_s", hue="policy", style="prefill", dashes=True,
+                 markers={mode: next(marks) for mode in sorted(ok["prefill"].unique())},
                  estimator=geometric_mean, errorbar=("pi", 100), ax=ax)
     oom = df[df["oom"]]
     if not oom.empty:

@@ -96,6 +96,15 @@ def test_the_timing_figures_name_the_repeats_their_bars_span_and_claim_no_range_
     assert "1 repeat: no band" in titles[1] and all("1 repeat; bars: its steps' quartiles" in t for t in titles[::2])
 
 
+def test_the_ttft_figure_draws_no_prefill_mode_with_the_x_its_title_keeps_for_out_of_memory():
+    rows = measured(batch_rows())
+    ttft = pd.concat([rows.assign(prompt_tokens=rows["batch_size"] * 256, prefill=mode, ttft_s=rows["batch_size"] * 0.1)
+                      for mode in ("chunked", "full", "fused")])
+    ax = ttft_page.figure(ttft).axes[0]
+    assert {line.get_marker() for line in ax.get_lines()} & {"x", "X"} == set()
+    assert [c.get_label() for c in ax.collections if c.get_label() == "OOM"] == ["OOM"]  # kivi's row ran out
+
+
 def test_the_accuracy_figures_name_model_and_machine():
     own = measured(accuracy_rows()).assign(kv_share_attended=0.5, length=512)
     own["correct"] = own["correct"].where(own["doc_id"] % 7 > 0, 0.0)  # no perfect score: its interval is [x, 1]
