@@ -103,10 +103,10 @@ def family_sentence(books: int = 1) -> str:
 
 def verdict_table(rows: StudyRows, gate: float = GATE) -> pd.DataFrame:
     """One row per finding of the paper: our verdict (confirmed, refuted, inconclusive, not testable on this machine or
-    on these rows, not run in this profile), the numbers behind it and what its tested claims rest on (`sample_n` `sample_of`: the
-    fewest units of any claim, "items", "conversations", "rounds"; none for a check). 1-3 from the systems
-    experiments (OOM boundaries, the timing rule's comparisons, booked host memory), 4 and 5 from the paired drops
-    against the full cache where it passes the validity gate."""
+    on these rows, not run in this profile), the numbers behind it and what its tested claims rest on (`sample_n`
+    `sample_of`: the fewest units of any claim, "items", "conversations", "rounds"; none for a check). 1-3 from the
+    systems experiments (OOM boundaries, the timing rule's comparisons, booked host memory), 4 and 5 from the paired
+    drops against the full cache where it passes the validity gate."""
     found = [_prefill_finding(rows.ttft), _throughput_finding(rows.batch_scaling),
              _host_memory_finding(rows.batch_scaling), _accuracy_finding(rows.accuracy, gate),
              _retention_finding(rows.retention, gate)]
