@@ -83,6 +83,13 @@ def test_finding_4_is_eight_claims_on_the_paper_tasks_averaged_over_tasks():
     assert verdict({"accuracy": accuracy_rows(items=10)}, 4)[0] == INCONCLUSIVE  # 10 items a task cannot show +-5 pp
 
 
+def test_finding_4_names_the_one_model_its_claims_read_where_the_rows_hold_several():
+    """A size trend's rows (a second, smaller model) stand beside the verdict; the table names the model it read."""
+    rows = pd.concat([accuracy_rows(), paper_frame(items=20, model="qwen2.5-coder-0.5b")])
+    table = verdicts.verdict_table(StudyRows(accuracy=rows)).set_index("finding")
+    assert table.loc[4, "model"] == "SmolLM2-135M-Instruct", table.loc[4, "model"]
+
+
 def test_finding_4_is_refuted_at_budget_05_only_by_a_loss_its_own_line_establishes():
     """3 items a task all lost at 0.5 (the two tasks whose full cache passes at 3 items: 6 items): the bootstrap
     interval lies past the margin, but the sign test cannot establish a loss on 6 items, so the line reads

@@ -8,7 +8,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 import pandas as pd
 
-from kvlib.report.accuracy.paper_tasks import ALPHA, PAPER_TASKS, paper_rows, reading_model
+from kvlib.report.accuracy.paper_tasks import ALPHA, PAPER_TASKS, read_rows, reading_model
 from kvlib.report.figure_style import policy_colours, set_style
 from kvlib.report.measures import wilson
 from kvlib.report.provenance import suptitle
@@ -28,9 +28,8 @@ def _label(row: pd.Series) -> str:
 
 def fig7_points(df: pd.DataFrame) -> pd.DataFrame:
     """One row per task, line and budget: accuracy, its Wilson interval, items; the full cache at budget 1.0."""
-    d = paper_rows(df)
+    d = read_rows(df)
     model = reading_model(d)
-    d = d[d["model"] == model] if model is not None else d
     if d.empty:
         return pd.DataFrame(columns=["task", "line", "budget", "score", "low", "high", "items", "chance",
                                      "kv_share_attended"])
@@ -74,10 +73,7 @@ def fig7(df: pd.DataFrame):
     key = [plt.Line2D([], [], color="black", lw=6, alpha=0.2, label="full cache (band: 95 % Wilson)"),
            plt.Line2D([], [], color="grey", ls="--", label="chance (guessing)")]
     key += [plt.Line2D([], [], color=palette[n], marker="o", label=n) for n in lines]
-    drawn = paper_rows(df)  # the model the points read (kvlib.report.accuracy.paper_tasks.reading_model), with its machine
-    model = reading_model(drawn)
-    drawn = drawn[drawn["model"] == model] if model is not None else drawn
-    suptitle(fig, drawn, title="Fig. 7 from the rows: accuracy against KV budget, protocol one_pass"
+    suptitle(fig, read_rows(df), title="Fig. 7 from the rows: accuracy against KV budget, protocol one_pass"
                                + ("" if len(points) else ", no rows"))
     fig.legend(handles=key, loc="lower center", ncol=min(len(key), 5), fontsize="small", frameon=False)
     fig.tight_layout(rect=(0, 0.06, 1, 0.96))

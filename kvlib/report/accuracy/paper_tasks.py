@@ -114,6 +114,13 @@ def reading_model(d: pd.DataFrame) -> str | None:
     return str(d["model"].value_counts().index[0])
 
 
+def read_rows(df: pd.DataFrame) -> pd.DataFrame:
+    """The paper's six tasks' rows (protocol one_pass) of the one model finding 4 reads (`reading_model`)."""
+    d = paper_rows(df)
+    model = reading_model(d)
+    return d[d["model"] == model] if model is not None else d
+
+
 def point(d: pd.DataFrame, policy: str, budget: float | None = None, rule: str = RULE,
           alpha: float = ALPHA) -> pd.DataFrame:
     """One grid point's rows: H2O under `rule`, InfiniGen at `alpha`, where the rows record them (older rows that do
@@ -216,9 +223,8 @@ def _core_claims(d: pd.DataFrame, level: float) -> tuple[list[DropClaim], list[s
 def paper_claims(df: pd.DataFrame, gate: float, level: float) -> tuple[Claims, pd.DataFrame, list[str]]:
     """Finding 4's eight claims on the paper's tasks (one model, protocol one_pass), the rows they read (the gated
     tasks, that model) and the gated tasks; claims these rows cannot test are `untested`, each with why."""
-    d = paper_rows(df)
+    d = read_rows(df)
     model = reading_model(d)
-    d = d[d["model"] == model] if model is not None else d
     if d.empty or "full" not in set(d["policy"]):
         why = "no full-cache rows of the paper's six tasks under protocol one_pass"
         return Claims([], [], untested=tuple(f"{c} ({why})" for c in CLAIMS)), d, []

@@ -13,7 +13,7 @@ import pandas as pd
 
 from kvlib.report import stats
 from kvlib.report.accuracy.paper_beside import accuracy_claims
-from kvlib.report.accuracy.paper_tasks import paper_rows
+from kvlib.report.accuracy.paper_tasks import read_rows
 from kvlib.report.claims import MARGIN, UNTESTED, Claims
 from kvlib.report.findings.throughput_claims import one_memory, throughput_claims
 from kvlib.report.gate import GATE
@@ -110,7 +110,7 @@ def verdict_table(rows: StudyRows, gate: float = GATE) -> pd.DataFrame:
     found = [_prefill_finding(rows.ttft), _throughput_finding(rows.batch_scaling),
              _host_memory_finding(rows.batch_scaling), _accuracy_finding(rows.accuracy, gate),
              _retention_finding(rows.retention, gate)]
-    read = [rows.ttft, rows.batch_scaling, rows.batch_scaling, paper_rows(rows.accuracy),
+    read = [rows.ttft, rows.batch_scaling, rows.batch_scaling, read_rows(rows.accuracy),
             rows.retention]  # the rows each verdict reads, whose model(s) it names
     table = pd.DataFrame([(n, FINDINGS[n], r.verdict, r.numbers, models(rows_read))
                           for n, (r, rows_read) in enumerate(zip(found, read), 1)],
