@@ -60,8 +60,9 @@ def _ttft(df: pd.DataFrame) -> list[str]:
         at = {key: ttft_spread(g) for key, g in runs.items()}
         ranked = sorted(at, key=lambda k: at[k].centre)
         (policy, prefill), best = ranked[0], at[ranked[0]]
+        n = len(runs[ranked[0]])
         out.append(f"Ours: at {longest:,} tokens the lowest TTFT by geometric mean is {policy}/{prefill}, {best:.2f} s "
-                   f"(and the range of {len(runs[ranked[0]])} runs).")
+                   + (f"(and the range of {n} runs)." if n > 1 else "(one run)."))
         if len(ranked) > 1:
             (p2, m2) = ranked[1]
             out.append(f"Ours: at {longest:,} tokens, " + describe(f"{policy}/{prefill}",

@@ -94,6 +94,9 @@ def test_the_timing_figures_name_the_repeats_their_bars_span_and_claim_no_range_
               title_text(decode_page.figure(once[2]))]
     assert not any("range of" in t for t in titles), titles
     assert "1 repeat: no band" in titles[1] and all("1 repeat; bars: its steps' quartiles" in t for t in titles[::2])
+    assert any("(and the range of 8 runs)." in line for line in ttft_page.lines(ttft))
+    assert any(line.endswith("s (one run).") for line in ttft_page.lines(once[1]))
+    assert not any("range of 1 runs" in line for line in ttft_page.lines(once[1]))
 
 
 def test_the_ttft_figure_draws_no_prefill_mode_with_the_x_its_title_keeps_for_out_of_memory():
